@@ -1,0 +1,3 @@
+"""specdeploy: speculative-decoding engine builder and deployment pipeline."""
+
+__version__ = "0.1.0"

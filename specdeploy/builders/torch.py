@@ -1,0 +1,154 @@
+"""Torch backend builder: pipeline checkpoints → engines/<name>/{target,draft}/.
+
+Each component directory holds model.safetensors, config.json (architecture, dtype, limits, speculation) and the
+tokenizer files. The engine directory's build_manifest.json is written last and records a fingerprint of every
+input; a rebuild with the same fingerprint is skipped. The build happens in a hidden sibling directory that is
+moved into place only when complete, so a failed build never leaves an engine that looks finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from safetensors.torch import save_file
+
+import specdeploy
+from specdeploy.checkpoints import Checkpoint, check_tokenizers_match, checksum, load_checkpoint, source_files
+from specdeploy.engine import DTYPES
+from specdeploy.errors import BuildError
+from specdeploy.pipeline import PipelineSpec
+from specdeploy.quantize import GROUP_SIZE, quantize_int4
+
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def spec_dict(pipeline: PipelineSpec) -> dict:
+    data = dataclasses.asdict(pipeline)
+    data.pop("source_file")
+    return data
+
+
+def fingerprint(pipeline: PipelineSpec) -> dict:
+    """Everything a build depends on: the spec sections that shape the engine, the sources and the versions."""
+    spec = spec_dict(pipeline)
+    files = source_files(pipeline.target.checkpoint, pipeline)
+    draft = pipeline.speculation.draft
+    if draft is not None and draft.checkpoint is not None:
+        files += source_files(draft.checkpoint, pipeline)
+    return {
+        "spec": {key: spec[key] for key in ("name", "target", "speculation", "limits", "backend")},
+        "source_checksum": checksum(files),
+        "sources": [str(f) for f in files],
+        "versions": {"specdeploy": specdeploy.__version__, "torch": torch.__version__},
+    }
+
+
+def engine_dir(pipeline: PipelineSpec, engines_root: Path) -> Path:
+    return Path(engines_root) / pipeline.name
+
+
+def is_up_to_date(pipeline: PipelineSpec, engines_root: Path) -> bool:
+    manifest = engine_dir(pipeline, engines_root) / "build_manifest.json"
+    if not manifest.is_file():
+        return False
+    recorded = json.loads(manifest.read_text())
+    return {k: recorded.get(k) for k in ("spec", "source_checksum", "versions")} == \
+        {k: v for k, v in fingerprint(pipeline).items() if k != "sources"}
+
+
+def quantized_draft_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
+    """Int4 copy of the target: every projection (and the vocabulary head) as int4 groups, norms and the
+    embedding table kept in bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
+    draft = {}
+    for name, tensor in state.items():
+        base = name.removesuffix(".weight")
+        if base.endswith(LINEAR_SUFFIXES) or name == "lm_head.weight":
+            draft.update({f"{base}.{k}": v for k, v in quantize_int4(tensor).items()})
+        else:
+            draft[name] = tensor.to(torch.bfloat16)
+    if "lm_head.weight" not in state:  # tied: the draft gets its own int4 copy of the head
+        draft.update({f"lm_head.{k}": v for k, v in quantize_int4(state["model.embed_tokens.weight"]).items()})
+    return draft
+
+
+def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, torch.Tensor], dtype: str,
+                    pipeline: PipelineSpec, quantization: dict | None = None) -> None:
+    directory.mkdir(parents=True)
+    config = dataclasses.replace(checkpoint.config, quantization=quantization,
+                                 max_position_embeddings=max(checkpoint.config.max_position_embeddings,
+                                                             pipeline.limits.max_sequence_length))
+    spec = spec_dict(pipeline)
+    meta = {"model": config.to_dict(), "dtype": dtype, "limits": spec["limits"], "speculation": spec["speculation"]}
+    (directory / "config.json").write_text(json.dumps(meta, indent=2))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+    checkpoint.tokenizer.save_pretrained(directory)
+
+
+@contextmanager
+def staging_dir(final: Path):
+    """A hidden directory beside `final` that replaces it on success and disappears on failure."""
+    staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def check_limits(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
+    if checkpoint.config.hidden_size % GROUP_SIZE and pipeline.speculation.draft is not None \
+            and pipeline.speculation.draft.derive == "int4":
+        raise BuildError(f"an int4 draft needs hidden_size divisible by {GROUP_SIZE}, "
+                         f"got {checkpoint.config.hidden_size}")
+
+
+def build(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: bool = False,
+          quiet: bool = False) -> Path:
+    """Build the pipeline's engines; returns the engine directory. Skips the work when nothing changed."""
+    final = engine_dir(pipeline, Path(engines_root))
+    if not force and is_up_to_date(pipeline, engines_root):
+        return final
+    inputs = fingerprint(pipeline)
+    speculation = pipeline.speculation
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
+        task = progress.add_task(f"[{pipeline.name}] loading target checkpoint", total=None)
+        target = load_checkpoint(pipeline.target.checkpoint, pipeline)
+        check_limits(pipeline, target)
+        progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
+        target_dtype = DTYPES[pipeline.target.dtype]
+        write_component(staging / "target", target, {k: v.to(target_dtype) for k, v in target.state.items()},
+                        pipeline.target.dtype, pipeline)
+        if speculation.method == "draft_target":
+            draft_spec = speculation.draft
+            if draft_spec.derive == "int4":
+                progress.update(task, description=f"[{pipeline.name}] quantizing the target into an int4 draft")
+                write_component(staging / "draft", target, quantized_draft_state(target.state, target.config),
+                                "bfloat16", pipeline, {"method": "int4", "group_size": GROUP_SIZE})
+            else:
+                progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
+                draft = load_checkpoint(draft_spec.checkpoint, pipeline)
+                check_tokenizers_match(target.tokenizer, draft.tokenizer)
+                draft_dtype = DTYPES[draft_spec.dtype]
+                write_component(staging / "draft", draft, {k: v.to(draft_dtype) for k, v in draft.state.items()},
+                                draft_spec.dtype, pipeline)
+        manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                        components=sorted(p.name for p in staging.iterdir() if p.is_dir()))
+        (staging / "build_manifest.json").write_text(json.dumps(manifest, indent=2))
+        progress.update(task, description=f"[{pipeline.name}] engine written to {final}")
+    return final

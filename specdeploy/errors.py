@@ -1,0 +1,17 @@
+"""User-facing errors. Each message names what was wrong and, where it helps, what is allowed."""
+
+
+class SpecdeployError(Exception):
+    """Base class: the CLI prints the message and exits non-zero instead of a traceback."""
+
+
+class PipelineError(SpecdeployError):
+    """A pipeline YAML is malformed or invalid (the message names the file and the key path)."""
+
+
+class BuildError(SpecdeployError):
+    """An engine could not be built from the pipeline's checkpoints."""
+
+
+class RequestError(SpecdeployError):
+    """A generation request is invalid (the message names the request field)."""

@@ -1,0 +1,46 @@
+"""Preallocated KV cache indexed by absolute position.
+
+Entries are written at their slot (by default the token's position) and a row's `length` says how many leading
+slots hold the committed prefix. Rewinding after a rejection is setting the length: rejected entries stay in place
+and are overwritten by the next write at those slots, before anything attends to them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    """Keys and values for every layer: `keys[layer]`, `values[layer]` are [batch, kv_heads, max_length, head_dim]."""
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, batch_size, num_kv_heads, max_length, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_length = max_length
+        self.lengths = [0] * batch_size  # committed prefix per row, host-side so no sync is needed to read it
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def rewind(self, row: int, length: int) -> None:
+        """Keep only the first `length` entries of `row` (the rest are overwritten later)."""
+        if not 0 <= length <= self.max_length:
+            raise ValueError(f"KV length {length} outside [0, {self.max_length}]")
+        self.lengths[row] = length
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store new entries. slots: [B, T] long; keys/values: [B, kv_heads, T, head_dim]."""
+        if slots.shape[0] == 1:
+            self.keys[layer, 0].index_copy_(1, slots[0], keys[0])
+            self.values[layer, 0].index_copy_(1, slots[0], values[0])
+            return
+        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+        self.keys[layer][rows, :, slots] = keys.transpose(1, 2)
+        self.values[layer][rows, :, slots] = values.transpose(1, 2)
+
+    def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `kv_len` slots of every row: two [B, kv_heads, kv_len, head_dim] views."""
+        return self.keys[layer, :, :, :kv_len], self.values[layer, :, :, :kv_len]

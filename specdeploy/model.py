@@ -1,0 +1,166 @@
+"""Llama-architecture decoder in plain torch.
+
+The model receives the KV cache, it does not own it. `forward` takes arbitrary positions, cache slots and an
+attention mask, so one call can verify a chain or a tree of drafted tokens; it returns the final hidden states and
+`logits` projects them, so callers pay the vocabulary projection only where they need it.
+
+Weights use the canonical (Hugging Face Llama) names. A linear layer is stored either dense (`<name>.weight`) or
+as int4 groups (`<name>.codes`, `<name>.scales`, `<name>.minimums`, see quantize.py).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdeploy.kv_cache import KVCache
+from specdeploy.model_config import ModelConfig
+from specdeploy.quantize import Int4Linear
+
+
+class DenseLinear(nn.Module):
+    """x: [..., K] → [..., N]."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+
+def fused_linear(state: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype,
+                 row_order: list[torch.Tensor | None] | None = None) -> nn.Module:
+    """One linear layer computing the given layers' outputs side by side (rows are independent, so they
+    concatenate). row_order[i], when given, reorders the output rows of names[i]."""
+    row_order = row_order or [None] * len(names)
+
+    def rows(name: str, key: str, order: torch.Tensor | None) -> torch.Tensor:
+        tensor = state[f"{name}.{key}"]
+        return tensor if order is None else tensor[order]
+
+    if f"{names[0]}.weight" in state:
+        return DenseLinear(torch.cat([rows(n, "weight", o) for n, o in zip(names, row_order)]).to(dtype))
+    parts = {key: torch.cat([rows(n, key, o) for n, o in zip(names, row_order)])
+             for key in ("codes", "scales", "minimums")}
+    return Int4Linear(parts["codes"], parts["scales"].float(), parts["minimums"].float())
+
+
+def interleaved_rope_rows(num_heads: int, head_dim: int) -> torch.Tensor:
+    """Row order that turns a q/k projection from the rotate-half layout (pairs i, i + D/2) into the interleaved
+    layout (pairs 2i, 2i + 1), so rotary embedding is one complex multiply. Applied to q and k alike it leaves
+    every q·k dot product, and so the attention, unchanged."""
+    half = torch.arange(head_dim // 2)
+    per_head = torch.stack([half, half + head_dim // 2], dim=-1).flatten()
+    return (torch.arange(num_heads)[:, None] * head_dim + per_head).flatten()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, weight: torch.Tensor, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(weight, requires_grad=False)
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+
+def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding, interleaved layout. x: [B, T, heads, D]; rotation: [B, T, 1, D/2] complex."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
+    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
+        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        self.input_norm = RMSNorm(state[f"{prefix}.input_layernorm.weight"].to(dtype), config.rms_norm_eps)
+        self.qkv = fused_linear(
+            state, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], dtype,
+            [interleaved_rope_rows(config.num_heads, config.head_dim),
+             interleaved_rope_rows(config.num_kv_heads, config.head_dim), None])
+        self.out = fused_linear(state, [f"{attn}.o_proj"], dtype)
+        self.post_attention_norm = RMSNorm(state[f"{prefix}.post_attention_layernorm.weight"].to(dtype),
+                                           config.rms_norm_eps)
+        self.gate_up = fused_linear(state, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], dtype)
+        self.down = fused_linear(state, [f"{mlp}.down_proj"], dtype)
+
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,
+                mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's keys and values at `slots` [B, T].
+        mask: [B, 1, G*T, S] bool or None, G = query heads per kv head (queries are grouped by kv head)."""
+        batch, length, _ = x.shape
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv(self.input_norm(x)).unflatten(-1, (heads + 2 * kv_heads, dim))  # [B, T, all heads, D]
+        qk = rotate(qkv[:, :, :heads + kv_heads], rotation)
+        k = qk[:, :, heads:].transpose(1, 2)  # [B, kv_heads, T, D]
+        v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
+        cache.write(layer, slots, k, v)
+        keys, values = cache.read(layer, kv_len)
+        # Group query heads by their kv head, so the cache is attended without being repeated per query head.
+        q = qk[:, :, :heads].transpose(1, 2).reshape(batch, kv_heads, (heads // kv_heads) * length, dim)
+        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        attended = attended.view(batch, kv_heads, heads // kv_heads, length, dim).permute(0, 3, 1, 2, 4)
+        x = x + self.out(attended.reshape(batch, length, heads * dim))
+        gate, up = self.gate_up(self.post_attention_norm(x)).chunk(2, dim=-1)
+        return x + self.down(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Decoder stack + final norm + vocabulary projection, built from canonical weights."""
+
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        self.config, self.dtype = config, dtype
+        self.embed = nn.Parameter(state["model.embed_tokens.weight"].to(dtype), requires_grad=False)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, state, f"model.layers.{i}", dtype) for i in range(config.num_layers))
+        self.norm = RMSNorm(state["model.norm.weight"].to(dtype), config.rms_norm_eps)
+        if "lm_head.weight" in state or "lm_head.codes" in state:
+            self.lm_head = fused_linear(state, ["lm_head"], dtype)
+        else:  # tied embeddings: share the embedding matrix instead of copying it
+            self.lm_head = DenseLinear(self.embed.data)
+        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+        angles = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
+        self.register_buffer("rotations", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    def new_cache(self, batch_size: int, max_length: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads, max_length, c.head_dim, self.dtype,
+                       self.embed.device)
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None) -> torch.Tensor:
+        """Hidden states after the final norm.
+
+        tokens, positions: [B, T] long. attention_mask: [B, T, S] bool (True = may attend) over the first S cache
+        slots; by default causal by position over the cache rows' committed lengths plus T. cache_slots: [B, T]
+        where this call's keys/values are written (default: the positions). Returns [B, T, hidden].
+        """
+        length = tokens.shape[1]
+        if attention_mask is None:
+            kv_len = max(kv_cache.lengths) + length
+            if tokens.shape[0] == 1 and length == 1 and kv_cache.lengths[0] + 1 == kv_len:
+                mask = None  # one new token attends to every committed slot: no mask needed
+            else:
+                key_positions = torch.arange(kv_len, device=tokens.device)
+                mask = key_positions <= positions[..., None]
+        else:
+            kv_len = attention_mask.shape[-1]
+            mask = attention_mask
+        if mask is not None:  # [B, T, S] → [B, 1, G*T, S], the grouped query layout of DecoderLayer
+            group = self.config.num_heads // self.config.num_kv_heads
+            mask = mask[:, None].expand(-1, group, -1, -1).reshape(mask.shape[0], 1, -1, kv_len)
+        slots = positions if cache_slots is None else cache_slots
+        rotation = self.rotations[positions][:, :, None]  # [B, T, 1, D/2]
+        x = self.embed[tokens]
+        for index, layer in enumerate(self.layers):
+            x = layer(x, rotation, kv_cache, index, slots, mask, kv_len)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [..., hidden] → fp32 logits [..., vocab]."""
+        return self.lm_head(hidden).float()

@@ -1,0 +1,90 @@
+"""ModelConfig: the architecture of one engine, validated at construction and saved next to its weights."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from specdeploy.errors import SpecdeployError
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Llama-architecture dimensions. `quantization` is None (dense) or {"method": "int4", "group_size": 32}."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = True
+    eos_token_ids: tuple[int, ...] = ()
+    architecture: str = "llama"
+    quantization: dict | None = field(default=None)
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise SpecdeployError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise SpecdeployError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.architecture != "llama":
+            raise SpecdeployError(f"model config: architecture {self.architecture!r} is not supported (allowed: llama)")
+        object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
+
+    @classmethod
+    def from_hf(cls, hf_config) -> ModelConfig:
+        """From a transformers LlamaConfig (or anything with the same attribute names)."""
+        rope = getattr(hf_config, "rope_parameters", None) or {}
+        theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        if rope.get("rope_type", "default") != "default":
+            raise SpecdeployError(f"rope scaling {rope.get('rope_type')!r} is not supported (allowed: default)")
+        eos = hf_config.eos_token_id
+        eos = [eos] if isinstance(eos, int) else list(eos or [])
+        head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        return cls(
+            vocab_size=hf_config.vocab_size,
+            hidden_size=hf_config.hidden_size,
+            intermediate_size=hf_config.intermediate_size,
+            num_layers=hf_config.num_hidden_layers,
+            num_heads=hf_config.num_attention_heads,
+            num_kv_heads=hf_config.num_key_value_heads,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf_config.rms_norm_eps),
+            rope_theta=float(theta),
+            max_position_embeddings=hf_config.max_position_embeddings,
+            tie_word_embeddings=bool(hf_config.tie_word_embeddings),
+            eos_token_ids=tuple(eos),
+        )
+
+    def to_hf(self):
+        """The equivalent transformers LlamaConfig (for parity tests and the transformers baseline)."""
+        from transformers import LlamaConfig
+
+        return LlamaConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
+            rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,
+            tie_word_embeddings=self.tie_word_embeddings,
+            eos_token_id=list(self.eos_token_ids) or None,
+        )
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ModelConfig:
+        return cls(**data)
+
+    @classmethod
+    def load(cls, path: Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text())["model"])

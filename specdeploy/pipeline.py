@@ -1,0 +1,239 @@
+"""PipelineSpec: the one validated configuration, loaded from a pipeline YAML.
+
+Every section is a frozen dataclass; `load_pipeline` walks the YAML against their type hints, so unknown keys,
+wrong types and values outside a Literal are errors naming the file, the key path, the bad value and what is
+allowed. Range rules live in each section's `check` method. Defaults are defined here and nowhere else.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from specdeploy.errors import PipelineError
+
+SourceKind = Literal["package", "gguf", "hf_dir"]
+DType = Literal["float32", "bfloat16"]
+Method = Literal["draft_target", "ngram", "none"]  # "medusa" joins when its heads exist
+
+
+class Problem(Exception):
+    """Raised by a section's check(): `key` is relative to the section."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(message)
+        self.key, self.message = key, message
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """Where weights come from. package: '<python package>/<file inside it>'; gguf: a .gguf file; hf_dir: a
+    directory with config.json, *.safetensors and tokenizer files. Relative paths are relative to the YAML file."""
+
+    source: SourceKind
+    path: str
+
+    def check(self) -> None:
+        if self.source == "package" and "/" not in self.path:
+            raise Problem("path", f"package paths look like '<package>/<file>', got {self.path!r}")
+
+
+@dataclass(frozen=True)
+class TargetSpec:
+    checkpoint: CheckpointSpec
+    dtype: DType = "bfloat16"
+
+
+@dataclass(frozen=True)
+class DraftSpec:
+    """The draft model. `derive: int4` quantizes the target into a draft (same tokenizer by construction);
+    `derive: none` takes `checkpoint` as it is (its tokenizer must match the target's)."""
+
+    derive: Literal["int4", "none"] = "int4"
+    checkpoint: CheckpointSpec | None = None
+    dtype: DType = "bfloat16"
+    early_stop_threshold: float = 0.0  # stop drafting when the draft's top-1 probability falls below this
+
+    def check(self) -> None:
+        if self.derive == "none" and self.checkpoint is None:
+            raise Problem("checkpoint", "required when derive is 'none'")
+        if self.derive == "int4" and self.checkpoint is not None:
+            raise Problem("checkpoint", "not allowed when derive is 'int4' (the draft is derived from the target)")
+        if not 0.0 <= self.early_stop_threshold < 1.0:
+            raise Problem("early_stop_threshold", f"must be in [0, 1), got {self.early_stop_threshold}")
+
+
+@dataclass(frozen=True)
+class NgramSpec:
+    """Prompt lookup: match the last n tokens (max_n down to min_n) of prompt + output against earlier text."""
+
+    min_n: int = 2
+    max_n: int = 4
+
+    def check(self) -> None:
+        if self.min_n < 1:
+            raise Problem("min_n", f"must be ≥ 1, got {self.min_n}")
+        if self.max_n < self.min_n:
+            raise Problem("max_n", f"must be ≥ min_n ({self.min_n}), got {self.max_n}")
+
+
+@dataclass(frozen=True)
+class SpeculationSpec:
+    method: Method = "none"
+    num_draft_tokens: int = 4
+    acceptance: Literal["exact"] = "exact"
+    draft: DraftSpec | None = None
+    ngram: NgramSpec = field(default_factory=NgramSpec)
+
+    def check(self) -> None:
+        if self.num_draft_tokens <= 0:
+            raise Problem("num_draft_tokens", f"must be ≥ 1, got {self.num_draft_tokens}")
+        if self.method == "draft_target" and self.draft is None:
+            raise Problem("draft", "required when method is 'draft_target'")
+        if self.method != "draft_target" and self.draft is not None:
+            raise Problem("draft", f"only allowed when method is 'draft_target', not {self.method!r}")
+
+
+@dataclass(frozen=True)
+class SamplingSpec:
+    """Defaults for requests that do not set them. temperature 0 means greedy; top_k 0 means off."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    max_tokens: int = 128
+
+    def check(self) -> None:
+        if self.temperature < 0:
+            raise Problem("temperature", f"must be ≥ 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise Problem("top_k", f"must be ≥ 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise Problem("top_p", f"must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise Problem("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        if self.max_tokens <= 0:
+            raise Problem("max_tokens", f"must be ≥ 1, got {self.max_tokens}")
+
+
+@dataclass(frozen=True)
+class LimitsSpec:
+    max_batch_size: int = 8
+    max_input_length: int = 1024
+    max_sequence_length: int = 2048
+    max_draft_tokens: int = 16
+
+    def check(self) -> None:
+        for key in ("max_batch_size", "max_input_length", "max_sequence_length", "max_draft_tokens"):
+            if getattr(self, key) <= 0:
+                raise Problem(key, f"must be ≥ 1, got {getattr(self, key)}")
+        if self.max_input_length >= self.max_sequence_length:
+            raise Problem("max_input_length",
+                          f"must be below max_sequence_length ({self.max_sequence_length}), "
+                          f"got {self.max_input_length}")
+
+
+@dataclass(frozen=True)
+class PipelineSpec:
+    name: str
+    target: TargetSpec
+    speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    limits: LimitsSpec = field(default_factory=LimitsSpec)
+    backend: Literal["torch"] = "torch"  # "trtllm" joins with its builder
+    source_file: Path | None = field(default=None, compare=False)
+
+    def check(self) -> None:
+        if not self.name or not all(ch.isalnum() or ch in "-_." for ch in self.name):
+            raise Problem("name", f"must be non-empty letters, digits, '-', '_' or '.', got {self.name!r}")
+        gamma, limit = self.speculation.num_draft_tokens, self.limits.max_draft_tokens
+        if gamma > limit:
+            raise Problem("speculation.num_draft_tokens",
+                          f"{gamma} is above limits.max_draft_tokens ({limit})")
+
+    def resolve(self, path: str) -> Path:
+        """A checkpoint path, relative to the pipeline file's directory when not absolute."""
+        candidate = Path(path).expanduser()
+        if candidate.is_absolute() or self.source_file is None:
+            return candidate
+        return (self.source_file.parent / candidate).resolve()
+
+
+def load_pipeline(path: str | Path) -> PipelineSpec:
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: pipeline file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as exc:
+        raise PipelineError(f"{path}: malformed YAML: {exc}") from None
+    return parse_pipeline(data, source=path)
+
+
+def parse_pipeline(data: object, source: Path | None = None) -> PipelineSpec:
+    where = str(source) if source else "<pipeline>"
+    spec = _build(PipelineSpec, data, "", where)
+    return dataclasses.replace(spec, source_file=source.resolve() if source else None)
+
+
+def _describe(hint: object) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _convert(hint: object, value: object, key: str, where: str) -> object:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [h for h in typing.get_args(hint) if h is not type(None)]
+        if value is None:
+            return None
+        return _convert(options[0], value, key, where)
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise PipelineError(f"{where}: {key}: {value!r} is not allowed (allowed: "
+                                + ", ".join(repr(v) for v in allowed) + ")")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise PipelineError(f"{where}: {key}: expected {_describe(hint)}, got {value!r}")
+    return value
+
+
+def _build(cls: type, data: object, prefix: str, where: str):
+    label = prefix or "top level"
+    if not isinstance(data, dict):
+        raise PipelineError(f"{where}: {label}: expected a mapping, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_file"}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        raise PipelineError(f"{where}: {label}: unknown key {unknown[0]!r} (allowed: {', '.join(fields)})")
+    values = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name in data:
+            values[name] = _convert(hints[name], data[name], key, where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise PipelineError(f"{where}: {key}: required key is missing ({_describe(hints[name])})")
+    instance = cls(**values)
+    if hasattr(instance, "check"):
+        try:
+            instance.check()
+        except Problem as problem:
+            key = f"{prefix}.{problem.key}" if prefix else problem.key
+            raise PipelineError(f"{where}: {key}: {problem.message}") from None
+    return instance

@@ -1,0 +1,62 @@
+"""Int4 weight-only quantization (asymmetric, groups along the input dimension) and its linear layer.
+
+A weight row is split into groups of `group_size`; each group stores 4-bit codes q in [0, 15] with a scale and a
+minimum, so w ≈ q * scale + minimum (the same shape as GGUF's Q4_1 blocks, which therefore round-trip almost
+exactly). On CPU the matmul runs in torch's packed int4 kernel; elsewhere the weight is dequantized once.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+GROUP_SIZE = 32
+
+
+def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> dict[str, torch.Tensor]:
+    """weight: [N, K] float → {"codes": uint8 [N, K/2] (two codes per byte), "scales", "minimums": fp32 [N, K/g]}."""
+    out_features, in_features = weight.shape
+    if in_features % group_size:
+        raise ValueError(f"in_features {in_features} is not a multiple of the int4 group size {group_size}")
+    groups = weight.float().reshape(out_features, in_features // group_size, group_size)
+    minimum = groups.amin(-1)
+    scale = ((groups.amax(-1) - minimum) / 15).clamp(min=1e-10)
+    codes = ((groups - minimum[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+    codes = codes.reshape(out_features, in_features)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return {"codes": packed, "scales": scale, "minimums": minimum}
+
+
+def unpack_codes(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] → int32 [N, K] codes in [0, 15]."""
+    low, high = packed & 0xF, packed >> 4
+    return torch.stack([low, high], dim=-1).reshape(packed.shape[0], -1).to(torch.int32)
+
+
+def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> torch.Tensor:
+    """Inverse of quantize_int4 up to rounding: fp32 [N, K]."""
+    values = unpack_codes(codes).float()
+    out_features, in_features = values.shape
+    group_size = in_features // scales.shape[1]
+    groups = values.reshape(out_features, -1, group_size)
+    return (groups * scales[..., None] + minimums[..., None]).reshape(out_features, in_features)
+
+
+class Int4Linear(nn.Module):
+    """y = x @ dequant(W).T with W stored as int4 groups. x: [..., K] → [..., N] in x's dtype."""
+
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> None:
+        super().__init__()
+        self.out_features = codes.shape[0]
+        self.in_features = codes.shape[1] * 2
+        self.group_size = self.in_features // scales.shape[1]
+        # torch's kernel computes (q - 8) * scale + zero, so zero = minimum + 8 * scale.
+        zeros = minimums + 8 * scales
+        self.register_buffer("scales_and_zeros",
+                             torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
+        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(unpack_codes(codes), 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)
+        out = torch._weight_int4pack_mm_for_cpu(flat, self.packed, self.group_size, self.scales_and_zeros)
+        return out.reshape(*x.shape[:-1], self.out_features).to(x.dtype)

@@ -1,0 +1,97 @@
+"""Logits → the distribution actually sampled from. Pure functions; randomness only through an explicit generator.
+
+The processors run in this order: repetition penalty, temperature, top-k, top-p. Draft and target both go through
+`sampling_distribution` with the same SamplingParams, so the q and p the acceptance rule compares are the
+distributions each side really samples from. Temperature 0 gives a point mass on the (penalised) argmax.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdeploy.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_k: int = 0  # 0: off
+    top_p: float = 1.0
+    repetition_penalty: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be ≥ 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be ≥ 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.repetition_penalty <= 0:
+            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
+        """The request's random stream; None when greedy (nothing random is drawn)."""
+        if self.greedy:
+            return None
+        generator = torch.Generator(device=device)
+        if self.seed is None:
+            generator.seed()
+        else:
+            generator.manual_seed(self.seed)
+        return generator
+
+
+def sampling_distribution(logits: torch.Tensor, params: SamplingParams,
+                          seen: torch.Tensor | None = None) -> torch.Tensor:
+    """logits: [N, V]; seen: [N, V] bool, tokens already in the context (for the repetition penalty).
+    Returns fp32 probabilities [N, V], each row summing to 1."""
+    logits = logits.float()
+    if params.repetition_penalty != 1.0 and seen is not None:
+        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+        logits = torch.where(seen, penalised, logits)
+    if params.greedy:
+        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+    logits = logits / params.temperature
+    if 0 < params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1.0:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        # Keep a token while the mass before it is below top_p: the smallest set reaching top_p, never empty.
+        keep_sorted = (sorted_probs.cumsum(-1) - sorted_probs) < params.top_p
+        keep = torch.zeros_like(keep_sorted).scatter(-1, order, keep_sorted)
+        probs = probs * keep
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
+    """One token per row of probs [N, V] → [N] long. No generator: the argmax. The exponential race
+    (argmax of p / Exp(1)) samples exactly from p without a host sync."""
+    if generator is None:
+        return probs.argmax(-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    return (probs / noise).argmax(-1)
+
+
+def seen_mask(tokens: list[int] | torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[V] bool: which tokens occur in `tokens`."""
+    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
+    mask[torch.as_tensor(tokens, dtype=torch.long, device=device)] = True
+    return mask
+
+
+def seen_after_drafts(seen: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
+    """Context masks for the gamma+1 verified positions: position i has also seen drafted[:i].
+    seen: [V] bool; drafted: [gamma] long → [gamma + 1, V] bool."""
+    steps = torch.zeros(drafted.shape[0] + 1, seen.shape[0], dtype=torch.bool, device=seen.device)
+    steps[torch.arange(1, drafted.shape[0] + 1, device=seen.device), drafted] = True
+    return (steps.cumsum(0) > 0) | seen

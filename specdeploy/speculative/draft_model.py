@@ -1,0 +1,60 @@
+"""Draft-model proposer: gamma sequential forwards of a small model sharing the target's tokenizer.
+
+The proposer owns the draft's KV cache. Its invariant: the cache holds the committed prefix only. Each
+`propose` first feeds the committed tokens the draft has not seen (the whole prompt on the first call, then one
+or two tokens), and `rewind` after acceptance keeps exactly the accepted part of what it drafted, so the draft
+is never conditioned on tokens the target discarded.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdeploy.model import LlamaModel
+from specdeploy.sampling import SamplingParams, sample, sampling_distribution
+
+
+class DraftModelProposer:
+    def __init__(self, model: LlamaModel, max_length: int, early_stop_threshold: float = 0.0) -> None:
+        self.model = model
+        self.cache = model.new_cache(1, max_length)
+        self.early_stop_threshold = early_stop_threshold
+        self.forwards = 0
+
+    def reset(self) -> None:
+        self.cache.rewind(0, 0)
+
+    def propose(self, committed: list[int], gamma: int, params: SamplingParams, seen: torch.Tensor | None,
+                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft up to gamma tokens after `committed`.
+
+        seen: [V] bool context mask for the repetition penalty (None when the penalty is off).
+        Returns drafted tokens [n] long and their sampling distributions q [n, V] (n ≤ gamma; n < gamma only
+        when the draft's confidence fell below the early-stop threshold).
+        """
+        device = self.model.embed.device
+        start = self.cache.lengths[0]
+        inputs = torch.tensor([committed[start:]], dtype=torch.long, device=device)
+        positions = torch.arange(start, len(committed), device=device)[None]
+        seen = None if seen is None else seen.clone()
+        tokens, dists = [], []
+        for _ in range(gamma):
+            hidden = self.model(inputs, positions, self.cache)
+            self.forwards += 1
+            self.cache.rewind(0, self.cache.lengths[0] + inputs.shape[1])
+            q = sampling_distribution(self.model.logits(hidden[:, -1]), params,
+                                      None if seen is None else seen[None])  # [1, V]
+            if self.early_stop_threshold and tokens and q.max().item() < self.early_stop_threshold:
+                break
+            token = sample(q, generator)  # [1]
+            tokens.append(token)
+            dists.append(q)
+            if seen is not None:
+                seen[token] = True
+            inputs, positions = token[None], positions[:, -1:] + 1
+        # The last drafted token was sampled but never fed, so the cache ends one short of the drafts.
+        return torch.cat(tokens), torch.cat(dists)
+
+    def rewind(self, committed_length: int) -> None:
+        """Keep the draft's entries for the committed prefix (a full acceptance leaves the last draft unfed)."""
+        self.cache.rewind(0, min(self.cache.lengths[0], committed_length - 1))

@@ -1,0 +1,62 @@
+"""Per-request speculation statistics: what was drafted, what survived, and where the time went."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class RequestStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafted: int = 0  # drafted tokens sent to verification
+    accepted: int = 0  # drafted tokens that survived
+    steps: int = 0  # target forwards after prefill (verification steps, or plain decode steps)
+    speculative_steps: int = 0  # steps that verified at least one drafted token
+    drafted_per_position: list[int] = field(default_factory=list)  # [i]: steps that drafted position i+1
+    accepted_per_position: list[int] = field(default_factory=list)  # [i]: steps that accepted position i+1
+    draft_forwards: int = 0
+    prefill_seconds: float = 0.0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0  # target forwards after prefill + acceptance
+    total_seconds: float = 0.0
+    finish_reason: str = ""
+
+    def record_step(self, drafted: int, accepted: int) -> None:
+        self.steps += 1
+        if drafted == 0:
+            return
+        self.speculative_steps += 1
+        self.drafted += drafted
+        self.accepted += accepted
+        for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
+            if len(counts) < drafted:
+                counts.extend([0] * (drafted - len(counts)))
+            for i in range(n):
+                counts[i] += 1
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """Tokens emitted per target step after prefill, bonus/recovered token included (≥ 1)."""
+        emitted_after_prefill = max(self.generated_tokens - 1, 0)
+        return emitted_after_prefill / self.steps if self.steps else 0.0
+
+    @property
+    def per_position_acceptance(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        decode_time = self.draft_seconds + self.verify_seconds
+        return max(self.generated_tokens - 1, 0) / decode_time if decode_time else 0.0
+
+    def to_dict(self) -> dict:
+        data = asdict(self)
+        data.update(acceptance_rate=self.acceptance_rate, mean_accepted_length=self.mean_accepted_length,
+                    per_position_acceptance=self.per_position_acceptance,
+                    decode_tokens_per_s=self.decode_tokens_per_s)
+        return data
