@@ -8,6 +8,7 @@ allowed. Range rules live in each section's `check` method. Defaults are defined
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -40,6 +41,8 @@ class CheckpointSpec:
     path: str
 
     def check(self) -> None:
+        if not self.path.strip():
+            raise Problem("path", "must not be empty")
         if self.source == "package" and "/" not in self.path:
             raise Problem("path", f"package paths look like '<package>/<file>', got {self.path!r}")
 
@@ -171,9 +174,11 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
     if not path.is_file():
         raise PipelineError(f"{path}: pipeline file not found")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise PipelineError(f"{path}: malformed YAML: {exc}") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PipelineError(f"{path}: cannot be read as UTF-8 text: {exc}") from None
     return parse_pipeline(data, source=path)
 
 
@@ -208,6 +213,8 @@ def _convert(hint: object, value: object, key: str, where: str) -> object:
         return _build(hint, value, key, where)
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise PipelineError(f"{where}: {key}: must be a finite number, got {value!r}")
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise PipelineError(f"{where}: {key}: expected {_describe(hint)}, got {value!r}")
     return value
@@ -219,7 +226,7 @@ def _build(cls: type, data: object, prefix: str, where: str):
         raise PipelineError(f"{where}: {label}: expected a mapping, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_file"}
-    unknown = sorted(set(data) - set(fields))
+    unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
         raise PipelineError(f"{where}: {label}: unknown key {unknown[0]!r} (allowed: {', '.join(fields)})")
     values = {}

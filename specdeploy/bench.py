@@ -1,0 +1,236 @@
+"""In-process benchmark: every prompt with and without speculation, same process, same engine, side by side.
+
+Speeds are decode-phase tokens/s (prefill is identical in both modes and speculation does not touch it). The
+report also measures, in the same run, the memory bandwidth of a weight-streaming mat-vec (the ceiling on plain
+decode) and transformers' `generate` on the same weights, dtype and threads.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from specdeploy.engine import Engine
+from specdeploy.errors import SpecdeployError
+from specdeploy.sampling import SamplingParams
+from specdeploy.speculative.draft_model import DraftModelProposer
+from specdeploy.stats import RequestStats
+
+COPY_HEAVY_KINDS = ("code", "json", "summary", "edit")
+
+
+@dataclass
+class PromptRun:
+    kind: str
+    plain: RequestStats
+    speculative: RequestStats
+    plain_tokens: list[int]
+    speculative_tokens: list[int]
+
+
+def load_prompts(path: str | Path | None = None) -> list[dict]:
+    """JSON Lines of {"prompt": ..., "kind": optional}; the shipped mixed set when path is None."""
+    text = (Path(path).read_text() if path else
+            resources.files("specdeploy").joinpath("data/prompts.jsonl").read_text())
+    prompts = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise SpecdeployError(f"{path}:{number}: not valid JSON: {exc}") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+            raise SpecdeployError(f"{path}:{number}: expected an object with a non-empty string 'prompt'")
+        prompts.append({"prompt": item["prompt"], "kind": str(item.get("kind", "other"))})
+    if not prompts:
+        raise SpecdeployError(f"{path}: no prompts")
+    return prompts
+
+
+def measure_bandwidth(dtype: torch.dtype, megabytes: int = 256, repeats: int = 10) -> float:
+    """Bytes/s streamed by a mat-vec over a matrix far larger than the caches (what plain decode does)."""
+    columns = 1024
+    rows = megabytes * 2**20 // (columns * torch.finfo(dtype).bits // 8)
+    matrix = torch.randn(rows, columns).to(dtype)
+    vector = torch.randn(1, columns).to(dtype)
+    torch.nn.functional.linear(vector, matrix)
+    started = time.perf_counter()
+    for _ in range(repeats):
+        torch.nn.functional.linear(vector, matrix)
+    elapsed = (time.perf_counter() - started) / repeats
+    return matrix.numel() * matrix.element_size() / elapsed
+
+
+def weight_bytes_per_token(engine: Engine) -> int:
+    """Bytes of weight matrices one plain decode step reads (every projection and the vocabulary head)."""
+    total = 0
+    for module in engine.target.modules():
+        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
+            if tensor.dim() == 2 and name in ("weight", "packed"):
+                total += tensor.numel() * tensor.element_size()
+    return total
+
+
+def transformers_decode_tokens_per_s(engine: Engine, prompt_ids: list[int], max_tokens: int) -> float:
+    """transformers' greedy `generate` on the same weights, dtype and threads, decode phase only:
+    (N - 1) / (time(N tokens) - time(1 token))."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(engine.target.config.to_hf())
+    state = load_file(str(engine.dir / "target" / "model.safetensors"))
+    model.load_state_dict(state, strict=False)
+    model = model.to(engine.target.dtype).eval()
+    model.tie_weights()
+    ids = torch.tensor([prompt_ids])
+
+    def timed(n: int) -> float:
+        started = time.perf_counter()
+        with torch.inference_mode():
+            model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                           do_sample=False, pad_token_id=0)
+        return time.perf_counter() - started
+
+    timed(4)  # warm-up
+    return (max_tokens - 1) / max(timed(max_tokens) - timed(1), 1e-9)
+
+
+def top_two_gap(engine: Engine, tokens: list[int]) -> float:
+    """Gap between the target's two largest logits for the token after `tokens` (fresh prefill)."""
+    cache = engine.target.new_cache(1, len(tokens) + 1)
+    hidden = engine.target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)
+    top = engine.target.logits(hidden[0, -1]).topk(2).values
+    return float(top[0] - top[1])
+
+
+def near_tie_tolerance(dtype: str) -> float:
+    """Largest top-two logit gap that reduced-precision reordering of the same sums can flip."""
+    return 0.0 if dtype == "float32" else 0.25
+
+
+def compare_greedy(engine: Engine, prompt_ids: list[int], plain: list[int], speculative: list[int]) -> str:
+    """'match', 'near_tie' (first divergence at a near-tie of the target's top two tokens) or 'mismatch'."""
+    if plain == speculative:
+        return "match"
+    common = next((i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b), min(len(plain),
+                                                                                       len(speculative)))
+    if common >= min(len(plain), len(speculative)):
+        return "mismatch"  # one stopped early: a length difference is never a tie
+    gap = top_two_gap(engine, prompt_ids + plain[:common])
+    return "near_tie" if gap <= near_tie_tolerance(engine.dtype) else "mismatch"
+
+
+def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, temperature: float = 0.0,
+              seed: int = 0, with_transformers: bool = True, quiet: bool = False) -> dict:
+    params = SamplingParams(temperature=temperature, seed=seed)
+    encoded = [engine.encode_prompt(p["prompt"]) for p in prompts]
+    engine.generate(encoded[0], params, 8).run()  # warm-up: first calls allocate and page in weights
+    runs = []
+    for item, ids in track(list(zip(prompts, encoded)), description="bench", disable=quiet):
+        plain = engine.generate(ids, params, max_tokens, num_draft_tokens=0)
+        plain_tokens = plain.run()
+        speculative = engine.generate(ids, params, max_tokens)
+        speculative_tokens = speculative.run()
+        runs.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens, speculative_tokens))
+
+    report = summarize(engine, runs)
+    if temperature == 0:
+        verdicts = [compare_greedy(engine, ids, r.plain_tokens, r.speculative_tokens)
+                    for ids, r in zip(encoded, runs)]
+        report["greedy_match"] = all(v != "mismatch" for v in verdicts)
+        report["greedy_exact_prompts"] = verdicts.count("match")
+        report["greedy_near_tie_prompts"] = verdicts.count("near_tie")
+        report["greedy_mismatch_prompts"] = verdicts.count("mismatch")
+    else:
+        report["greedy_match"] = None
+    bandwidth = measure_bandwidth(engine.target.dtype)
+    bytes_per_token = weight_bytes_per_token(engine)
+    ceiling = bandwidth / bytes_per_token
+    report.update(bandwidth_gb_per_s=bandwidth / 1e9, weight_bytes_per_token=bytes_per_token,
+                  bandwidth_ceiling_tokens_per_s=ceiling,
+                  fraction_of_ceiling=report["baseline_tokens_per_s"] / ceiling)
+    if with_transformers:
+        hf = transformers_decode_tokens_per_s(engine, encoded[0], min(max_tokens, 64))
+        report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
+    report.update(method=engine.method, num_draft_tokens=engine.num_draft_tokens, dtype=engine.dtype,
+                  temperature=temperature, max_tokens=max_tokens, prompts=len(prompts),
+                  threads=torch.get_num_threads())
+    return report
+
+
+def decode_rate(stats: list[RequestStats]) -> float:
+    tokens = sum(max(s.generated_tokens - 1, 0) for s in stats)
+    seconds = sum(s.draft_seconds + s.verify_seconds for s in stats)
+    return tokens / seconds if seconds else 0.0
+
+
+def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
+    plain = [r.plain for r in runs]
+    spec = [r.speculative for r in runs]
+    baseline, speculative = decode_rate(plain), decode_rate(spec)
+    drafted, accepted = sum(s.drafted for s in spec), sum(s.accepted for s in spec)
+    steps = sum(s.steps for s in spec)
+    emitted = sum(max(s.generated_tokens - 1, 0) for s in spec)
+    plain_step = sum(s.verify_seconds for s in plain) / max(sum(s.steps for s in plain), 1)
+    draft_units = sum(s.draft_forwards for s in spec) if isinstance(engine.draft, DraftModelProposer) else drafted
+    draft_cost = sum(s.draft_seconds for s in spec) / max(draft_units, 1) / plain_step
+    verify_cost = sum(s.verify_seconds for s in spec) / max(steps, 1) / plain_step
+    alpha = accepted / drafted if drafted else 0.0
+    gamma = engine.num_draft_tokens
+    per_position = [0] * gamma, [0] * gamma
+    for s in spec:
+        for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
+            per_position[0][i] += d
+            per_position[1][i] += a
+    report = {
+        "baseline_tokens_per_s": baseline,
+        "speculative_tokens_per_s": speculative,
+        "speedup": speculative / baseline if baseline else 0.0,
+        "acceptance_rate": alpha,
+        "mean_accepted_length": emitted / steps if steps else 0.0,
+        "draft_cost_ratio": draft_cost,
+        "verify_cost_ratio": verify_cost,
+        "predicted_speedup": predicted_speedup(alpha, gamma, draft_cost, verify_cost),
+        "per_position_acceptance": [a / d if d else 0.0 for d, a in zip(*per_position)],
+        "by_kind": {},
+    }
+    for kind in sorted({r.kind for r in runs}):
+        chosen = [r for r in runs if r.kind == kind]
+        base = decode_rate([r.plain for r in chosen])
+        report["by_kind"][kind] = {"speedup": decode_rate([r.speculative for r in chosen]) / base if base else 0.0,
+                                   "prompts": len(chosen)}
+    return report
+
+
+def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float) -> float:
+    """Seed formula: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v))."""
+    tokens_per_step = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
+    return tokens_per_step / (gamma * draft_cost + verify_cost)
+
+
+def print_report(report: dict, console: Console | None = None) -> None:
+    console = console or Console()
+    table = Table(title=f"specdeploy bench — {report['method']}, gamma={report['num_draft_tokens']}, "
+                        f"{report['dtype']}, T={report['temperature']}, {report['prompts']} prompts")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in report.items():
+        if key in ("by_kind", "method", "num_draft_tokens", "dtype", "temperature", "prompts"):
+            continue
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        elif isinstance(value, list):
+            value = " ".join(f"{v:.2f}" for v in value)
+        table.add_row(key, str(value))
+    for kind, row in report["by_kind"].items():
+        table.add_row(f"speedup[{kind}]", f"{row['speedup']:.3f} ({row['prompts']} prompts)")
+    console.print(table)

@@ -1,0 +1,146 @@
+"""The `specdeploy` command: one thin command per verb over the library."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+from specdeploy.errors import SpecdeployError
+
+ENGINES_HELP = "Directory holding engines/<name>/ (default: ./engines, or $SPECDEPLOY_ENGINES)."
+
+
+def engines_option(function):
+    return click.option("--engines-dir", type=click.Path(file_okay=False, path_type=Path),
+                        envvar="SPECDEPLOY_ENGINES", default=Path("engines"), show_default=True,
+                        help=ENGINES_HELP)(function)
+
+
+def load_engine(pipeline_path: str, engines_dir: Path, quiet: bool = False):
+    """Build the pipeline's engine if it is missing or stale, then load it."""
+    from specdeploy.builders.torch import build
+    from specdeploy.engine import Engine
+    from specdeploy.pipeline import load_pipeline
+
+    pipeline = load_pipeline(pipeline_path)
+    return pipeline, Engine(build(pipeline, engines_dir, quiet=quiet))
+
+
+@click.group()
+@click.version_option(package_name="specdeploy")
+def cli() -> None:
+    """Build, serve and measure speculative-decoding LLM engines."""
+
+
+@cli.command()
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@engines_option
+@click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
+def build(pipeline_path: str, engines_dir: Path, force: bool) -> None:
+    """Build the pipeline's target (and draft) engines."""
+    from specdeploy.builders.torch import build as build_engine
+    from specdeploy.builders.torch import is_up_to_date
+    from specdeploy.pipeline import load_pipeline
+
+    pipeline = load_pipeline(pipeline_path)
+    if not force and is_up_to_date(pipeline, engines_dir):
+        click.echo(f"{engines_dir / pipeline.name}: up to date, nothing to build")
+        return
+    click.echo(f"built {build_engine(pipeline, engines_dir, force=force)}")
+
+
+@cli.command()
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@click.argument("prompt")
+@engines_option
+@click.option("--max-tokens", type=int, default=None, help="Tokens to generate (default: the pipeline's).")
+@click.option("--temperature", type=float, default=None, help="0 is greedy (default: the pipeline's).")
+@click.option("--top-k", type=int, default=None, help="0 turns top-k off (default: the pipeline's).")
+@click.option("--top-p", type=float, default=None, help="In (0, 1] (default: the pipeline's).")
+@click.option("--repetition-penalty", type=float, default=None, help="1 turns it off (default: the pipeline's).")
+@click.option("--seed", type=int, default=None, help="Seed for sampling at temperature > 0.")
+@click.option("--num-draft-tokens", type=int, default=None, help="Override gamma for this request.")
+@click.option("--no-speculation", is_flag=True, help="Plain decode (same as --num-draft-tokens 0).")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
+def generate(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | None,
+             temperature: float | None, top_k: int | None, top_p: float | None,
+             repetition_penalty: float | None, seed: int | None, num_draft_tokens: int | None,
+             no_speculation: bool, as_json: bool) -> None:
+    """Generate in-process, streaming the text as it is committed."""
+    from specdeploy.detokenize import IncrementalDetokenizer
+    from specdeploy.sampling import SamplingParams
+
+    pipeline, engine = load_engine(pipeline_path, engines_dir, quiet=as_json)
+    defaults = pipeline.sampling
+    params = SamplingParams(
+        temperature=defaults.temperature if temperature is None else temperature,
+        top_k=defaults.top_k if top_k is None else top_k,
+        top_p=defaults.top_p if top_p is None else top_p,
+        repetition_penalty=defaults.repetition_penalty if repetition_penalty is None else repetition_penalty,
+        seed=seed)
+    gamma = 0 if no_speculation else num_draft_tokens
+    generation = engine.generate(engine.encode_prompt(prompt), params,
+                                 defaults.max_tokens if max_tokens is None else max_tokens, gamma)
+    detokenizer = IncrementalDetokenizer(engine.tokenizer, engine.eos_ids)
+    for emitted in generation:
+        text = detokenizer.add(emitted)
+        if text and not as_json:
+            click.echo(text, nl=False)
+    tail = detokenizer.flush()
+    stats = generation.stats
+    if as_json:
+        click.echo(json.dumps({"text": detokenizer.emitted, "tokens": generation.tokens, "method": engine.method,
+                               "num_draft_tokens": engine.num_draft_tokens if gamma is None else gamma,
+                               **stats.to_dict()}))
+        return
+    click.echo(tail)
+    click.echo(f"\n[{engine.method}] {stats.generated_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s, "
+               f"acceptance {stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f}",
+               err=True)
+
+
+@cli.command()
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@engines_option
+@click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False, exists=True), default=None,
+              help="JSON Lines, one {\"prompt\": ...} per line (default: the shipped mixed set).")
+@click.option("--max-tokens", type=int, default=128, show_default=True)
+@click.option("--temperature", type=float, default=0.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the report as JSON to this file.")
+@click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
+def bench(pipeline_path: str, engines_dir: Path, prompts_path: str | None, max_tokens: int, temperature: float,
+          seed: int, json_out: Path | None, no_transformers: bool) -> None:
+    """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction."""
+    from specdeploy.bench import load_prompts, print_report, run_bench
+
+    prompts = load_prompts(prompts_path)
+    _, engine = load_engine(pipeline_path, engines_dir)
+    report = run_bench(engine, prompts, max_tokens, temperature, seed, with_transformers=not no_transformers)
+    print_report(report)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2))
+        click.echo(f"wrote {json_out}")
+
+
+def main() -> None:
+    try:
+        cli(standalone_mode=False)
+    except click.exceptions.Abort:
+        click.echo("aborted", err=True)
+        sys.exit(130)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(exc.exit_code)
+    except SpecdeployError as exc:
+        click.echo(f"error: {exc}", err=True)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()
