@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
@@ -29,7 +28,24 @@ def load_engine(pipeline_path: str, engines_dir: Path, quiet: bool = False):
     return pipeline, Engine(build(pipeline, engines_dir, quiet=quiet))
 
 
-@click.group()
+class UserError(click.ClickException):
+    """A SpecdeployError shown as one line, exit status 2, no traceback."""
+
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.message}", err=True)
+
+
+class SpecdeployGroup(click.Group):
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except SpecdeployError as exc:
+            raise UserError(str(exc)) from None
+
+
+@click.group(cls=SpecdeployGroup)
 @click.version_option(package_name="specdeploy")
 def cli() -> None:
     """Build, serve and measure speculative-decoding LLM engines."""
@@ -129,17 +145,7 @@ def bench(pipeline_path: str, engines_dir: Path, prompts_path: str | None, max_t
 
 
 def main() -> None:
-    try:
-        cli(standalone_mode=False)
-    except click.exceptions.Abort:
-        click.echo("aborted", err=True)
-        sys.exit(130)
-    except click.ClickException as exc:
-        exc.show()
-        sys.exit(exc.exit_code)
-    except SpecdeployError as exc:
-        click.echo(f"error: {exc}", err=True)
-        sys.exit(2)
+    cli()
 
 
 if __name__ == "__main__":

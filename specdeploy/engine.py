@@ -57,7 +57,8 @@ class Generation:
 
 
 class Engine:
-    def __init__(self, engine_dir: str | Path, device: str = "cpu") -> None:
+    def __init__(self, engine_dir: str | Path, device: str = "cpu", method: str | None = None) -> None:
+        """method: run with another speculation method than the one built ("ngram" and "none" need no draft)."""
         from transformers import AutoTokenizer
 
         self.dir = Path(engine_dir)
@@ -72,7 +73,11 @@ class Engine:
         self.device = device
         self.target = load_component(self.dir / "target", device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
-        self.method = self.speculation["method"]
+        self.method = method or self.speculation["method"]
+        if self.method not in ("draft_target", "ngram", "none"):
+            raise SpecdeployError(f"method {self.method!r} is not supported (allowed: draft_target, ngram, none)")
+        if self.method == "draft_target" and not (self.dir / "draft").is_dir():
+            raise SpecdeployError(f"{self.dir}: method 'draft_target' needs a draft engine, and none was built")
         self.num_draft_tokens = self.speculation["num_draft_tokens"]
         max_length = self.limits["max_sequence_length"]
         self.draft: DraftModelProposer | None = None
@@ -167,6 +172,10 @@ class Engine:
                 emitted = emitted[:finished + 1]
             generated += len(emitted)
             committed.extend(emitted)
+            # A stop token or the length limit may cut a step short: drop the cut tokens' KV entries too.
+            self.cache.rewind(0, min(self.cache.lengths[0], len(committed) - 1))
+            if self.draft is not None:
+                self.draft.rewind(len(committed))
             if seen is not None:
                 seen[emitted] = True
             stats.generated_tokens = generated
@@ -195,8 +204,6 @@ class Engine:
                 n_accepted = row.index(-1) - 1 if -1 in row else n_drafted
                 emitted = row[:n_accepted + 1]
             self.cache.rewind(0, length + n_accepted + 1)
-            if self.draft is not None:
-                self.draft.rewind(len(committed) + n_accepted + 1)
             stats.draft_seconds += verify_started - draft_started
             stats.verify_seconds += time.perf_counter() - verify_started
             stats.record_step(n_drafted, n_accepted)

