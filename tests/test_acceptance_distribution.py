@@ -20,6 +20,9 @@ of `accept`; the one-sided-processor error is exercised at the harness level by 
 Further: greedy (point masses) reduces to exact argmax matching (hand-written expected tensors), seeded
 determinism, batches mixing different `num_drafted`, and the i.i.d.-acceptance law: with sum_x min(p, q) = alpha at
 every position, tokens per step follow the truncated geometric law with mean (1 - alpha^(gamma+1)) / (1 - alpha).
+
+Known gap, pinned by a strict xfail at the end: `accept` tests `r * q <= p` with r ~ torch.rand in [0, 1), so a draw
+of exactly r == 0 (probability 2^-24) accepts a drafted token whose target probability is 0.
 """
 
 from __future__ import annotations

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-
 from conftest import REPO, tiny_pipeline, write_pipeline
+
 from specdeploy.builders.torch import build
 from specdeploy.cli import cli
 from specdeploy.errors import BuildError

@@ -1,0 +1,101 @@
+"""Small pure pieces: sampling processors, n-gram lookup, int4 round trip, detokenisation, statistics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdeploy.detokenize import IncrementalDetokenizer
+from specdeploy.errors import RequestError
+from specdeploy.quantize import Int4Linear, dequantize_int4, quantize_int4
+from specdeploy.sampling import SamplingParams, sampling_distribution, seen_after_drafts, seen_mask
+from specdeploy.speculative.ngram import NgramProposer
+from specdeploy.stats import RequestStats
+
+
+def test_greedy_is_a_point_mass_on_the_argmax():
+    logits = torch.tensor([[0.1, 2.0, -1.0, 1.9]])
+    assert sampling_distribution(logits, SamplingParams()).tolist() == [[0.0, 1.0, 0.0, 0.0]]
+
+
+def test_temperature_top_k_top_p():
+    logits = torch.log(torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    plain = sampling_distribution(logits, SamplingParams(temperature=1.0))
+    torch.testing.assert_close(plain, torch.tensor([[0.5, 0.25, 0.15, 0.1]]))
+    top_k = sampling_distribution(logits, SamplingParams(temperature=1.0, top_k=2))
+    torch.testing.assert_close(top_k, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    # top_p 0.7: 0.5 alone is below 0.7, so 0.25 joins; 0.15 is not needed.
+    top_p = sampling_distribution(logits, SamplingParams(temperature=1.0, top_p=0.7))
+    torch.testing.assert_close(top_p, torch.tensor([[2 / 3, 1 / 3, 0.0, 0.0]]))
+    hot = sampling_distribution(logits, SamplingParams(temperature=2.0))
+    assert hot[0, 0] < 0.5 and hot[0, 3] > 0.1  # flatter
+
+
+def test_repetition_penalty_follows_the_context():
+    logits = torch.tensor([[2.0, 2.0, -1.0]])
+    seen = seen_mask([0, 2], 3)
+    probs = sampling_distribution(logits, SamplingParams(temperature=1.0, repetition_penalty=2.0), seen[None])
+    expected = torch.tensor([[1.0, 2.0, -2.0]]).softmax(-1)  # positive divided, negative multiplied
+    torch.testing.assert_close(probs, expected)
+    steps = seen_after_drafts(seen_mask([0], 5), torch.tensor([3, 1]))
+    assert steps.tolist() == [[True, False, False, False, False], [True, False, False, True, False],
+                              [True, True, False, True, False]]
+
+
+@pytest.mark.parametrize("kwargs, field", [({"temperature": -1}, "temperature"), ({"top_k": -2}, "top_k"),
+                                           ({"top_p": 0.0}, "top_p"), ({"repetition_penalty": 0}, "repetition")])
+def test_bad_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(RequestError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_ngram_prefers_the_longest_most_recent_match():
+    proposer = NgramProposer(min_n=1, max_n=3)
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
+    assert proposer.propose(tokens, 3) == [7, 8, 5]  # "2 3" last seen before "7 8 5"
+    assert proposer.propose([4, 5, 6], 3) == []
+    assert proposer.propose(tokens, 0) == []
+    assert NgramProposer(min_n=2, max_n=2).propose([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+
+
+def test_int4_round_trip_and_kernel():
+    weight = torch.randn(64, 96, generator=torch.Generator().manual_seed(0))
+    parts = quantize_int4(weight)
+    restored = dequantize_int4(**parts)
+    group_range = weight.reshape(64, 3, 32).amax(-1) - weight.reshape(64, 3, 32).amin(-1)
+    assert ((restored - weight).abs().reshape(64, 3, 32).amax(-1) <= group_range / 30 + 1e-6).all()
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
+    expected = x.bfloat16().float() @ restored.t()
+    torch.testing.assert_close(Int4Linear(**parts)(x), expected, atol=0.1, rtol=0.02)
+
+
+def test_detokenizer_never_emits_broken_utf8(tiny_engines):
+    from transformers import AutoTokenizer
+
+    engine = tiny_engines["ngram"]
+    tokenizer = AutoTokenizer.from_pretrained(engine.dir / "target")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.add([t]) for t in tokenizer("hello, world")["input_ids"]]
+    assert "".join(pieces) + detokenizer.flush() == "hello, world"
+
+
+def test_detokenizer_holds_back_partial_characters():
+    class ByteTokenizer:  # ids are UTF-8 bytes; a multi-byte character spans several ids
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    detokenizer = IncrementalDetokenizer(ByteTokenizer())
+    out = [detokenizer.add([b]) for b in "añ€".encode()]
+    assert out == ["a", "", "ñ", "", "", "€"]
+
+
+def test_stats_per_position_and_mean_accepted_length():
+    stats = RequestStats(generated_tokens=1)
+    stats.record_step(drafted=3, accepted=3)
+    stats.record_step(drafted=3, accepted=1)
+    stats.record_step(drafted=0, accepted=0)
+    stats.generated_tokens += 4 + 2 + 1
+    assert stats.drafted_per_position == [2, 2, 2] and stats.accepted_per_position == [2, 1, 1]
+    assert stats.acceptance_rate == pytest.approx(4 / 6)
+    assert stats.mean_accepted_length == pytest.approx(7 / 3)
+    assert stats.per_position_acceptance == [1.0, 0.5, 0.5]
