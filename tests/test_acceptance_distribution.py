@@ -21,8 +21,8 @@ Further: greedy (point masses) reduces to exact argmax matching (hand-written ex
 determinism, batches mixing different `num_drafted`, and the i.i.d.-acceptance law: with sum_x min(p, q) = alpha at
 every position, tokens per step follow the truncated geometric law with mean (1 - alpha^(gamma+1)) / (1 - alpha).
 
-Known gap, pinned by a strict xfail at the end: `accept` tests `r * q <= p` with r ~ torch.rand in [0, 1), so a draw
-of exactly r == 0 (probability 2^-24) accepts a drafted token whose target probability is 0.
+Regression at the end: torch.rand can return exactly 0 (probability 2^-24 per draw); `accept` must still never
+accept a drafted token whose target probability is 0.
 """
 
 from __future__ import annotations
@@ -687,12 +687,10 @@ def test_tokens_per_step_matches_geometric_law(alpha, gamma):
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Known gap: r ~ U[0, 1) can be exactly 0, and `r * q <= p` then accepts a token with p(x) == 0
+# Regression: torch.rand can return exactly 0, and `r * q <= p` with r == 0 would accept a token with p(x) == 0
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="accept uses r <= p/q with r ~ torch.rand in [0, 1): r == 0 (probability "
-                                       "2^-24 per draw) accepts a drafted token the target gives probability 0")
 def test_zero_probability_draft_is_never_accepted_even_when_uniform_is_zero():
     # Seed 146: the 18,556th value of torch.rand on a fresh CPU generator is exactly 0.0.
     batch, seed = 18_556, 146

@@ -51,7 +51,8 @@ def accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     if generator is None:
         uniform = torch.ones_like(p_of_x)  # point masses: p(x) / q(x) is exactly 0 or 1
     else:
-        uniform = torch.rand(p_of_x.shape, generator=generator, device=device)
+        # r in (0, 1]: torch.rand can return exactly 0, which would accept a token the target gives p = 0.
+        uniform = 1.0 - torch.rand(p_of_x.shape, generator=generator, device=device)
     survives = (uniform * q_of_x <= p_of_x) & valid  # r <= p/q without dividing by q
     num_accepted = survives.long().cumprod(-1).sum(-1)  # [B]
 
