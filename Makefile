@@ -22,8 +22,8 @@ $(STAMP): setup.cfg pyproject.toml
 
 demo: venv
 	$(VENV)/bin/specdeploy build $(PIPELINE)
-	$(VENV)/bin/specdeploy generate $(PIPELINE) "Write a Python function that checks whether a number is prime." --max-tokens 96
-	$(VENV)/bin/specdeploy bench $(PIPELINE) --max-tokens 64 --no-transformers --prompts specdeploy/data/prompts.jsonl
+	$(VENV)/bin/specdeploy generate $(PIPELINE) --compare --max-tokens 128 \
+		"Add type hints and a docstring to this function: def area(w, h): return w * h"
 
 test: venv
 	$(VENV)/bin/pytest -q

@@ -232,5 +232,5 @@ def print_report(report: dict, console: Console | None = None) -> None:
             value = " ".join(f"{v:.2f}" for v in value)
         table.add_row(key, str(value))
     for kind, row in report["by_kind"].items():
-        table.add_row(f"speedup[{kind}]", f"{row['speedup']:.3f} ({row['prompts']} prompts)")
+        table.add_row(f"speedup ({kind})", f"{row['speedup']:.3f} ({row['prompts']} prompts)")
     console.print(table)

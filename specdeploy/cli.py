@@ -80,11 +80,12 @@ def build(pipeline_path: str, engines_dir: Path, force: bool) -> None:
 @click.option("--seed", type=int, default=None, help="Seed for sampling at temperature > 0.")
 @click.option("--num-draft-tokens", type=int, default=None, help="Override gamma for this request.")
 @click.option("--no-speculation", is_flag=True, help="Plain decode (same as --num-draft-tokens 0).")
+@click.option("--compare", is_flag=True, help="Also run plain decode on the same prompt and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
 def generate(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | None,
              temperature: float | None, top_k: int | None, top_p: float | None,
              repetition_penalty: float | None, seed: int | None, num_draft_tokens: int | None,
-             no_speculation: bool, as_json: bool) -> None:
+             no_speculation: bool, compare: bool, as_json: bool) -> None:
     """Generate in-process, streaming the text as it is committed."""
     from specdeploy.detokenize import IncrementalDetokenizer
     from specdeploy.sampling import SamplingParams
@@ -98,8 +99,9 @@ def generate(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int
         repetition_penalty=defaults.repetition_penalty if repetition_penalty is None else repetition_penalty,
         seed=seed)
     gamma = 0 if no_speculation else num_draft_tokens
-    generation = engine.generate(engine.encode_prompt(prompt), params,
-                                 defaults.max_tokens if max_tokens is None else max_tokens, gamma)
+    prompt_ids = engine.encode_prompt(prompt)
+    max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
+    generation = engine.generate(prompt_ids, params, max_tokens, gamma)
     detokenizer = IncrementalDetokenizer(engine.tokenizer, engine.eos_ids)
     for emitted in generation:
         text = detokenizer.add(emitted)
@@ -107,15 +109,23 @@ def generate(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int
             click.echo(text, nl=False)
     tail = detokenizer.flush()
     stats = generation.stats
+    result = {"text": detokenizer.emitted, "tokens": generation.tokens, "method": engine.method,
+              "num_draft_tokens": engine.num_draft_tokens if gamma is None else gamma, **stats.to_dict()}
+    if compare:
+        plain = engine.generate(prompt_ids, params, max_tokens, 0)
+        plain.run()
+        result.update(plain_tokens_per_s=plain.stats.decode_tokens_per_s,
+                      speedup=stats.decode_tokens_per_s / plain.stats.decode_tokens_per_s)
     if as_json:
-        click.echo(json.dumps({"text": detokenizer.emitted, "tokens": generation.tokens, "method": engine.method,
-                               "num_draft_tokens": engine.num_draft_tokens if gamma is None else gamma,
-                               **stats.to_dict()}))
+        click.echo(json.dumps(result))
         return
     click.echo(tail)
-    click.echo(f"\n[{engine.method}] {stats.generated_tokens} tokens, {stats.decode_tokens_per_s:.1f} tokens/s, "
-               f"acceptance {stats.acceptance_rate:.2f}, mean accepted length {stats.mean_accepted_length:.2f}",
-               err=True)
+    click.echo(f"\n[{engine.method}, gamma {result['num_draft_tokens']}] {stats.generated_tokens} tokens at "
+               f"{stats.decode_tokens_per_s:.1f} tokens/s; acceptance {stats.acceptance_rate:.2f}, "
+               f"mean accepted length {stats.mean_accepted_length:.2f} tokens/step")
+    if compare:
+        click.echo(f"plain decode {result['plain_tokens_per_s']:.1f} tokens/s on the same prompt: "
+                   f"speedup {result['speedup']:.2f}x")
 
 
 @cli.command()

@@ -156,12 +156,13 @@ class Engine:
             self.draft.reset()
             forwards_before = self.draft.forwards
 
-        prompt = torch.tensor([committed], dtype=torch.long, device=self.device)
-        hidden = self.target(prompt, torch.arange(len(committed), device=self.device)[None], self.cache)
-        self.cache.rewind(0, len(committed))
-        probs = sampling_distribution(self.target.logits(hidden[:, -1]), params,
-                                      None if seen is None else seen[None])
-        first = sample(probs, generator).tolist()
+        with torch.inference_mode():
+            prompt = torch.tensor([committed], dtype=torch.long, device=self.device)
+            hidden = self.target(prompt, torch.arange(len(committed), device=self.device)[None], self.cache)
+            self.cache.rewind(0, len(committed))
+            probs = sampling_distribution(self.target.logits(hidden[:, -1]), params,
+                                          None if seen is None else seen[None])
+            first = sample(probs, generator).tolist()
         stats.prefill_seconds = time.perf_counter() - started
         emitted, generated = first, 0
 
@@ -184,26 +185,27 @@ class Engine:
                 stats.finish_reason = "stop" if finished is not None else "length"
                 break
 
-            step_gamma = min(gamma, max_tokens - generated - 1, max_length - len(committed))
-            draft_started = time.perf_counter()
-            drafted, q = self._propose(committed, step_gamma, params, seen, generator)
-            verify_started = time.perf_counter()
-            n_drafted = drafted.shape[0]
-            length = len(committed) - 1  # the pending token is fed now, at this position
-            inputs = torch.cat([torch.tensor([committed[-1]], device=self.device), drafted])[None]
-            positions = torch.arange(length, length + n_drafted + 1, device=self.device)[None]
-            hidden = self.target(inputs, positions, self.cache)
-            context = None if seen is None else seen_after_drafts(seen, drafted)
-            p = sampling_distribution(self.target.logits(hidden[0]), params, context)  # [n + 1, V]
-            if n_drafted == 0:
-                emitted, n_accepted = sample(p, generator).tolist(), 0
-            else:
-                result = accept(drafted[None], None if q is None else q[None], p[None],
-                                torch.tensor([n_drafted], device=self.device), generator)
-                row = result.tokens[0].tolist()  # the step's one host sync
-                n_accepted = row.index(-1) - 1 if -1 in row else n_drafted
-                emitted = row[:n_accepted + 1]
-            self.cache.rewind(0, length + n_accepted + 1)
+            with torch.inference_mode():  # not across the yield: the caller runs outside it
+                step_gamma = min(gamma, max_tokens - generated - 1, max_length - len(committed))
+                draft_started = time.perf_counter()
+                drafted, q = self._propose(committed, step_gamma, params, seen, generator)
+                verify_started = time.perf_counter()
+                n_drafted = drafted.shape[0]
+                length = len(committed) - 1  # the pending token is fed now, at this position
+                inputs = torch.cat([torch.tensor([committed[-1]], device=self.device), drafted])[None]
+                positions = torch.arange(length, length + n_drafted + 1, device=self.device)[None]
+                hidden = self.target(inputs, positions, self.cache)
+                context = None if seen is None else seen_after_drafts(seen, drafted)
+                p = sampling_distribution(self.target.logits(hidden[0]), params, context)  # [n + 1, V]
+                if n_drafted == 0:
+                    emitted, n_accepted = sample(p, generator).tolist(), 0
+                else:
+                    result = accept(drafted[None], None if q is None else q[None], p[None],
+                                    torch.tensor([n_drafted], device=self.device), generator)
+                    row = result.tokens[0].tolist()  # the step's one host sync
+                    n_accepted = row.index(-1) - 1 if -1 in row else n_drafted
+                    emitted = row[:n_accepted + 1]
+                self.cache.rewind(0, length + n_accepted + 1)
             stats.draft_seconds += verify_started - draft_started
             stats.verify_seconds += time.perf_counter() - verify_started
             stats.record_step(n_drafted, n_accepted)

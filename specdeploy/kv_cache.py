@@ -31,16 +31,19 @@ class KVCache:
             raise ValueError(f"KV length {length} outside [0, {self.max_length}]")
         self.lengths[row] = length
 
-    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store new entries. slots: [B, T] long; keys/values: [B, kv_heads, T, head_dim]."""
-        if slots.shape[0] == 1:
-            self.keys[layer, 0].index_copy_(1, slots[0], keys[0])
-            self.values[layer, 0].index_copy_(1, slots[0], values[0])
-            return
-        rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
-        self.keys[layer][rows, :, slots] = keys.transpose(1, 2)
-        self.values[layer][rows, :, slots] = values.transpose(1, 2)
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values: two [B, kv_heads, max_length, head_dim] views into the cache."""
+        return self.keys[index], self.values[index]
 
-    def read(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The first `kv_len` slots of every row: two [B, kv_heads, kv_len, head_dim] views."""
-        return self.keys[layer, :, :, :kv_len], self.values[layer, :, :, :kv_len]
+
+def write_entries(keys_cache: torch.Tensor, values_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor) -> None:
+    """Store new entries of one layer. *_cache: [B, kv_heads, max_length, D]; slots: [B, T] long;
+    keys/values: [B, kv_heads, T, D]."""
+    if slots.shape[0] == 1:
+        keys_cache[0].index_copy_(1, slots[0], keys[0])
+        values_cache[0].index_copy_(1, slots[0], values[0])
+        return
+    rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+    keys_cache[rows, :, slots] = keys.transpose(1, 2)
+    values_cache[rows, :, slots] = values.transpose(1, 2)

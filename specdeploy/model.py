@@ -5,7 +5,8 @@ attention mask, so one call can verify a chain or a tree of drafted tokens; it r
 `logits` projects them, so callers pay the vocabulary projection only where they need it.
 
 Weights use the canonical (Hugging Face Llama) names. A linear layer is stored either dense (`<name>.weight`) or
-as int4 groups (`<name>.codes`, `<name>.scales`, `<name>.minimums`, see quantize.py).
+as int4 groups (`<name>.codes`, `<name>.scales`, `<name>.minimums`) or int8 rows (`<name>.int8`,
+`<name>.row_scales`), see quantize.py.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdeploy.kv_cache import KVCache
+from specdeploy.kv_cache import KVCache, write_entries
 from specdeploy.model_config import ModelConfig
-from specdeploy.quantize import Int4Linear
+from specdeploy.quantize import Int4Linear, Int8Linear
 
 
 class DenseLinear(nn.Module):
@@ -42,6 +43,9 @@ def fused_linear(state: dict[str, torch.Tensor], names: list[str], dtype: torch.
 
     if f"{names[0]}.weight" in state:
         return DenseLinear(torch.cat([rows(n, "weight", o) for n, o in zip(names, row_order)]).to(dtype))
+    if f"{names[0]}.int8" in state:
+        return Int8Linear(*(torch.cat([rows(n, key, o) for n, o in zip(names, row_order)])
+                            for key in ("int8", "row_scales")))
     parts = {key: torch.cat([rows(n, key, o) for n, o in zip(names, row_order)])
              for key in ("codes", "scales", "minimums")}
     return Int4Linear(parts["codes"], parts["scales"].float(), parts["minimums"].float())
@@ -57,13 +61,19 @@ def interleaved_rope_rows(num_heads: int, head_dim: int) -> torch.Tensor:
 
 
 class RMSNorm(nn.Module):
+    """x / sqrt(mean(x²) + eps) * weight over the last dimension."""
+
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
-        self.weight = nn.Parameter(weight, requires_grad=False)
+        # Layer norm of [x, -x] is exactly RMS norm of x (zero mean, variance mean(x²)), and torch's layer norm
+        # is one fused kernel where rms_norm is several small ones: decode runs 61 norms per token.
+        self.doubled_weight = nn.Parameter(torch.cat([weight, weight]), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        width = x.shape[-1]
+        doubled = torch.cat([x, -x], dim=-1)
+        return F.layer_norm(doubled, (2 * width,), self.doubled_weight, None, self.eps)[..., :width]
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
@@ -88,9 +98,10 @@ class DecoderLayer(nn.Module):
         self.gate_up = fused_linear(state, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], dtype)
         self.down = fused_linear(state, [f"{mlp}.down_proj"], dtype)
 
-    def forward(self, x: torch.Tensor, rotation: torch.Tensor, cache: KVCache, layer: int, slots: torch.Tensor,
-                mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
-        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's keys and values at `slots` [B, T].
+    def forward(self, x: torch.Tensor, rotation: torch.Tensor, keys_cache: torch.Tensor, values_cache: torch.Tensor,
+                slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+        """x: [B, T, hidden] → [B, T, hidden]; writes this layer's keys and values at `slots` [B, T] of
+        keys_cache/values_cache [B, kv_heads, max_length, D] and attends to their first kv_len slots.
         mask: [B, 1, G*T, S] bool or None, G = query heads per kv head (queries are grouped by kv head)."""
         batch, length, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
@@ -98,8 +109,8 @@ class DecoderLayer(nn.Module):
         qk = rotate(qkv[:, :, :heads + kv_heads], rotation)
         k = qk[:, :, heads:].transpose(1, 2)  # [B, kv_heads, T, D]
         v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
-        cache.write(layer, slots, k, v)
-        keys, values = cache.read(layer, kv_len)
+        write_entries(keys_cache, values_cache, slots, k, v)
+        keys, values = keys_cache[:, :, :kv_len], values_cache[:, :, :kv_len]
         # Group query heads by their kv head, so the cache is attended without being repeated per query head.
         q = qk[:, :, :heads].transpose(1, 2).reshape(batch, kv_heads, (heads // kv_heads) * length, dim)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
@@ -119,7 +130,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(
             DecoderLayer(config, state, f"model.layers.{i}", dtype) for i in range(config.num_layers))
         self.norm = RMSNorm(state["model.norm.weight"].to(dtype), config.rms_norm_eps)
-        if "lm_head.weight" in state or "lm_head.codes" in state:
+        if any(f"lm_head.{key}" in state for key in ("weight", "codes", "int8")):
             self.lm_head = fused_linear(state, ["lm_head"], dtype)
         else:  # tied embeddings: share the embedding matrix instead of copying it
             self.lm_head = DenseLinear(self.embed.data)
@@ -158,7 +169,7 @@ class LlamaModel(nn.Module):
         rotation = self.rotations[positions][:, :, None]  # [B, T, 1, D/2]
         x = self.embed[tokens]
         for index, layer in enumerate(self.layers):
-            x = layer(x, rotation, kv_cache, index, slots, mask, kv_len)
+            x = layer(x, rotation, *kv_cache.layer(index), slots, mask, kv_len)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -152,6 +152,13 @@ def test_generate_json_and_bad_requests(tmp_path, tiny_dt):
                     "--engines-dir", engines)
     assert json.loads(plain.stdout)["tokens"] == result["tokens"]  # greedy: same text either way
     assert json.loads(plain.stdout)["drafted"] == 0
+    compared = json.loads(run_cli("generate", str(tiny_dt), "hello world", "--max-tokens", "12", "--json",
+                                  "--compare", "--engines-dir", engines).stdout)
+    assert compared["speedup"] == pytest.approx(compared["decode_tokens_per_s"] / compared["plain_tokens_per_s"])
+    streamed = run_cli("generate", str(tiny_dt), "hello world", "--max-tokens", "12", "--compare",
+                       "--engines-dir", engines)
+    assert streamed.returncode == 0 and "acceptance" in streamed.stdout and "speedup" in streamed.stdout
+    assert streamed.stdout.startswith(result["text"])
 
     for args, fragment in [(["   "], "prompt: must not be empty"),
                            (["x" * 65], "prompt: 65 tokens is over the limit of 64"),

@@ -29,7 +29,7 @@ SHIPPED = sorted(PIPELINES_DIR.glob("*.yaml"))
 
 # stem -> (method, num_draft_tokens, target dtype)
 EXPECTED = {
-    "smollm2-draft-target": ("draft_target", 4, "bfloat16"),
+    "smollm2-draft-target": ("draft_target", 6, "bfloat16"),
     "smollm2-ngram": ("ngram", 4, "bfloat16"),
 }
 

@@ -25,8 +25,9 @@ from specdeploy.checkpoints import Checkpoint, check_tokenizers_match, checksum,
 from specdeploy.engine import DTYPES
 from specdeploy.errors import BuildError
 from specdeploy.pipeline import PipelineSpec
-from specdeploy.quantize import GROUP_SIZE, quantize_int4
+from specdeploy.quantize import GROUP_SIZE, quantize_int4, quantize_int8
 
+ENGINE_FORMAT = 2  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -47,7 +48,7 @@ def fingerprint(pipeline: PipelineSpec) -> dict:
         "spec": {key: spec[key] for key in ("name", "target", "speculation", "limits", "backend")},
         "source_checksum": checksum(files),
         "sources": [str(f) for f in files],
-        "versions": {"specdeploy": specdeploy.__version__, "torch": torch.__version__},
+        "versions": {"specdeploy": specdeploy.__version__, "engine_format": ENGINE_FORMAT, "torch": torch.__version__},
     }
 
 
@@ -64,18 +65,21 @@ def is_up_to_date(pipeline: PipelineSpec, engines_root: Path) -> bool:
         {k: v for k, v in fingerprint(pipeline).items() if k != "sources"}
 
 
-def quantized_draft_state(state: dict[str, torch.Tensor], config) -> dict[str, torch.Tensor]:
-    """Int4 copy of the target: every projection (and the vocabulary head) as int4 groups, norms and the
-    embedding table kept in bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
+DRAFT_QUANTIZATION = {"method": "int4", "group_size": GROUP_SIZE, "lm_head": "int8"}
+
+
+def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Weight-only quantized copy of the target: projections as int4 groups, the vocabulary head as int8 rows,
+    norms and the embedding table in bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
     draft = {}
     for name, tensor in state.items():
         base = name.removesuffix(".weight")
-        if base.endswith(LINEAR_SUFFIXES) or name == "lm_head.weight":
+        if base.endswith(LINEAR_SUFFIXES):
             draft.update({f"{base}.{k}": v for k, v in quantize_int4(tensor).items()})
-        else:
+        elif name != "lm_head.weight":
             draft[name] = tensor.to(torch.bfloat16)
-    if "lm_head.weight" not in state:  # tied: the draft gets its own int4 copy of the head
-        draft.update({f"lm_head.{k}": v for k, v in quantize_int4(state["model.embed_tokens.weight"]).items()})
+    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied: the draft gets its own copy
+    draft.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})
     return draft
 
 
@@ -138,8 +142,8 @@ def build(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: b
             draft_spec = speculation.draft
             if draft_spec.derive == "int4":
                 progress.update(task, description=f"[{pipeline.name}] quantizing the target into an int4 draft")
-                write_component(staging / "draft", target, quantized_draft_state(target.state, target.config),
-                                "bfloat16", pipeline, {"method": "int4", "group_size": GROUP_SIZE})
+                write_component(staging / "draft", target, quantized_draft_state(target.state), "bfloat16",
+                                pipeline, DRAFT_QUANTIZATION)
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
                 draft = load_checkpoint(draft_spec.checkpoint, pipeline)

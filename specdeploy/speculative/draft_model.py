@@ -42,10 +42,11 @@ class DraftModelProposer:
             hidden = self.model(inputs, positions, self.cache)
             self.forwards += 1
             self.cache.rewind(0, self.cache.lengths[0] + inputs.shape[1])
-            q = sampling_distribution(self.model.logits(hidden[:, -1]), params,
-                                      None if seen is None else seen[None])  # [1, V]
-            if self.early_stop_threshold and tokens and q.max().item() < self.early_stop_threshold:
+            logits = self.model.logits(hidden[:, -1])  # [1, V]
+            # Confidence is the draft model's own top-1 probability (at temperature 0, q is a point mass).
+            if self.early_stop_threshold and tokens and logits.softmax(-1).max().item() < self.early_stop_threshold:
                 break
+            q = sampling_distribution(logits, params, None if seen is None else seen[None])  # [1, V]
             token = sample(q, generator)  # [1]
             tokens.append(token)
             dists.append(q)
