@@ -18,6 +18,9 @@ from typing import Literal
 import yaml
 
 from specdeploy.errors import PipelineError
+from specdeploy.sampling import SamplingParams, sampling_problems
+
+DEFAULT_SAMPLING = SamplingParams()
 
 SourceKind = Literal["package", "gguf", "hf_dir"]
 DType = Literal["float32", "bfloat16"]
@@ -105,23 +108,18 @@ class SpeculationSpec:
 
 @dataclass(frozen=True)
 class SamplingSpec:
-    """Defaults for requests that do not set them. temperature 0 means greedy; top_k 0 means off."""
+    """Defaults for requests that do not set them (the request defaults themselves live in SamplingParams).
+    temperature 0 means greedy; top_k 0 means off."""
 
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
+    temperature: float = DEFAULT_SAMPLING.temperature
+    top_k: int = DEFAULT_SAMPLING.top_k
+    top_p: float = DEFAULT_SAMPLING.top_p
+    repetition_penalty: float = DEFAULT_SAMPLING.repetition_penalty
     max_tokens: int = 128
 
     def check(self) -> None:
-        if self.temperature < 0:
-            raise Problem("temperature", f"must be ≥ 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise Problem("top_k", f"must be ≥ 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise Problem("top_p", f"must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise Problem("repetition_penalty", f"must be > 0, got {self.repetition_penalty}")
+        for field, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
+            raise Problem(field, problem)
         if self.max_tokens <= 0:
             raise Problem("max_tokens", f"must be ≥ 1, got {self.max_tokens}")
 

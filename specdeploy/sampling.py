@@ -14,6 +14,20 @@ import torch
 from specdeploy.errors import RequestError
 
 
+def sampling_problems(temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> list[tuple[str, str]]:
+    """(field, problem) for every value outside its range; the one place these ranges are defined."""
+    problems = []
+    if not temperature >= 0:  # written so that NaN fails too
+        problems.append(("temperature", f"must be ≥ 0, got {temperature}"))
+    if top_k < 0:
+        problems.append(("top_k", f"must be ≥ 0, got {top_k}"))
+    if not 0 < top_p <= 1:
+        problems.append(("top_p", f"must be in (0, 1], got {top_p}"))
+    if not repetition_penalty > 0:
+        problems.append(("repetition_penalty", f"must be > 0, got {repetition_penalty}"))
+    return problems
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0
@@ -23,14 +37,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be ≥ 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be ≥ 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.repetition_penalty <= 0:
-            raise RequestError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for field, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
+            raise RequestError(f"{field}: {problem}")
 
     @property
     def greedy(self) -> bool:

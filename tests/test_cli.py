@@ -163,7 +163,7 @@ def test_generate_json_and_bad_requests(tmp_path, tiny_dt):
     for args, fragment in [(["   "], "prompt: must not be empty"),
                            (["x" * 65], "prompt: 65 tokens is over the limit of 64"),
                            (["hi", "--num-draft-tokens", "9"], "num_draft_tokens: must be in [0, 8]"),
-                           (["hi", "--top-p", "1.5"], "top_p must be in (0, 1]"),
+                           (["hi", "--top-p", "1.5"], "top_p: must be in (0, 1]"),
                            (["hi", "--max-tokens", "0"], "max_tokens: must be ≥ 1")]:
         bad = run_cli("generate", str(tiny_dt), *args, "--engines-dir", engines)
         assert bad.returncode == 2, (args, bad.stderr)
