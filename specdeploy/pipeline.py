@@ -118,8 +118,8 @@ class SamplingSpec:
     max_tokens: int = 128
 
     def check(self) -> None:
-        for field, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
-            raise Problem(field, problem)
+        for key, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
+            raise Problem(key, problem)
         if self.max_tokens <= 0:
             raise Problem("max_tokens", f"must be ≥ 1, got {self.max_tokens}")
 

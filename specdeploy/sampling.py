@@ -37,8 +37,8 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        for field, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
-            raise RequestError(f"{field}: {problem}")
+        for key, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
+            raise RequestError(f"{key}: {problem}")
 
     @property
     def greedy(self) -> bool:
