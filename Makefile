@@ -22,8 +22,8 @@ $(STAMP): setup.cfg pyproject.toml
 
 demo: venv
 	$(VENV)/bin/specdeploy build $(PIPELINE)
-	$(VENV)/bin/specdeploy generate $(PIPELINE) --compare --max-tokens 128 \
-		"Add type hints and a docstring to this function: def area(w, h): return w * h"
+	$(VENV)/bin/specdeploy generate $(PIPELINE) --compare --max-tokens 160 \
+		"Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 test: venv
 	$(VENV)/bin/pytest -q
