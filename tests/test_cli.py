@@ -195,3 +195,13 @@ def test_bench_rejects_bad_prompt_file(tmp_path, tiny_dt):
     result = run_cli("bench", str(tiny_dt), "--prompts", str(prompts), "--engines-dir", str(tmp_path / "engines"))
     assert result.returncode == 2
     assert f"{prompts}:2" in result.stderr and "'prompt'" in result.stderr
+
+
+def test_int4_draft_needs_group_aligned_sizes(tmp_path):
+    from conftest import save_tiny_checkpoint
+
+    odd = save_tiny_checkpoint(tmp_path / "odd", seed=4, hidden_size=48, intermediate_size=96)
+    path = tiny_pipeline(tmp_path, "tiny-odd", odd)
+    with pytest.raises(BuildError, match="hidden_size divisible by 32, got 48"):
+        build(load_pipeline(path), tmp_path / "engines", quiet=True)
+    assert_no_engine(tmp_path / "engines", "tiny-odd")

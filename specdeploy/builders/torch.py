@@ -114,11 +114,15 @@ def staging_dir(final: Path):
     shutil.rmtree(old, ignore_errors=True)
 
 
-def check_limits(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
-    if checkpoint.config.hidden_size % GROUP_SIZE and pipeline.speculation.draft is not None \
-            and pipeline.speculation.draft.derive == "int4":
-        raise BuildError(f"an int4 draft needs hidden_size divisible by {GROUP_SIZE}, "
-                         f"got {checkpoint.config.hidden_size}")
+def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
+    """Int4 groups run along each projection's input dimension: hidden and intermediate sizes."""
+    draft = pipeline.speculation.draft
+    if draft is None or draft.derive != "int4":
+        return
+    for name in ("hidden_size", "intermediate_size"):
+        if getattr(checkpoint.config, name) % GROUP_SIZE:
+            raise BuildError(f"speculation.draft.derive int4 needs {name} divisible by {GROUP_SIZE}, "
+                             f"got {getattr(checkpoint.config, name)} (use derive: none with a draft checkpoint)")
 
 
 def build(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: bool = False,
@@ -133,7 +137,7 @@ def build(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: b
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}] loading target checkpoint", total=None)
         target = load_checkpoint(pipeline.target.checkpoint, pipeline)
-        check_limits(pipeline, target)
+        check_draft_quantizable(pipeline, target)
         progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
         target_dtype = DTYPES[pipeline.target.dtype]
         write_component(staging / "target", target, {k: v.to(target_dtype) for k, v in target.state.items()},
