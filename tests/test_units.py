@@ -99,3 +99,15 @@ def test_stats_per_position_and_mean_accepted_length():
     assert stats.acceptance_rate == pytest.approx(4 / 6)
     assert stats.mean_accepted_length == pytest.approx(7 / 3)
     assert stats.per_position_acceptance == [1.0, 0.5, 0.5]
+
+
+def test_dense_linear_packed_bf16_matches_f_linear():
+    from specdeploy.model import DenseLinear, packs_for_cpu
+
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
+    layer = DenseLinear(weight)
+    assert (layer.packed is not None) == packs_for_cpu(weight)
+    for shape in ((1, 64), (7, 64), (2, 3, 64)):
+        x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).bfloat16()
+        torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight), atol=1e-2, rtol=1e-2)
+    assert DenseLinear(weight.float()).packed is None  # fp32 keeps the plain path (exactness tests use it)
