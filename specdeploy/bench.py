@@ -22,9 +22,7 @@ from specdeploy.engine import Engine
 from specdeploy.errors import SpecdeployError
 from specdeploy.sampling import SamplingParams
 from specdeploy.speculative.draft_model import DraftModelProposer
-from specdeploy.stats import RequestStats
-
-COPY_HEAVY_KINDS = ("code", "json", "summary", "edit")
+from specdeploy.stats import RequestStats, decode_rate
 
 
 @dataclass
@@ -167,19 +165,13 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, temperature:
     return report
 
 
-def decode_rate(stats: list[RequestStats]) -> float:
-    tokens = sum(max(s.generated_tokens - 1, 0) for s in stats)
-    seconds = sum(s.draft_seconds + s.verify_seconds for s in stats)
-    return tokens / seconds if seconds else 0.0
-
-
 def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     plain = [r.plain for r in runs]
     spec = [r.speculative for r in runs]
     baseline, speculative = decode_rate(plain), decode_rate(spec)
     drafted, accepted = sum(s.drafted for s in spec), sum(s.accepted for s in spec)
     steps = sum(s.steps for s in spec)
-    emitted = sum(max(s.generated_tokens - 1, 0) for s in spec)
+    emitted = sum(s.decode_tokens for s in spec)
     plain_step = sum(s.verify_seconds for s in plain) / max(sum(s.steps for s in plain), 1)
     draft_units = sum(s.draft_forwards for s in spec) if isinstance(engine.draft, DraftModelProposer) else drafted
     draft_cost = sum(s.draft_seconds for s in spec) / max(draft_units, 1) / plain_step

@@ -40,10 +40,18 @@ class RequestStats:
         return self.accepted / self.drafted if self.drafted else 0.0
 
     @property
+    def decode_tokens(self) -> int:
+        """Tokens committed after prefill (the first token comes from prefill, which speculation never touches)."""
+        return max(self.generated_tokens - 1, 0)
+
+    @property
+    def decode_seconds(self) -> float:
+        return self.draft_seconds + self.verify_seconds
+
+    @property
     def mean_accepted_length(self) -> float:
         """Tokens emitted per target step after prefill, bonus/recovered token included (≥ 1)."""
-        emitted_after_prefill = max(self.generated_tokens - 1, 0)
-        return emitted_after_prefill / self.steps if self.steps else 0.0
+        return self.decode_tokens / self.steps if self.steps else 0.0
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -51,8 +59,7 @@ class RequestStats:
 
     @property
     def decode_tokens_per_s(self) -> float:
-        decode_time = self.draft_seconds + self.verify_seconds
-        return max(self.generated_tokens - 1, 0) / decode_time if decode_time else 0.0
+        return decode_rate([self])
 
     def to_dict(self) -> dict:
         data = asdict(self)
@@ -60,3 +67,9 @@ class RequestStats:
                     per_position_acceptance=self.per_position_acceptance,
                     decode_tokens_per_s=self.decode_tokens_per_s)
         return data
+
+
+def decode_rate(stats: list[RequestStats]) -> float:
+    """Decode-phase tokens/s over several requests: all their decode tokens over all their decode time."""
+    seconds = sum(s.decode_seconds for s in stats)
+    return sum(s.decode_tokens for s in stats) / seconds if seconds else 0.0
