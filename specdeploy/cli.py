@@ -57,15 +57,11 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
 def build(pipeline_path: str, engines_dir: Path, force: bool) -> None:
     """Build the pipeline's target (and draft) engines."""
-    from specdeploy.builders.torch import build as build_engine
-    from specdeploy.builders.torch import is_up_to_date
+    from specdeploy.builders.torch import build_if_needed
     from specdeploy.pipeline import load_pipeline
 
-    pipeline = load_pipeline(pipeline_path)
-    if not force and is_up_to_date(pipeline, engines_dir):
-        click.echo(f"{engines_dir / pipeline.name}: up to date, nothing to build")
-        return
-    click.echo(f"built {build_engine(pipeline, engines_dir, force=force)}")
+    directory, built = build_if_needed(load_pipeline(pipeline_path), engines_dir, force=force)
+    click.echo(f"built {directory}" if built else f"{directory}: up to date, nothing to build")
 
 
 @cli.command()

@@ -56,13 +56,13 @@ def engine_dir(pipeline: PipelineSpec, engines_root: Path) -> Path:
     return Path(engines_root) / pipeline.name
 
 
-def is_up_to_date(pipeline: PipelineSpec, engines_root: Path) -> bool:
-    manifest = engine_dir(pipeline, engines_root) / "build_manifest.json"
+def matches_manifest(final: Path, inputs: dict) -> bool:
+    """Whether the engine at `final` was built from exactly these inputs (a fingerprint())."""
+    manifest = final / "build_manifest.json"
     if not manifest.is_file():
         return False
     recorded = json.loads(manifest.read_text())
-    return {k: recorded.get(k) for k in ("spec", "source_checksum", "versions")} == \
-        {k: v for k, v in fingerprint(pipeline).items() if k != "sources"}
+    return all(recorded.get(k) == inputs[k] for k in ("spec", "source_checksum", "versions"))
 
 
 DRAFT_QUANTIZATION = {"method": "int4", "group_size": GROUP_SIZE, "lm_head": "int8"}
@@ -128,10 +128,16 @@ def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> N
 def build(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: bool = False,
           quiet: bool = False) -> Path:
     """Build the pipeline's engines; returns the engine directory. Skips the work when nothing changed."""
+    return build_if_needed(pipeline, engines_root, force, quiet)[0]
+
+
+def build_if_needed(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: bool = False,
+                    quiet: bool = False) -> tuple[Path, bool]:
+    """(engine directory, whether it was built now); the inputs are fingerprinted once."""
     final = engine_dir(pipeline, Path(engines_root))
-    if not force and is_up_to_date(pipeline, engines_root):
-        return final
     inputs = fingerprint(pipeline)
+    if not force and matches_manifest(final, inputs):
+        return final, False
     speculation = pipeline.speculation
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
@@ -159,4 +165,4 @@ def build(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: b
                         components=sorted(p.name for p in staging.iterdir() if p.is_dir()))
         (staging / "build_manifest.json").write_text(json.dumps(manifest, indent=2))
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")
-    return final
+    return final, True
