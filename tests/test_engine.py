@@ -153,7 +153,8 @@ def test_sampled_generation_is_seeded(tiny_engines):
 def test_max_tokens_and_statistics(tiny_engines):
     engine = tiny_engines["draft_target"]
     generation = engine.generate(PROMPTS[1], SamplingParams(), 17, num_draft_tokens=3)
-    tokens = generation.run()
+    chunks = list(generation)
+    tokens = generation.tokens
     stats = generation.stats
     assert len(tokens) == stats.generated_tokens
     assert len(tokens) == 17 or tokens[-1] in engine.eos_ids
@@ -161,7 +162,14 @@ def test_max_tokens_and_statistics(tiny_engines):
     assert stats.drafted == sum(stats.drafted_per_position)
     assert 1.0 <= stats.mean_accepted_length <= 4.0
     assert stats.draft_seconds > 0 and stats.verify_seconds > 0
-    assert stats.steps == stats.speculative_steps or stats.steps > stats.speculative_steps
+    # The first chunk comes from prefill; each later one is one step: its accepted drafts plus one token.
+    assert stats.steps == len(chunks) - 1
+    assert all(1 <= len(chunk) <= 4 for chunk in chunks[1:])
+    emitted_beyond_one = sum(len(chunk) - 1 for chunk in chunks[1:])
+    if tokens[-1] in engine.eos_ids:  # a stop token may cut the last step short
+        assert emitted_beyond_one <= stats.accepted
+    else:
+        assert emitted_beyond_one == stats.accepted
 
 
 @pytest.mark.smollm2
