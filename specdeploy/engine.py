@@ -3,7 +3,7 @@
 One decode step feeds the pending token plus the drafted tokens to the target in a single forward, applies the
 exact acceptance rule and commits accepted + 1 tokens. A plain decode step is the same step with nothing drafted.
 After every step the target's cache holds the committed prefix (all but the pending token) and the draft's
-cache holds a prefix of it.
+cache holds a prefix of it (a draft derived from the target shares the target's cache instead).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from specdeploy.model import LlamaModel
 from specdeploy.model_config import ModelConfig
 from specdeploy.sampling import SamplingParams, sample, sampling_distribution, seen_after_drafts, seen_mask
 from specdeploy.speculative.acceptance import accept
-from specdeploy.speculative.draft_model import DraftModelProposer
+from specdeploy.speculative.draft_model import DraftModelProposer, can_share_cache
 from specdeploy.speculative.ngram import NgramProposer
 from specdeploy.stats import RequestStats
 
@@ -80,15 +80,18 @@ class Engine:
             raise SpecdeployError(f"{self.dir}: method 'draft_target' needs a draft engine, and none was built")
         self.num_draft_tokens = self.speculation["num_draft_tokens"]
         max_length = self.limits["max_sequence_length"]
+        self.cache = self.target.new_cache(1, max_length)
         self.draft: DraftModelProposer | None = None
         self.ngram: NgramProposer | None = None
         if self.method == "draft_target":
             draft_meta = self.speculation["draft"]
-            self.draft = DraftModelProposer(load_component(self.dir / "draft", device), max_length,
-                                            draft_meta["early_stop_threshold"])
+            draft_model = load_component(self.dir / "draft", device)
+            # A draft derived from the target reads the target's keys/values for the committed prefix.
+            derived = draft_meta["derive"] != "none" and can_share_cache(draft_model, self.target)
+            self.draft = DraftModelProposer(draft_model, max_length, draft_meta["early_stop_threshold"],
+                                            shared_cache=self.cache if derived else None)
         elif self.method == "ngram":
             self.ngram = NgramProposer(self.speculation["ngram"]["min_n"], self.speculation["ngram"]["max_n"])
-        self.cache = self.target.new_cache(1, max_length)
         self.eos_ids = set(self.target.config.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
             self.eos_ids.add(self.tokenizer.eos_token_id)

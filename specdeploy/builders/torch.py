@@ -27,7 +27,7 @@ from specdeploy.errors import BuildError
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.quantize import GROUP_SIZE, quantize_int4, quantize_int8
 
-ENGINE_FORMAT = 2  # bump whenever what a build writes changes, so existing engines are rebuilt
+ENGINE_FORMAT = 3  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -152,8 +152,9 @@ def build_if_needed(pipeline: PipelineSpec, engines_root: str | Path = "engines"
             draft_spec = speculation.draft
             if draft_spec.derive == "int4":
                 progress.update(task, description=f"[{pipeline.name}] quantizing the target into an int4 draft")
-                write_component(staging / "draft", target, quantized_draft_state(target.state), "bfloat16",
-                                pipeline, DRAFT_QUANTIZATION)
+                # Activations in the target's dtype, so the draft can share the target's KV cache.
+                write_component(staging / "draft", target, quantized_draft_state(target.state),
+                                pipeline.target.dtype, pipeline, DRAFT_QUANTIZATION)
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
                 draft = load_checkpoint(draft_spec.checkpoint, pipeline)
