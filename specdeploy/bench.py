@@ -159,7 +159,8 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, temperature:
     if with_transformers:
         hf = transformers_decode_tokens_per_s(engine, encoded[0], min(max_tokens, 64))
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
-    report.update(method=engine.method, num_draft_tokens=engine.num_draft_tokens, dtype=engine.dtype,
+    report.update(method=engine.method, num_draft_tokens=engine.num_draft_tokens, schedule=engine.schedule,
+                  dtype=engine.dtype,
                   temperature=temperature, max_tokens=max_tokens, prompts=len(prompts),
                   threads=torch.get_num_threads())
     return report
@@ -178,6 +179,10 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     verify_cost = sum(s.verify_seconds for s in spec) / max(steps, 1) / plain_step
     alpha = accepted / drafted if drafted else 0.0
     gamma = engine.num_draft_tokens
+    speculative_steps = sum(s.speculative_steps for s in spec)
+    mean_drafted = drafted / speculative_steps if speculative_steps else 0.0
+    # Under the heuristic schedule gamma varies per step: the formula gets the mean proposal length instead.
+    formula_gamma = gamma if engine.schedule == "constant" else mean_drafted
     per_position = [0] * gamma, [0] * gamma
     for s in spec:
         for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):
@@ -191,7 +196,8 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
         "mean_accepted_length": emitted / steps if steps else 0.0,
         "draft_cost_ratio": draft_cost,
         "verify_cost_ratio": verify_cost,
-        "predicted_speedup": predicted_speedup(alpha, gamma, draft_cost, verify_cost),
+        "predicted_speedup": predicted_speedup(alpha, formula_gamma, draft_cost, verify_cost),
+        "mean_draft_tokens_per_step": mean_drafted,
         "per_position_acceptance": [a / d if d else 0.0 for d, a in zip(*per_position)],
         "by_kind": {},
     }
@@ -203,7 +209,7 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     return report
 
 
-def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: float) -> float:
+def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost: float) -> float:
     """Seed formula: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v))."""
     tokens_per_step = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
     return tokens_per_step / (gamma * draft_cost + verify_cost)
@@ -211,12 +217,13 @@ def predicted_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost: 
 
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
-    table = Table(title=f"specdeploy bench — {report['method']}, gamma={report['num_draft_tokens']}, "
+    table = Table(title=f"specdeploy bench — {report['method']}, gamma={report['num_draft_tokens']} "
+                        f"({report['schedule']}), "
                         f"{report['dtype']}, T={report['temperature']}, {report['prompts']} prompts")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        if key in ("by_kind", "method", "num_draft_tokens", "dtype", "temperature", "prompts"):
+        if key in ("by_kind", "method", "num_draft_tokens", "schedule", "dtype", "temperature", "prompts"):
             continue
         if isinstance(value, float):
             value = f"{value:.3f}"

@@ -24,6 +24,7 @@ from specdeploy.sampling import SamplingParams, sample, sampling_distribution, s
 from specdeploy.speculative.acceptance import accept
 from specdeploy.speculative.draft_model import DraftModelProposer, can_share_cache
 from specdeploy.speculative.ngram import NgramProposer
+from specdeploy.speculative.schedule import ProposalLength
 from specdeploy.stats import RequestStats
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -79,6 +80,7 @@ class Engine:
         if self.method == "draft_target" and not (self.dir / "draft").is_dir():
             raise SpecdeployError(f"{self.dir}: method 'draft_target' needs a draft engine, and none was built")
         self.num_draft_tokens = self.speculation["num_draft_tokens"]
+        self.schedule = self.speculation["schedule"]
         max_length = self.limits["max_sequence_length"]
         self.cache = self.target.new_cache(1, max_length)
         self.draft: DraftModelProposer | None = None
@@ -152,6 +154,7 @@ class Engine:
         max_length = self.cache.max_length
         max_tokens = min(max_tokens, max_length - len(committed))
         generator = params.generator(self.device)
+        proposal_length = ProposalLength(self.schedule, gamma)
         penalised = params.repetition_penalty != 1.0
         seen = seen_mask(committed, self.vocab_size, self.device) if penalised else None
         self.cache.rewind(0, 0)
@@ -189,7 +192,7 @@ class Engine:
                 break
 
             with torch.inference_mode():  # not across the yield: the caller runs outside it
-                step_gamma = min(gamma, max_tokens - generated - 1, max_length - len(committed))
+                step_gamma = min(proposal_length.current, max_tokens - generated - 1, max_length - len(committed))
                 draft_started = time.perf_counter()
                 drafted, q = self._propose(committed, step_gamma, params, seen, generator)
                 verify_started = time.perf_counter()
@@ -212,6 +215,7 @@ class Engine:
             stats.draft_seconds += verify_started - draft_started
             stats.verify_seconds += time.perf_counter() - verify_started
             stats.record_step(n_drafted, n_accepted)
+            proposal_length.update(n_drafted, n_accepted)
 
         if self.draft is not None:
             stats.draft_forwards = self.draft.forwards - forwards_before

@@ -19,6 +19,7 @@ import yaml
 
 from specdeploy.errors import PipelineError
 from specdeploy.sampling import SamplingParams, sampling_problems
+from specdeploy.speculative.schedule import Schedule
 
 DEFAULT_SAMPLING = SamplingParams()
 
@@ -94,6 +95,7 @@ class SpeculationSpec:
     method: Method = "none"
     num_draft_tokens: int = 4
     acceptance: Literal["exact"] = "exact"
+    schedule: Schedule = "constant"  # proposal length per step: always gamma, or adaptive up to gamma
     draft: DraftSpec | None = None
     ngram: NgramSpec = field(default_factory=NgramSpec)
 

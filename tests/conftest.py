@@ -65,8 +65,8 @@ def write_pipeline(path: Path, **sections) -> Path:
 
 
 def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft_target", draft: Path | None = None,
-                  gamma: int = 3, dtype: str = "float32", **extra) -> Path:
-    speculation: dict = {"method": method, "num_draft_tokens": gamma}
+                  gamma: int = 3, dtype: str = "float32", schedule: str = "constant", **extra) -> Path:
+    speculation: dict = {"method": method, "num_draft_tokens": gamma, "schedule": schedule}
     if method == "draft_target":
         speculation["draft"] = ({"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(draft)},
                                  "dtype": "float32"} if draft else {"derive": "int4"})
@@ -93,7 +93,8 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
-    """Loaded tiny engines: draft_target (noisy fp32 draft), int4 (derived draft), ngram, none."""
+    """Loaded tiny engines: draft_target (noisy fp32 draft), int4 (derived draft), ngram, heuristic (noisy draft,
+    adaptive proposal length)."""
     from specdeploy.builders.torch import build
     from specdeploy.engine import Engine
     from specdeploy.pipeline import load_pipeline
@@ -103,6 +104,8 @@ def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
         "draft_target": tiny_pipeline(root, "tiny-dt", tiny_checkpoints["target"], draft=tiny_checkpoints["draft"]),
         "int4": tiny_pipeline(root, "tiny-int4", tiny_checkpoints["target"]),
         "ngram": tiny_pipeline(root, "tiny-ngram", tiny_checkpoints["target"], method="ngram"),
+        "heuristic": tiny_pipeline(root, "tiny-heuristic", tiny_checkpoints["target"],
+                                   draft=tiny_checkpoints["draft"], schedule="heuristic"),
     }
     return {key: Engine(build(load_pipeline(path), root / "engines", quiet=True)) for key, path in specs.items()}
 

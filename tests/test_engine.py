@@ -78,7 +78,7 @@ def test_tree_mask_and_positions(tiny_checkpoints):
     torch.testing.assert_close(tree, torch.stack(chains), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["draft_target", "int4", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_target", "int4", "ngram", "heuristic"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_speculative_equals_plain(tiny_engines, kind, gamma):
     engine = tiny_engines[kind]
@@ -89,6 +89,18 @@ def test_greedy_speculative_equals_plain(tiny_engines, kind, gamma):
         assert generation.run() == plain
         drafted += generation.stats.drafted
     assert drafted > 0  # speculation really happened
+
+
+def test_heuristic_schedule_varies_the_proposal_length(tiny_engines):
+    """Under the heuristic schedule steps draft different lengths, within the request's gamma."""
+    generation = tiny_engines["heuristic"].generate(PROMPTS[0], SamplingParams(), 80, num_draft_tokens=6)
+    per_step, drafted_before = [], 0
+    for _ in generation:
+        per_step.append(generation.stats.drafted - drafted_before)
+        drafted_before = generation.stats.drafted
+    drafted = [n for n in per_step[1:-1] if n]  # the first chunk is prefill; the last step may be cut short
+    assert max(drafted) <= 6
+    assert len(set(drafted)) >= 3
 
 
 def test_draft_target_rejects_sometimes(tiny_engines):

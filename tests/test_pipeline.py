@@ -29,8 +29,8 @@ SHIPPED = sorted(PIPELINES_DIR.glob("*.yaml"))
 
 # stem -> (method, num_draft_tokens, target dtype)
 EXPECTED = {
-    "smollm2-draft-target": ("draft_target", 6, "bfloat16"),
-    "smollm2-ngram": ("ngram", 4, "bfloat16"),
+    "smollm2-draft-target": ("draft_target", 5, "bfloat16"),
+    "smollm2-ngram": ("ngram", 12, "bfloat16"),
 }
 
 MINIMAL = {"name": "tiny", "target": {"checkpoint": {"source": "gguf", "path": "model.gguf"}}}
@@ -224,7 +224,7 @@ def test_source_file_is_not_a_yaml_key(tmp_path: Path):
 def test_unknown_nested_key(tmp_path: Path):
     load_error(write(tmp_path, minimal(speculation={"method": "ngram", "gama": 4})),
                "speculation:", "unknown key 'gama'",
-               "allowed: method, num_draft_tokens, acceptance, draft, ngram")
+               "allowed: method, num_draft_tokens, acceptance, schedule, draft, ngram")
 
 
 def test_unknown_deeply_nested_key(tmp_path: Path):
@@ -246,9 +246,11 @@ def test_unknown_method(tmp_path: Path):
     ("speculation.acceptance", minimal(speculation={"acceptance": "typical"}), "'typical'", "'exact'"),
     ("speculation.draft.derive", minimal(speculation={"method": "draft_target", "draft": {"derive": "int8"}}),
      "'int8'", "'int4', 'none'"),
+    ("speculation.schedule", minimal(speculation={"schedule": "dynamic"}), "'dynamic'",
+     "'constant', 'heuristic'"),
     ("backend", minimal(backend="trtllm"), "'trtllm'", "'torch'"),
     ("speculation.method", minimal(speculation={"method": None}), "None", "'draft_target', 'ngram', 'none'"),
-], ids=["dtype", "source", "acceptance", "derive", "backend", "method-null"])
+], ids=["dtype", "source", "acceptance", "derive", "schedule", "backend", "method-null"])
 def test_literal_not_allowed(tmp_path: Path, key_path: str, data: dict, bad: str, allowed: str):
     load_error(write(tmp_path, data), key_path, bad, "not allowed", allowed)
 

@@ -10,6 +10,7 @@ from specdeploy.errors import RequestError
 from specdeploy.quantize import Int4Linear, dequantize_int4, quantize_int4
 from specdeploy.sampling import SamplingParams, sampling_distribution, seen_after_drafts, seen_mask
 from specdeploy.speculative.ngram import NgramProposer
+from specdeploy.speculative.schedule import ProposalLength
 from specdeploy.stats import RequestStats
 
 
@@ -56,6 +57,27 @@ def test_ngram_prefers_the_longest_most_recent_match():
     assert proposer.propose([4, 5, 6], 3) == []
     assert proposer.propose(tokens, 0) == []
     assert NgramProposer(min_n=2, max_n=2).propose([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+
+
+def test_heuristic_proposal_length_grows_on_full_acceptance_and_shrinks_on_rejection():
+    length = ProposalLength("heuristic", gamma=9)
+    assert length.current == 4
+    length.update(4, 4)
+    assert length.current == 6
+    length.update(6, 6)
+    length.update(8, 8)
+    assert length.current == 9  # capped at gamma
+    length.update(9, 2)
+    assert length.current == 8
+    length.update(0, 0)  # nothing drafted (no n-gram match): no evidence either way
+    assert length.current == 8
+    for _ in range(20):
+        length.update(length.current, 0)
+    assert length.current == 1  # never below one
+    constant = ProposalLength("constant", gamma=5)
+    constant.update(5, 0)
+    assert constant.current == 5
+    assert ProposalLength("heuristic", gamma=2).current == 2
 
 
 def test_int4_round_trip_and_kernel():
