@@ -31,6 +31,21 @@ class KVCache:
             raise ValueError(f"KV length {length} outside [0, {self.max_length}]")
         self.lengths[row] = length
 
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows start..stop-1 as a cache sharing this one's storage; its lengths start as a copy of theirs."""
+        view = object.__new__(KVCache)
+        view.keys, view.values = self.keys[:, start:stop], self.values[:, start:stop]
+        view.max_length = self.max_length
+        view.lengths = self.lengths[start:stop]
+        return view
+
+    def move_row(self, source: int, destination: int) -> None:
+        """Copy row `source`'s committed entries into row `destination` (compacting the active rows)."""
+        length = self.lengths[source]
+        self.keys[:, destination, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, destination, :, :length] = self.values[:, source, :, :length]
+        self.lengths[destination] = length
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values: two [B, kv_heads, max_length, head_dim] views into the cache."""
         return self.keys[index], self.values[index]

@@ -189,3 +189,25 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] → fp32 logits [..., vocab]."""
         return self.lm_head(hidden).float()
+
+
+def ragged_forward(model: LlamaModel, cache: KVCache, inputs: list[list[int]], starts: list[int]) -> torch.Tensor:
+    """One forward over rows of different lengths: row r feeds inputs[r] at positions starts[r].. into cache row r.
+
+    Short rows are padded at their end; the padding is written past the row's real tokens, where the next write
+    overwrites it before anything attends to it (the cache has headroom for it). Returns the hidden state of each
+    row's last real token: [B, hidden].
+    """
+    hidden = ragged_forward_all(model, cache, inputs, starts)
+    last = torch.tensor([len(row) - 1 for row in inputs], device=hidden.device)
+    return hidden[torch.arange(len(inputs), device=hidden.device), last]
+
+
+def ragged_forward_all(model: LlamaModel, cache: KVCache, inputs: list[list[int]], starts: list[int]) -> torch.Tensor:
+    """As ragged_forward, returning every position: [B, T, hidden] (padding positions included)."""
+    device = model.embed.device
+    width = max(len(row) for row in inputs)
+    tokens = torch.tensor([row + [0] * (width - len(row)) for row in inputs], dtype=torch.long, device=device)
+    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)
+    cache.lengths = list(starts)
+    return model(tokens, positions, cache)

@@ -1,10 +1,10 @@
-"""Draft-model proposer: gamma sequential forwards of a small model sharing the target's tokenizer.
+"""Draft-model proposer: gamma sequential batched forwards of a small model sharing the target's tokenizer.
 
 Two ways to hold the draft's keys and values for the committed prefix:
-- own cache (any draft model): the proposer's cache holds the committed prefix as the draft computed it. Each
-  `propose` first feeds the committed tokens the draft has not seen (the whole prompt on the first call, then one
-  or two tokens), and `rewind` after acceptance keeps exactly the accepted part of what it drafted, so the draft
-  is never conditioned on tokens the target discarded.
+- own cache (any draft model): row r of the proposer's cache holds sequence r's committed prefix as the draft
+  computed it. Each `propose` first feeds the committed tokens the draft has not seen (one or two), and after
+  acceptance the sequence's `draft_length` is cut back to the committed prefix, so the draft is never conditioned
+  on tokens the target discarded.
 - shared cache (a draft derived from the target, e.g. its weight-only quantized copy: same layers, heads and
   dtype): the draft reads the target's own entries for the committed prefix and writes its drafted entries in the
   slots after it, which the target's verify forward overwrites before anything attends to them. The draft never
@@ -14,11 +14,16 @@ Two ways to hold the draft's keys and values for the committed prefix:
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from specdeploy.kv_cache import KVCache
-from specdeploy.model import LlamaModel
-from specdeploy.sampling import SamplingParams, sample, sampling_distribution
+from specdeploy.model import LlamaModel, ragged_forward
+from specdeploy.sampling import sample, sampling_distribution
+
+if TYPE_CHECKING:
+    from specdeploy.batch import Sequence
 
 
 def can_share_cache(draft: LlamaModel, target: LlamaModel) -> bool:
@@ -29,54 +34,61 @@ def can_share_cache(draft: LlamaModel, target: LlamaModel) -> bool:
 
 
 class DraftModelProposer:
-    def __init__(self, model: LlamaModel, max_length: int, early_stop_threshold: float = 0.0,
-                 shared_cache: KVCache | None = None) -> None:
-        """shared_cache: the target's cache, for a draft derived from the target (see the module docstring)."""
+    def __init__(self, model: LlamaModel, cache: KVCache, shared: bool, early_stop_threshold: float = 0.0) -> None:
+        """cache: the draft's own cache, or the target's when shared (see the module docstring)."""
         self.model = model
-        self.shared = shared_cache is not None
-        self.cache = shared_cache if self.shared else model.new_cache(1, max_length)
+        self.cache = cache
+        self.shared = shared
         self.early_stop_threshold = early_stop_threshold
         self.forwards = 0
 
-    def reset(self) -> None:
-        if not self.shared:
-            self.cache.rewind(0, 0)
+    def prefill(self, sequence: Sequence, row: int) -> None:
+        """Feed a new sequence's prompt into row `row` of the draft's own cache (not needed when shared)."""
+        tokens = sequence.committed[:-1]
+        view = self.cache.rows(row, row + 1)
+        view.lengths[0] = 0
+        self.model(torch.tensor([tokens], device=self.model.embed.device),
+                   torch.arange(len(tokens), device=self.model.embed.device)[None], view)
+        sequence.draft_length = len(tokens)
 
-    def propose(self, committed: list[int], gamma: int, params: SamplingParams, seen: torch.Tensor | None,
-                generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft up to gamma tokens after `committed`.
+    def propose(self, sequences: list[Sequence], gammas: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Draft up to gammas[r] tokens after each sequence (row r of the cache).
 
-        seen: [V] bool context mask for the repetition penalty (None when the penalty is off).
-        Returns drafted tokens [n] long and their sampling distributions q [n, V] (n ≤ gamma; n < gamma only
-        when the draft's confidence fell below the early-stop threshold).
+        Returns drafted tokens [B, G] long, their sampling distributions q [B, G, V] (G = max gamma) and how many
+        each row drafted (fewer than gammas[r] only when the draft's confidence fell below the early-stop
+        threshold). Entries past a row's count are scratch.
         """
         device = self.model.embed.device
-        start = self.cache.lengths[0]
-        inputs = torch.tensor([committed[start:]], dtype=torch.long, device=device)
-        positions = torch.arange(start, len(committed), device=device)[None]
-        seen = None if seen is None else seen.clone()
-        tokens, dists = [], []
-        for _ in range(gamma):
-            hidden = self.model(inputs, positions, self.cache)
+        batch, width = len(sequences), max(gammas)
+        if self.shared:
+            inputs = [[s.committed[-1]] for s in sequences]
+            starts = [len(s.committed) - 1 for s in sequences]
+        else:
+            inputs = [s.committed[s.draft_length:] for s in sequences]
+            starts = [s.draft_length for s in sequences]
+        seen = [None if s.seen is None else s.seen.clone() for s in sequences]
+        counts = list(gammas)
+        drafted = torch.zeros(batch, width, dtype=torch.long, device=device)
+        q = torch.zeros(batch, width, self.model.config.vocab_size, device=device)
+        for k in range(width):
+            hidden = ragged_forward(self.model, self.cache.rows(0, batch), inputs, starts)  # [B, H]
             self.forwards += 1
-            self.cache.rewind(0, self.cache.lengths[0] + inputs.shape[1])
-            logits = self.model.logits(hidden[:, -1])  # [1, V]
-            # Confidence is the draft model's own top-1 probability (at temperature 0, q is a point mass).
-            if self.early_stop_threshold and tokens and logits.softmax(-1).max().item() < self.early_stop_threshold:
-                break
-            q = sampling_distribution(logits, params, None if seen is None else seen[None])  # [1, V]
-            token = sample(q, generator)  # [1]
-            tokens.append(token)
-            dists.append(q)
-            if seen is not None:
-                seen[token] = True
-            inputs, positions = token[None], positions[:, -1:] + 1
-        if self.shared:  # the committed length is the target's; drafted entries are only scratch
-            self.cache.rewind(0, start)
-        # The last drafted token was sampled but never fed, so the cache ends one short of the drafts.
-        return torch.cat(tokens), torch.cat(dists)
-
-    def rewind(self, committed_length: int) -> None:
-        """Keep the draft's entries for the committed prefix (a full acceptance leaves the last draft unfed)."""
+            starts = [start + len(fed) for start, fed in zip(starts, inputs)]
+            logits = self.model.logits(hidden)  # [B, V]
+            for r, sequence in enumerate(sequences):
+                if k >= counts[r]:
+                    continue
+                # Confidence is the draft's own top-1 probability (at temperature 0, q is a point mass).
+                if self.early_stop_threshold and k and logits[r].softmax(-1).max().item() < self.early_stop_threshold:
+                    counts[r] = k
+                    continue
+                q[r, k] = sampling_distribution(logits[r:r + 1], sequence.params,
+                                                None if seen[r] is None else seen[r][None])[0]
+                drafted[r, k] = sample(q[r, k:k + 1], sequence.generator)[0]
+                if seen[r] is not None:
+                    seen[r][drafted[r, k]] = True
+            inputs = [[token] for token in drafted[:, k].tolist()]
         if not self.shared:
-            self.cache.rewind(0, min(self.cache.lengths[0], committed_length - 1))
+            for sequence, fed in zip(sequences, starts):
+                sequence.draft_length = fed  # entries fed so far: the last drafted token was sampled, never fed
+        return drafted, q, counts

@@ -1,0 +1,1 @@
+"""Triton Inference Server integration: model repository writer, server launcher, gRPC client."""

@@ -1,0 +1,167 @@
+"""Run a real `tritonserver` on a model repository.
+
+Locally the binary and the Python backend come from the `nvidia-pytriton` wheel. The backend directory is
+assembled in a temporary folder (the wheel's Python backend plus the stub built for this interpreter's version),
+and the stub's embedded interpreter is pointed at this environment: the libpython it was built for, the packages
+installed here and the directory holding `specdeploy`. In a container image the image's own tritonserver is
+used instead (`binary` and `backend_directory` arguments).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import site
+import socket
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import time
+import urllib.request
+from pathlib import Path
+
+import specdeploy
+from specdeploy.errors import SpecdeployError
+
+
+def pytriton_dist() -> Path:
+    """The tritonserver distribution inside the nvidia-pytriton wheel."""
+    import pytriton
+
+    return Path(pytriton.__file__).parent / "tritonserver"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def prepare_backends(directory: Path) -> Path:
+    """A backend directory with the Python backend and the stub for this interpreter. Returns it."""
+    dist = pytriton_dist()
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = dist / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise SpecdeployError(f"nvidia-pytriton has no Python backend stub for Python {version} ({stub})")
+    python_backend = directory / "python"
+    shutil.copytree(dist / "backends" / "python", python_backend, dirs_exist_ok=True)
+    shutil.copy2(stub, python_backend / "triton_python_backend_stub")
+    return directory
+
+
+def server_environment() -> dict[str, str]:
+    """Environment for tritonserver and the Python backend stubs it spawns."""
+    env = dict(os.environ)
+    libraries = [str(pytriton_dist().parent.parent / "nvidia_pytriton.libs"), sysconfig.get_config_var("LIBDIR")]
+    if env.get("LD_LIBRARY_PATH"):
+        libraries.append(env["LD_LIBRARY_PATH"])
+    env["LD_LIBRARY_PATH"] = ":".join(libraries)
+    # The stub embeds the base interpreter: give it this environment's packages and the specdeploy source.
+    paths = [str(Path(specdeploy.__file__).parent.parent), *site.getsitepackages()]
+    if env.get("PYTHONPATH"):
+        paths.append(env["PYTHONPATH"])
+    env["PYTHONPATH"] = ":".join(paths)
+    env["PATH"] = f"{Path(sys.executable).parent}:{env.get('PATH', '')}"
+    env.setdefault("HF_HUB_OFFLINE", "1")
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env
+
+
+class TritonServer:
+    """A tritonserver process. Use as a context manager, or call start() / stop()."""
+
+    def __init__(self, model_repository: str | Path, grpc_port: int | None = None, http_port: int | None = None,
+                 metrics_port: int | None = None, address: str = "127.0.0.1", binary: str | None = None,
+                 backend_directory: str | None = None, log_file: str | Path | None = None,
+                 extra_args: list[str] | None = None) -> None:
+        self.model_repository = Path(model_repository).resolve()
+        if not (self.model_repository / "ensemble" / "config.pbtxt").is_file():
+            raise SpecdeployError(f"{self.model_repository}: not a specdeploy model repository "
+                                  "(no ensemble/config.pbtxt); run specdeploy package")
+        self.grpc_port = grpc_port or free_port()
+        self.http_port = http_port or free_port()
+        self.metrics_port = metrics_port or free_port()
+        self.address = address
+        self.binary = binary
+        self.backend_directory = backend_directory
+        self.log_file = Path(log_file) if log_file else None
+        self.extra_args = extra_args or []
+        self.process: subprocess.Popen | None = None
+        self._workdir: tempfile.TemporaryDirectory | None = None
+
+    @property
+    def grpc_url(self) -> str:
+        return f"{self.address}:{self.grpc_port}"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://{self.address}:{self.metrics_port}/metrics"
+
+    def command(self) -> list[str]:
+        binary = self.binary or str(pytriton_dist() / "bin" / "tritonserver")
+        return [binary, f"--model-repository={self.model_repository}",
+                f"--backend-directory={self.backend_directory}",
+                f"--grpc-address={self.address}", f"--grpc-port={self.grpc_port}",
+                f"--http-address={self.address}", f"--http-port={self.http_port}",
+                f"--metrics-address={self.address}", f"--metrics-port={self.metrics_port}",
+                "--allow-metrics=true", "--allow-gpu-metrics=false", "--exit-timeout-secs=10",
+                *self.extra_args]
+
+    def start(self, timeout: float = 180.0) -> TritonServer:
+        if self.backend_directory is None:
+            self._workdir = tempfile.TemporaryDirectory(prefix="specdeploy-triton-")
+            self.backend_directory = str(prepare_backends(Path(self._workdir.name)))
+        output = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        self.process = subprocess.Popen(self.command(), env=server_environment(), stdout=output,
+                                        stderr=subprocess.STDOUT, start_new_session=True)
+        self.wait_ready(timeout)
+        return self
+
+    def ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.address}:{self.http_port}/v2/health/ready", timeout=2) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SpecdeployError(f"tritonserver exited with status {self.process.returncode} before it was "
+                                      f"ready{self._log_hint()}")
+            if self.ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise SpecdeployError(f"tritonserver was not ready after {timeout:.0f} s{self._log_hint()}")
+
+    def _log_hint(self) -> str:
+        return f" (log: {self.log_file})" if self.log_file else ""
+
+    def send_signal(self, signum: int) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signum)
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        """SIGTERM, then SIGKILL after `timeout`. Returns the exit status."""
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if self._workdir is not None:
+            self._workdir.cleanup()
+            self._workdir = None
+        return None if self.process is None else self.process.returncode
+
+    def __enter__(self) -> TritonServer:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
