@@ -1,0 +1,228 @@
+"""Continuous batching with a speculation policy: the serving loop over one engine's cache rows.
+
+Requests wait in a FIFO queue until a cache row is free and the KV budget covers their worst case (prompt +
+max_tokens + the gamma + 1 slots a speculative step reserves). Between steps, new requests are prefilled into the
+next free row and join; finished or cancelled ones leave at once and the last active row is moved into the hole,
+so the active rows are always 0..B-1 and one batched step covers exactly them. Before each step the policy picks
+the proposal cap for the current batch size (speculation is a scheduling decision: full gamma at low load,
+less as the batch fills, none above a threshold, in which case drafting is skipped entirely).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdeploy.batch import Sequence
+from specdeploy.engine import Engine
+from specdeploy.errors import RequestError
+from specdeploy.sampling import SamplingParams
+
+# on_tokens(tokens, finished): new tokens of one request; finished is None or the finish reason
+# ("stop", "length", "cancelled", "error: ...").
+TokenCallback = Callable[[list[int], str | None], None]
+
+
+@dataclass(frozen=True)
+class SpeculationPolicy:
+    """Proposal cap per step from the number of active sequences B: the request's gamma while B ≤ full_up_to,
+    then reduced linearly, down to 1 at off_above; 0 (no drafting at all) when B > off_above."""
+
+    full_up_to: int = 1
+    off_above: int = 4
+
+    def gamma(self, gamma: int, batch_size: int) -> int:
+        if batch_size > self.off_above:
+            return 0
+        if batch_size <= self.full_up_to:
+            return gamma
+        remaining = (self.off_above - batch_size + 1) / (self.off_above - self.full_up_to + 1)
+        return max(1, round(gamma * remaining))
+
+
+@dataclass
+class Request:
+    sequence: Sequence
+    on_tokens: TokenCallback
+    is_cancelled: Callable[[], bool] = lambda: False
+    reserved: int = 0  # KV slots priced at admission
+    cancel_requested: bool = False
+    reported: bool = False  # the final callback was made
+    gamma: int = 0  # the request's own cap
+    submitted: float = field(default_factory=time.perf_counter)
+
+
+@dataclass
+class SchedulerCounters:
+    """Monotonic totals and current levels, for metrics."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0  # verification steps, summed over requests
+    accepted_per_position: list[int] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, policy: SpeculationPolicy | None = None,
+                 kv_capacity_tokens: int | None = None, on_step: Callable[[Scheduler], None] | None = None) -> None:
+        """engine: loaded with batch_size = the most sequences stepped together. kv_capacity_tokens: the KV budget
+        shared by active sequences (default: every row at the sequence limit). on_step: called after each step
+        (metrics)."""
+        self.engine = engine
+        self.policy = policy or SpeculationPolicy()
+        self.max_batch_size = engine.cache.batch_size
+        self.kv_capacity = kv_capacity_tokens or self.max_batch_size * engine.max_length
+        self.on_step = on_step
+        self.waiting: deque[Request] = deque()
+        self.active: list[Request] = []
+        self.counters = SchedulerCounters()
+        self.batch_steps = 0
+        self._lock = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="specdeploy-scheduler", daemon=True)
+        self._thread.start()
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, on_tokens: TokenCallback,
+               num_draft_tokens: int | None = None, stop_sequences: list[list[int]] | None = None,
+               is_cancelled: Callable[[], bool] = lambda: False) -> Request:
+        """Queue a request (RequestError if it is invalid or can never fit)."""
+        sequence = self.engine.new_sequence(prompt_ids, params, max_tokens, num_draft_tokens, stop_sequences)
+        gamma = sequence.proposal.gamma
+        cost = len(prompt_ids) + sequence.max_tokens + gamma + 1
+        if cost > self.kv_capacity:
+            raise RequestError(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens + {gamma + 1} reserved "
+                               f"speculative slots need {cost} KV slots, over the capacity of {self.kv_capacity}")
+        request = Request(sequence, on_tokens, is_cancelled, reserved=cost, gamma=gamma)
+        with self._lock:
+            self.waiting.append(request)
+            self._lock.notify()
+        return request
+
+    def cancel(self, request: Request) -> None:
+        with self._lock:
+            request.cancel_requested = True
+            self._lock.notify()
+
+    @property
+    def reserved_kv(self) -> int:
+        return sum(r.reserved for r in self.active)
+
+    @property
+    def free_kv_slots(self) -> int:
+        return self.kv_capacity - self.reserved_kv
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopped = True
+            self._lock.notify()
+        self._thread.join(timeout=30)
+
+    # ---- the loop ---------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                while not self._stopped and not self.waiting and not self.active:
+                    self._lock.wait()
+                if self._stopped:
+                    break
+                joining = self._admit()
+            try:
+                self._drop_cancelled()
+                for request in joining:
+                    row = self.active.index(request)
+                    self._deliver(request, self.engine.decoder.prefill(request.sequence, row))
+                self._leave_finished()
+                if self.active:
+                    self._step()
+            except Exception as exc:  # a failed step fails its requests, never the server
+                traceback.print_exc()
+                for request in list(self.active):
+                    request.sequence.finish_reason = f"error: {type(exc).__name__}: {exc}"
+                    self._finish(request)
+            if self.on_step is not None:
+                self.on_step(self)
+        for request in list(self.active) + list(self.waiting):
+            request.sequence.finish_reason = "cancelled"
+            request.on_tokens([], "cancelled")
+
+    def _admit(self) -> list[Request]:
+        """Move waiting requests into free rows while the KV budget allows (FIFO: no overtaking)."""
+        joining = []
+        while self.waiting and len(self.active) < self.max_batch_size:
+            request = self.waiting[0]
+            if request.cancel_requested or request.is_cancelled():
+                self.waiting.popleft()
+                request.sequence.finish_reason = "cancelled"
+                self._count_outcome("cancelled")
+                request.on_tokens([], "cancelled")
+                continue
+            if self.reserved_kv + request.reserved > self.kv_capacity:
+                break
+            self.waiting.popleft()
+            self.active.append(request)
+            joining.append(request)
+        return joining
+
+    def _drop_cancelled(self) -> None:
+        for request in list(self.active):
+            if request.cancel_requested or request.is_cancelled():
+                request.sequence.finish_reason = "cancelled"
+                self._finish(request)
+
+    def _step(self) -> None:
+        sequences = [r.sequence for r in self.active]
+        cap = self.policy.gamma(self.engine.num_draft_tokens, len(sequences))
+        emitted = self.engine.decoder.step(sequences, [min(cap, r.gamma) for r in self.active])
+        self.batch_steps += 1
+        for request, tokens in zip(list(self.active), emitted):
+            self._deliver(request, tokens)
+        self._leave_finished()
+
+    def _deliver(self, request: Request, tokens: list[int]) -> None:
+        """Hand a step's tokens to the request; the callback that carries a finish reason is its last."""
+        reason = request.sequence.finish_reason
+        request.reported = reason is not None
+        request.on_tokens(tokens, reason)
+
+    def _leave_finished(self) -> None:
+        for request in list(self.active):
+            if request.sequence.finish_reason is not None:
+                self._finish(request)
+
+    def _finish(self, request: Request) -> None:
+        """Remove an active request (its row is refilled by the last active row), count it, report its end."""
+        row, last = self.active.index(request), len(self.active) - 1
+        if row != last:
+            self._move_row(last, row)
+        self.active[row] = self.active[last]
+        self.active.pop()
+        stats = request.sequence.stats
+        stats.total_seconds = time.perf_counter() - request.submitted
+        counters = self.counters
+        counters.drafted += stats.drafted
+        counters.accepted += stats.accepted
+        counters.steps += stats.steps
+        for i, count in enumerate(stats.accepted_per_position):
+            if i >= len(counters.accepted_per_position):
+                counters.accepted_per_position.append(0)
+            counters.accepted_per_position[i] += count
+        reason = request.sequence.finish_reason
+        self._count_outcome(reason.split(":")[0])
+        if not request.reported:
+            request.reported = True
+            request.on_tokens([], reason)
+
+    def _move_row(self, source: int, destination: int) -> None:
+        self.engine.cache.move_row(source, destination)
+        draft = self.engine.draft
+        if draft is not None and not draft.shared:
+            draft.cache.move_row(source, destination)
+
+    def _count_outcome(self, outcome: str) -> None:
+        self.counters.outcomes[outcome] = self.counters.outcomes.get(outcome, 0) + 1
