@@ -153,6 +153,58 @@ def bench(pipeline_path: str, engines_dir: Path, prompts_path: str | None, max_t
         click.echo(f"wrote {json_out}")
 
 
+@cli.command()
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@engines_option
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="Model repository directory (default: model_repository/<name>).")
+def package(pipeline_path: str, engines_dir: Path, output: Path | None) -> None:
+    """Write a Triton model repository (ensemble: preprocessing → speculative → postprocessing)."""
+    from specdeploy.builders.torch import build_if_needed
+    from specdeploy.pipeline import load_pipeline
+    from specdeploy.triton.repository import write_repository
+
+    pipeline = load_pipeline(pipeline_path)
+    engine_dir, _ = build_if_needed(pipeline, engines_dir)
+    output = output or Path("model_repository") / pipeline.name
+    click.echo(f"wrote {write_repository(pipeline, engine_dir, output)}")
+
+
+@cli.command()
+@click.argument("pipeline_path", metavar="PIPELINE.yaml", required=False)
+@engines_option
+@click.option("--model-repository", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="Serve this repository instead of packaging PIPELINE.yaml.")
+@click.option("--grpc-port", type=int, default=8001, show_default=True)
+@click.option("--http-port", type=int, default=8000, show_default=True)
+@click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--address", default="127.0.0.1", show_default=True, help="Interface to bind (0.0.0.0: all).")
+def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path | None, grpc_port: int,
+          http_port: int, metrics_port: int, address: str) -> None:
+    """Run tritonserver on the pipeline's model repository until interrupted."""
+    import signal
+
+    from specdeploy.triton.server import TritonServer
+
+    if model_repository is None:
+        if pipeline_path is None:
+            raise click.UsageError("give PIPELINE.yaml or --model-repository")
+        from specdeploy.builders.torch import build_if_needed
+        from specdeploy.pipeline import load_pipeline
+        from specdeploy.triton.repository import write_repository
+
+        pipeline = load_pipeline(pipeline_path)
+        engine_dir, _ = build_if_needed(pipeline, engines_dir)
+        model_repository = write_repository(pipeline, engine_dir, Path("model_repository") / pipeline.name)
+    server = TritonServer(model_repository, grpc_port, http_port, metrics_port, address)
+    server.start()
+    click.echo(f"tritonserver ready: gRPC {server.grpc_url}, metrics {server.metrics_url} (Ctrl-C stops it)")
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: server.stop())
+    server.process.wait()
+    server.stop()
+
+
 def main() -> None:
     cli()
 

@@ -144,12 +144,41 @@ class LimitsSpec:
 
 
 @dataclass(frozen=True)
+class PolicySpec:
+    """Speculation by batch size (see scheduler.SpeculationPolicy): full gamma while the batch has at most
+    full_up_to sequences, then less, and none above off_above."""
+
+    full_up_to: int = 1
+    off_above: int = 2
+
+    def check(self) -> None:
+        if self.full_up_to < 0:
+            raise Problem("full_up_to", f"must be ≥ 0, got {self.full_up_to}")
+        if self.off_above < self.full_up_to:
+            raise Problem("off_above", f"must be ≥ full_up_to ({self.full_up_to}), got {self.off_above}")
+
+
+@dataclass(frozen=True)
+class ServingSpec:
+    """How the Triton `speculative` model schedules: the speculation policy and the KV budget in tokens (default:
+    limits.max_batch_size × limits.max_sequence_length)."""
+
+    policy: PolicySpec = field(default_factory=PolicySpec)
+    kv_capacity_tokens: int | None = None
+
+    def check(self) -> None:
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens <= 0:
+            raise Problem("kv_capacity_tokens", f"must be ≥ 1, got {self.kv_capacity_tokens}")
+
+
+@dataclass(frozen=True)
 class PipelineSpec:
     name: str
     target: TargetSpec
     speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     limits: LimitsSpec = field(default_factory=LimitsSpec)
+    serving: ServingSpec = field(default_factory=ServingSpec)
     backend: Literal["torch"] = "torch"  # "trtllm" joins with its builder
     source_file: Path | None = field(default=None, compare=False)
 

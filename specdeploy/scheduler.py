@@ -21,10 +21,11 @@ from specdeploy.batch import Sequence
 from specdeploy.engine import Engine
 from specdeploy.errors import RequestError
 from specdeploy.sampling import SamplingParams
+from specdeploy.stats import RequestStats
 
-# on_tokens(tokens, finished): new tokens of one request; finished is None or the finish reason
-# ("stop", "length", "cancelled", "error: ...").
-TokenCallback = Callable[[list[int], str | None], None]
+# on_tokens(tokens, finished, stats): new tokens of one request; finished is None or the finish reason
+# ("stop", "length", "cancelled", "error: ..."); stats: the request's RequestStats so far.
+TokenCallback = Callable[[list[int], str | None, RequestStats], None]
 
 
 @dataclass(frozen=True)
@@ -51,7 +52,6 @@ class Request:
     is_cancelled: Callable[[], bool] = lambda: False
     reserved: int = 0  # KV slots priced at admission
     cancel_requested: bool = False
-    reported: bool = False  # the final callback was made
     gamma: int = 0  # the request's own cap
     submitted: float = field(default_factory=time.perf_counter)
 
@@ -137,7 +137,6 @@ class Scheduler:
                 for request in joining:
                     row = self.active.index(request)
                     self._deliver(request, self.engine.decoder.prefill(request.sequence, row))
-                self._leave_finished()
                 if self.active:
                     self._step()
             except Exception as exc:  # a failed step fails its requests, never the server
@@ -149,7 +148,7 @@ class Scheduler:
                 self.on_step(self)
         for request in list(self.active) + list(self.waiting):
             request.sequence.finish_reason = "cancelled"
-            request.on_tokens([], "cancelled")
+            request.on_tokens([], "cancelled", request.sequence.stats)
 
     def _admit(self) -> list[Request]:
         """Move waiting requests into free rows while the KV budget allows (FIFO: no overtaking)."""
@@ -160,7 +159,7 @@ class Scheduler:
                 self.waiting.popleft()
                 request.sequence.finish_reason = "cancelled"
                 self._count_outcome("cancelled")
-                request.on_tokens([], "cancelled")
+                request.on_tokens([], "cancelled", request.sequence.stats)
                 continue
             if self.reserved_kv + request.reserved > self.kv_capacity:
                 break
@@ -182,20 +181,16 @@ class Scheduler:
         self.batch_steps += 1
         for request, tokens in zip(list(self.active), emitted):
             self._deliver(request, tokens)
-        self._leave_finished()
 
     def _deliver(self, request: Request, tokens: list[int]) -> None:
-        """Hand a step's tokens to the request; the callback that carries a finish reason is its last."""
-        reason = request.sequence.finish_reason
-        request.reported = reason is not None
-        request.on_tokens(tokens, reason)
+        """Hand a step's tokens to the request; a finished request leaves first, so its last callback comes
+        after its row, reservation and counts are settled."""
+        if request.sequence.finish_reason is None:
+            request.on_tokens(tokens, None, request.sequence.stats)
+        else:
+            self._finish(request, tokens)
 
-    def _leave_finished(self) -> None:
-        for request in list(self.active):
-            if request.sequence.finish_reason is not None:
-                self._finish(request)
-
-    def _finish(self, request: Request) -> None:
+    def _finish(self, request: Request, tokens: list[int] | None = None) -> None:
         """Remove an active request (its row is refilled by the last active row), count it, report its end."""
         row, last = self.active.index(request), len(self.active) - 1
         if row != last:
@@ -214,9 +209,9 @@ class Scheduler:
             counters.accepted_per_position[i] += count
         reason = request.sequence.finish_reason
         self._count_outcome(reason.split(":")[0])
-        if not request.reported:
-            request.reported = True
-            request.on_tokens([], reason)
+        if self.on_step is not None:
+            self.on_step(self)
+        request.on_tokens(tokens or [], reason, stats)
 
     def _move_row(self, source: int, destination: int) -> None:
         self.engine.cache.move_row(source, destination)

@@ -212,7 +212,7 @@ def test_top_level_not_a_mapping(tmp_path: Path, text: str, shown: str):
 def test_unknown_top_level_key(tmp_path: Path):
     load_error(write(tmp_path, minimal(speculaton={"method": "ngram"})),
                "top level", "unknown key 'speculaton'",
-               "allowed: name, target, speculation, sampling, limits, backend")
+               "allowed: name, target, speculation, sampling, limits, serving, backend")
 
 
 def test_source_file_is_not_a_yaml_key(tmp_path: Path):

@@ -20,7 +20,7 @@ class Collector:
         self.reason: str | None = None
         self.done = threading.Event()
 
-    def __call__(self, tokens: list[int], finished: str | None) -> None:
+    def __call__(self, tokens: list[int], finished: str | None, stats=None) -> None:
         assert not self.done.is_set(), "tokens after the final callback"
         self.tokens.extend(tokens)
         if finished is not None:

@@ -1,0 +1,32 @@
+"""Triton Python model: text_input (+ stop_words) → token ids, with the chat template. Thin: logic in specdeploy."""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from specdeploy.triton.requests import encode_request
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from transformers import AutoTokenizer
+
+        parameters = json.loads(args["model_config"])["parameters"]
+        self.tokenizer = AutoTokenizer.from_pretrained(parameters["tokenizer_dir"]["string_value"])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
+                stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
+                ids, stop_ids = encode_request(self.tokenizer, text, None if stop is None else stop.as_numpy())
+                responses.append(pb_utils.InferenceResponse([
+                    pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
+                    pb_utils.Tensor("stop_words_ids", np.array([stop_ids], dtype=np.int32)),
+                ]))
+            except ValueError as exc:
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)))
+        return responses

@@ -1,0 +1,79 @@
+"""gRPC client for the ensemble, through tritonclient's streaming API (the speculative model is decoupled, so
+even a non-streaming request travels on a stream and comes back as one response)."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdeploy.errors import RequestError
+from specdeploy.triton.requests import STATISTICS
+
+
+@dataclass
+class Chunk:
+    text: str
+    statistics: dict[str, float]  # cumulative for the request
+    final: bool
+
+
+def build_inputs(prompt: str, max_tokens: int, stream: bool, **fields) -> list:
+    """InferInputs with tensorrtllm_backend names; fields left None are not sent."""
+    import tritonclient.grpc as grpcclient
+
+    types = {"temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
+             "repetition_penalty": ("FP32", np.float32), "random_seed": ("UINT64", np.uint64),
+             "num_draft_tokens": ("INT32", np.int32), "end_id": ("INT32", np.int32)}
+
+    def make(name: str, kind: str, array: np.ndarray):
+        item = grpcclient.InferInput(name, list(array.shape), kind)
+        item.set_data_from_numpy(array)
+        return item
+
+    inputs = [make("text_input", "BYTES", np.array([[prompt.encode("utf-8")]], dtype=object)),
+              make("max_tokens", "INT32", np.array([[max_tokens]], dtype=np.int32)),
+              make("stream", "BOOL", np.array([[stream]], dtype=bool))]
+    for name, value in fields.items():
+        if value is None:
+            continue
+        if name == "stop_words":
+            inputs.append(make(name, "BYTES", np.array([[w.encode() for w in value]], dtype=object)))
+            continue
+        kind, dtype = types[name]
+        inputs.append(make(name, kind, np.array([[value]], dtype=dtype)))
+    return inputs
+
+
+def generate(url: str, prompt: str, max_tokens: int, stream: bool = True, model: str = "ensemble",
+             timeout: float = 600.0, **fields) -> Iterator[Chunk]:
+    """Yield the text as the server sends it. RequestError carries the server's message for a bad request."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    try:
+        client.async_stream_infer(model, build_inputs(prompt, max_tokens, stream, **fields),
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=timeout)
+            if error is not None:
+                message = error.message() if isinstance(error, InferenceServerException) else str(error)
+                raise RequestError(message)
+            response = result.get_response()
+            final = response.parameters["triton_final_response"].bool_param
+            if response.outputs:
+                text = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
+                statistics = {name: result.as_numpy(name).reshape(-1)[0].item() for name, _ in STATISTICS}
+                yield Chunk(text, statistics, final)
+            elif final:
+                yield Chunk("", {}, True)
+            if final:
+                return
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()

@@ -1,0 +1,172 @@
+"""The `speculative` Triton model's logic: requests in, scheduler, responses and Prometheus metrics out.
+
+`pb_utils` (triton_python_backend_utils) is passed in, so this module imports without a server.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+
+from specdeploy.engine import Engine
+from specdeploy.errors import RequestError
+from specdeploy.sampling import SamplingParams
+from specdeploy.scheduler import Scheduler, SpeculationPolicy
+from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS, sampling_from, scalar, split_stop_ids
+
+
+class Metrics:
+    """specdeploy_* counters and gauges through the Python backend's metric API, labelled by model and method."""
+
+    def __init__(self, pb_utils, labels: dict[str, str]) -> None:
+        family = pb_utils.MetricFamily
+        self.labels = labels
+
+        # The backend deletes a metric when its family object goes away: keep every family referenced.
+        self.families = {
+            "drafted": family(name="specdeploy_drafted_tokens_total", description="Drafted tokens sent to "
+                              "verification", kind=family.COUNTER),
+            "accepted": family(name="specdeploy_accepted_tokens_total", description="Drafted tokens accepted",
+                               kind=family.COUNTER),
+            "steps": family(name="specdeploy_verification_steps_total", description="Target verification steps, "
+                            "summed over requests", kind=family.COUNTER),
+            "per_position": family(name="specdeploy_accepted_tokens_per_position_total", description="Accepted "
+                                   "drafted tokens by draft position (1-based)", kind=family.COUNTER),
+            "requests": family(name="specdeploy_requests_total", description="Finished requests by outcome",
+                               kind=family.COUNTER),
+            "batch_size": family(name="specdeploy_batch_size", description="Sequences in the current batch",
+                                 kind=family.GAUGE),
+            "free_kv": family(name="specdeploy_free_kv_slots", description="KV slots not reserved by active "
+                              "sequences", kind=family.GAUGE),
+        }
+        self.drafted = self.families["drafted"].Metric(labels=labels)
+        self.accepted = self.families["accepted"].Metric(labels=labels)
+        self.steps = self.families["steps"].Metric(labels=labels)
+        self.per_position_family = self.families["per_position"]
+        self.requests_family = self.families["requests"]
+        self.batch_size = self.families["batch_size"].Metric(labels=labels)
+        self.free_kv = self.families["free_kv"].Metric(labels=labels)
+        self.per_position: dict[int, object] = {}
+        self.outcomes: dict[str, object] = {}
+        self.seen = {"drafted": 0, "accepted": 0, "steps": 0, "positions": [], "outcomes": {}}
+        self.lock = threading.Lock()
+
+    def count_invalid(self) -> None:
+        with self.lock:
+            self._outcome("invalid").increment(1)
+
+    def _outcome(self, outcome: str):
+        if outcome not in self.outcomes:
+            self.outcomes[outcome] = self.requests_family.Metric(labels={**self.labels, "outcome": outcome})
+        return self.outcomes[outcome]
+
+    def update(self, scheduler: Scheduler) -> None:
+        """Bring the metrics up to the scheduler's counters (called from the scheduler thread)."""
+        counters, seen = scheduler.counters, self.seen
+        with self.lock:
+            for name, metric in (("drafted", self.drafted), ("accepted", self.accepted), ("steps", self.steps)):
+                value = getattr(counters, name)
+                if value > seen[name]:
+                    metric.increment(value - seen[name])
+                    seen[name] = value
+            for i, value in enumerate(counters.accepted_per_position):
+                if i >= len(seen["positions"]):
+                    seen["positions"].append(0)
+                    self.per_position[i] = self.per_position_family.Metric(labels={**self.labels,
+                                                                                  "position": str(i + 1)})
+                if value > seen["positions"][i]:
+                    self.per_position[i].increment(value - seen["positions"][i])
+                    seen["positions"][i] = value
+            for outcome, value in counters.outcomes.items():
+                done = seen["outcomes"].get(outcome, 0)
+                if value > done:
+                    self._outcome(outcome).increment(value - done)
+                    seen["outcomes"][outcome] = value
+            self.batch_size.set(len(scheduler.active))
+            self.free_kv.set(scheduler.free_kv_slots)
+
+
+class SpeculativeServer:
+    def __init__(self, model_config: dict, pb_utils) -> None:
+        self.pb = pb_utils
+        parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
+        self.engine = Engine(parameters["engine_dir"], batch_size=int(parameters["max_active_sequences"]))
+        self.defaults = SamplingParams(temperature=float(parameters["default_temperature"]),
+                                       top_k=int(parameters["default_top_k"]),
+                                       top_p=float(parameters["default_top_p"]),
+                                       repetition_penalty=float(parameters["default_repetition_penalty"]))
+        self.default_max_tokens = int(parameters["default_max_tokens"])
+        policy = SpeculationPolicy(full_up_to=int(parameters["policy_full_up_to"]),
+                                   off_above=int(parameters["policy_off_above"]))
+        self.metrics = Metrics(pb_utils, {"model": model_config["name"], "method": self.engine.method})
+        capacity = int(parameters.get("kv_capacity_tokens") or 0) or None
+        self.scheduler = Scheduler(self.engine, policy, capacity, on_step=self.metrics.update)
+
+    def stop(self) -> None:
+        self.scheduler.stop()
+
+    def _error(self, sender, message: str) -> None:
+        self.metrics.count_invalid()
+        sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(message, self.pb.TritonError.INVALID_ARG)),
+                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+    def submit(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            inputs = {name: tensor.as_numpy() for name in ("input_ids", "stop_words_ids", *SCALAR_INPUTS)
+                      if (tensor := self.pb.get_input_tensor_by_name(request, name)) is not None}
+            prompt = inputs["input_ids"].reshape(-1).tolist()
+            max_tokens = int(scalar(inputs, "max_tokens", self.default_max_tokens))
+            gamma = scalar(inputs, "num_draft_tokens", None)
+            params = sampling_from(inputs, self.defaults)
+            stream = bool(scalar(inputs, "stream", False))
+            stops = split_stop_ids(inputs.get("stop_words_ids", np.zeros(0, np.int32)).reshape(-1).tolist())
+            end_id = scalar(inputs, "end_id", None)
+            if end_id is not None:
+                stops.append([int(end_id)])
+            if max_tokens > self.engine.max_length:
+                raise RequestError(f"max_tokens: {max_tokens} is over max_sequence_length "
+                                   f"({self.engine.max_length})")
+            responder = Responder(self, sender, stream)
+            self.scheduler.submit(prompt, params, max_tokens, responder, None if gamma is None else int(gamma),
+                                  stops, is_cancelled=sender.is_cancelled)
+        except RequestError as exc:
+            self._error(sender, str(exc))
+
+    def response(self, ids: list[int], previous_length: int, stats) -> object:
+        pb = self.pb
+        outputs = [pb.Tensor("output_ids", np.array([ids], dtype=np.int32)),
+                   pb.Tensor("previous_length", np.array([[previous_length]], dtype=np.int32))]
+        values = {"total_draft_tokens": stats.drafted, "total_accepted_draft_tokens": stats.accepted,
+                  "acceptance_rate": stats.acceptance_rate}
+        for name, kind in STATISTICS:
+            dtype = np.int32 if kind == "TYPE_INT32" else np.float32
+            outputs.append(pb.Tensor(name, np.array([[values[name]]], dtype=dtype)))
+        return pb.InferenceResponse(outputs)
+
+
+class Responder:
+    """The scheduler's callback for one request: sends each step's tokens (stream) or everything at the end."""
+
+    def __init__(self, server: SpeculativeServer, sender, stream: bool) -> None:
+        self.server, self.sender, self.stream = server, sender, stream
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def __call__(self, tokens: list[int], finished: str | None, stats) -> None:
+        server, pb = self.server, self.server.pb
+        self.ids.extend(t for t in tokens if t not in server.engine.eos_ids)
+        if finished == "cancelled":
+            self.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        if finished is not None and finished.startswith("error"):
+            self.sender.send(pb.InferenceResponse(error=pb.TritonError(finished)),
+                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        if not self.stream and finished is None:
+            return
+        previous = self.sent if self.stream else 0
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
+        self.sender.send(server.response(self.ids, previous, stats), flags=flags)
+        self.sent = len(self.ids)
