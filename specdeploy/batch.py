@@ -82,7 +82,7 @@ class BatchDecoder:
         if self.draft is not None and not self.draft.shared and sequence.finish_reason is None:
             with torch.inference_mode():
                 self.draft.prefill(sequence, row)
-            self.draft.cache.lengths[row] = sequence.draft_length
+            self.draft.cache.rewind(row, sequence.draft_length)
         sequence.stats.prefill_seconds = time.perf_counter() - started
         return emitted
 
@@ -120,8 +120,6 @@ class BatchDecoder:
             sequence.stats.record_step(counts[r], accepted)
             sequence.proposal.update(counts[r], accepted)
             emitted_all.append(self._commit(sequence, r, tokens))
-        if self.draft is not None and not self.draft.shared:
-            self.draft.cache.lengths[:len(sequences)] = [s.draft_length for s in sequences]
         return emitted_all
 
     def _step_gamma(self, sequence: Sequence, cap: int | None) -> int:
@@ -158,8 +156,10 @@ class BatchDecoder:
             sequence.seen[emitted] = True
         if sequence.finish_reason is None and sequence.generated >= sequence.max_tokens:
             sequence.finish_reason = "length"
-        self.cache.lengths[row] = sequence.cache_length
+        self.cache.rewind(row, sequence.cache_length)
         sequence.draft_length = min(sequence.draft_length, sequence.cache_length)
+        if self.draft is not None and not self.draft.shared:
+            self.draft.cache.rewind(row, sequence.draft_length)
         stats = sequence.stats
         stats.generated_tokens = sequence.generated
         if sequence.finish_reason:

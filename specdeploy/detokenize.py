@@ -1,11 +1,27 @@
-"""Incremental detokenisation: text arrives as tokens do, and never as broken UTF-8."""
+"""Incremental detokenisation: text arrives as tokens do, and never as broken UTF-8.
+
+The whole generated sequence is decoded each time and only the new suffix is emitted. A trailing U+FFFD means a
+multi-byte character is still incomplete, so that part is held back until a later token completes it.
+"""
 
 from __future__ import annotations
 
 
+def visible_text(tokenizer, ids: list[int]) -> str:
+    """Decoded text without a trailing incomplete character."""
+    return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
+
+
+def new_text(tokenizer, ids: list[int], previous_length: int) -> str:
+    """The text `ids` add beyond their first previous_length tokens (already shown): the stateless form, for a
+    caller that keeps only how many tokens it has sent."""
+    before = visible_text(tokenizer, ids[:previous_length]) if previous_length else ""
+    now = visible_text(tokenizer, ids)
+    return now[len(before):] if now.startswith(before) else ""
+
+
 class IncrementalDetokenizer:
-    """Decode the whole generated sequence each time and emit only the new suffix. A trailing U+FFFD means a
-    multi-byte character is still incomplete, so that text is held back until the next token completes it."""
+    """The stateful form: feed tokens as they come, receive the text they complete."""
 
     def __init__(self, tokenizer, skip_ids: set[int] = frozenset()) -> None:
         self.tokenizer, self.skip_ids = tokenizer, set(skip_ids)
@@ -14,8 +30,8 @@ class IncrementalDetokenizer:
 
     def add(self, tokens: list[int]) -> str:
         self.tokens.extend(t for t in tokens if t not in self.skip_ids)
-        text = self.tokenizer.decode(self.tokens, skip_special_tokens=True)
-        if text.endswith("\ufffd") or not text.startswith(self.emitted):
+        text = visible_text(self.tokenizer, self.tokens)
+        if not text.startswith(self.emitted):
             return ""
         new, self.emitted = text[len(self.emitted):], text
         return new

@@ -52,13 +52,17 @@ class Request:
     is_cancelled: Callable[[], bool] = lambda: False
     reserved: int = 0  # KV slots priced at admission
     cancel_requested: bool = False
-    gamma: int = 0  # the request's own cap
     submitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def cancelled(self) -> bool:
+        """Cancelled through the scheduler or by the client (a disconnected stream)."""
+        return self.cancel_requested or self.is_cancelled()
 
 
 @dataclass
 class SchedulerCounters:
-    """Monotonic totals and current levels, for metrics."""
+    """Monotonic totals over finished requests, for metrics."""
 
     drafted: int = 0
     accepted: int = 0
@@ -81,7 +85,6 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.counters = SchedulerCounters()
-        self.batch_steps = 0
         self._lock = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="specdeploy-scheduler", daemon=True)
@@ -98,7 +101,7 @@ class Scheduler:
         if cost > self.kv_capacity:
             raise RequestError(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens + {gamma + 1} reserved "
                                f"speculative slots need {cost} KV slots, over the capacity of {self.kv_capacity}")
-        request = Request(sequence, on_tokens, is_cancelled, reserved=cost, gamma=gamma)
+        request = Request(sequence, on_tokens, is_cancelled, reserved=cost)
         with self._lock:
             self.waiting.append(request)
             self._lock.notify()
@@ -155,7 +158,7 @@ class Scheduler:
         joining = []
         while self.waiting and len(self.active) < self.max_batch_size:
             request = self.waiting[0]
-            if request.cancel_requested or request.is_cancelled():
+            if request.cancelled:
                 self.waiting.popleft()
                 request.sequence.finish_reason = "cancelled"
                 self._count_outcome("cancelled")
@@ -170,15 +173,14 @@ class Scheduler:
 
     def _drop_cancelled(self) -> None:
         for request in list(self.active):
-            if request.cancel_requested or request.is_cancelled():
+            if request.cancelled:
                 request.sequence.finish_reason = "cancelled"
                 self._finish(request)
 
     def _step(self) -> None:
         sequences = [r.sequence for r in self.active]
         cap = self.policy.gamma(self.engine.num_draft_tokens, len(sequences))
-        emitted = self.engine.decoder.step(sequences, [min(cap, r.gamma) for r in self.active])
-        self.batch_steps += 1
+        emitted = self.engine.decoder.step(sequences, [min(cap, s.proposal.gamma) for s in sequences])
         for request, tokens in zip(list(self.active), emitted):
             self._deliver(request, tokens)
 

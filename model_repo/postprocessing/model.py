@@ -1,19 +1,15 @@
 """Triton Python model: generated ids → text, incrementally and never as broken UTF-8; passes statistics through."""
 
-import json
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdeploy.triton.requests import STATISTICS, new_text
+from specdeploy.detokenize import new_text
+from specdeploy.triton.requests import STATISTICS, model_tokenizer
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from transformers import AutoTokenizer
-
-        parameters = json.loads(args["model_config"])["parameters"]
-        self.tokenizer = AutoTokenizer.from_pretrained(parameters["tokenizer_dir"]["string_value"])
+        self.tokenizer = model_tokenizer(args)
 
     def execute(self, requests):
         responses = []

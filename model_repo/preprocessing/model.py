@@ -1,19 +1,14 @@
 """Triton Python model: text_input (+ stop_words) → token ids, with the chat template. Thin: logic in specdeploy."""
 
-import json
-
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdeploy.triton.requests import encode_request
+from specdeploy.triton.requests import encode_request, model_tokenizer
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        from transformers import AutoTokenizer
-
-        parameters = json.loads(args["model_config"])["parameters"]
-        self.tokenizer = AutoTokenizer.from_pretrained(parameters["tokenizer_dir"]["string_value"])
+        self.tokenizer = model_tokenizer(args)
 
     def execute(self, requests):
         responses = []

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdeploy.errors import RequestError
-from specdeploy.triton.requests import STATISTICS
+from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
 
 
 @dataclass
@@ -21,29 +21,27 @@ class Chunk:
 
 
 def build_inputs(prompt: str, max_tokens: int, stream: bool, **fields) -> list:
-    """InferInputs with tensorrtllm_backend names; fields left None are not sent."""
+    """InferInputs with tensorrtllm_backend names, typed as the ensemble declares them; None fields are not sent."""
     import tritonclient.grpc as grpcclient
-
-    types = {"temperature": ("FP32", np.float32), "top_k": ("INT32", np.int32), "top_p": ("FP32", np.float32),
-             "repetition_penalty": ("FP32", np.float32), "random_seed": ("UINT64", np.uint64),
-             "num_draft_tokens": ("INT32", np.int32), "end_id": ("INT32", np.int32)}
+    from tritonclient.utils import triton_to_np_dtype
 
     def make(name: str, kind: str, array: np.ndarray):
         item = grpcclient.InferInput(name, list(array.shape), kind)
         item.set_data_from_numpy(array)
         return item
 
-    inputs = [make("text_input", "BYTES", np.array([[prompt.encode("utf-8")]], dtype=object)),
-              make("max_tokens", "INT32", np.array([[max_tokens]], dtype=np.int32)),
-              make("stream", "BOOL", np.array([[stream]], dtype=bool))]
-    for name, value in fields.items():
+    inputs = [make("text_input", "BYTES", np.array([[prompt.encode("utf-8")]], dtype=object))]
+    if fields.get("stop_words") is not None:
+        words = fields.pop("stop_words")
+        inputs.append(make("stop_words", "BYTES", np.array([[w.encode("utf-8") for w in words]], dtype=object)))
+    for name, value in {**fields, "max_tokens": max_tokens, "stream": stream}.items():
         if value is None:
             continue
-        if name == "stop_words":
-            inputs.append(make(name, "BYTES", np.array([[w.encode() for w in value]], dtype=object)))
-            continue
-        kind, dtype = types[name]
-        inputs.append(make(name, kind, np.array([[value]], dtype=dtype)))
+        if name not in SCALAR_INPUTS:
+            allowed = ", ".join(["stop_words", *SCALAR_INPUTS])
+            raise RequestError(f"{name}: not an input of the ensemble (allowed: {allowed})")
+        kind = SCALAR_INPUTS[name].removeprefix("TYPE_")
+        inputs.append(make(name, kind, np.array([[value]], dtype=triton_to_np_dtype(kind))))
     return inputs
 
 

@@ -5,6 +5,8 @@ Pure functions over numpy arrays, so they are tested without a server.
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from specdeploy.errors import RequestError
@@ -14,12 +16,20 @@ from specdeploy.sampling import SamplingParams
 STATISTICS = [("total_draft_tokens", "TYPE_INT32"), ("total_accepted_draft_tokens", "TYPE_INT32"),
               ("acceptance_rate", "TYPE_FP32")]
 
-# Optional scalar inputs of the speculative model: name → (Triton type, numpy kind).
+# Scalar inputs of the ensemble and the speculative model (all optional but max_tokens): name → Triton type.
 SCALAR_INPUTS = {
     "max_tokens": "TYPE_INT32", "temperature": "TYPE_FP32", "top_k": "TYPE_INT32", "top_p": "TYPE_FP32",
     "repetition_penalty": "TYPE_FP32", "random_seed": "TYPE_UINT64", "end_id": "TYPE_INT32", "stream": "TYPE_BOOL",
     "num_draft_tokens": "TYPE_INT32",
 }
+
+
+def model_tokenizer(args: dict):
+    """The tokenizer named by a Python model's `tokenizer_dir` parameter (args: what initialize() receives)."""
+    from transformers import AutoTokenizer
+
+    parameters = json.loads(args["model_config"])["parameters"]
+    return AutoTokenizer.from_pretrained(parameters["tokenizer_dir"]["string_value"])
 
 
 def _text(value: np.ndarray) -> str:
@@ -83,16 +93,3 @@ def sampling_from(inputs: dict[str, np.ndarray], defaults: SamplingParams) -> Sa
                           top_p=float(scalar(inputs, "top_p", defaults.top_p)),
                           repetition_penalty=float(scalar(inputs, "repetition_penalty", defaults.repetition_penalty)),
                           seed=None if seed is None else int(seed))
-
-
-def visible_text(tokenizer, ids: list[int]) -> str:
-    """Decoded text without a trailing incomplete character (U+FFFD while a multi-byte character is split)."""
-    return tokenizer.decode(ids, skip_special_tokens=True).rstrip("\ufffd")
-
-
-def new_text(tokenizer, ids: list[int], previous_length: int) -> str:
-    """The text ids add beyond their first previous_length tokens (already sent): stateless incremental
-    detokenisation that never emits a broken character."""
-    before = visible_text(tokenizer, ids[:previous_length]) if previous_length else ""
-    now = visible_text(tokenizer, ids)
-    return now[len(before):] if now.startswith(before) else ""

@@ -17,72 +17,62 @@ from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS, sampling_from,
 
 
 class Metrics:
-    """specdeploy_* counters and gauges through the Python backend's metric API, labelled by model and method."""
+    """specdeploy_* counters and gauges through the Python backend's metric API, labelled by model and method.
+
+    Counters follow the scheduler's totals: each update pushes the difference since the last one.
+    """
+
+    COUNTERS = {
+        "drafted": ("specdeploy_drafted_tokens_total", "Drafted tokens sent to verification"),
+        "accepted": ("specdeploy_accepted_tokens_total", "Drafted tokens accepted"),
+        "steps": ("specdeploy_verification_steps_total", "Target verification steps, summed over requests"),
+        "per_position": ("specdeploy_accepted_tokens_per_position_total",
+                         "Accepted drafted tokens by draft position (1-based)"),
+        "requests": ("specdeploy_requests_total", "Finished requests by outcome"),
+    }
 
     def __init__(self, pb_utils, labels: dict[str, str]) -> None:
         family = pb_utils.MetricFamily
         self.labels = labels
-
         # The backend deletes a metric when its family object goes away: keep every family referenced.
-        self.families = {
-            "drafted": family(name="specdeploy_drafted_tokens_total", description="Drafted tokens sent to "
-                              "verification", kind=family.COUNTER),
-            "accepted": family(name="specdeploy_accepted_tokens_total", description="Drafted tokens accepted",
-                               kind=family.COUNTER),
-            "steps": family(name="specdeploy_verification_steps_total", description="Target verification steps, "
-                            "summed over requests", kind=family.COUNTER),
-            "per_position": family(name="specdeploy_accepted_tokens_per_position_total", description="Accepted "
-                                   "drafted tokens by draft position (1-based)", kind=family.COUNTER),
-            "requests": family(name="specdeploy_requests_total", description="Finished requests by outcome",
-                               kind=family.COUNTER),
-            "batch_size": family(name="specdeploy_batch_size", description="Sequences in the current batch",
-                                 kind=family.GAUGE),
-            "free_kv": family(name="specdeploy_free_kv_slots", description="KV slots not reserved by active "
-                              "sequences", kind=family.GAUGE),
-        }
-        self.drafted = self.families["drafted"].Metric(labels=labels)
-        self.accepted = self.families["accepted"].Metric(labels=labels)
-        self.steps = self.families["steps"].Metric(labels=labels)
-        self.per_position_family = self.families["per_position"]
-        self.requests_family = self.families["requests"]
+        self.families = {key: family(name=name, description=text, kind=family.COUNTER)
+                         for key, (name, text) in self.COUNTERS.items()}
+        self.families["batch_size"] = family(name="specdeploy_batch_size", description="Sequences in the current "
+                                             "batch", kind=family.GAUGE)
+        self.families["free_kv"] = family(name="specdeploy_free_kv_slots", description="KV slots not reserved by "
+                                          "active sequences", kind=family.GAUGE)
         self.batch_size = self.families["batch_size"].Metric(labels=labels)
         self.free_kv = self.families["free_kv"].Metric(labels=labels)
-        self.per_position: dict[int, object] = {}
-        self.outcomes: dict[str, object] = {}
-        self.seen = {"drafted": 0, "accepted": 0, "steps": 0, "positions": [], "outcomes": {}}
+        self.series: dict[tuple, object] = {}
+        self.pushed: dict[tuple, int] = {}
+        self.invalid = 0
         self.lock = threading.Lock()
+
+    def _advance(self, key: str, total: int, **extra_labels: str) -> None:
+        """Bring one counter series up to `total`."""
+        series = (key, tuple(sorted(extra_labels.items())))
+        if series not in self.series:
+            self.series[series] = self.families[key].Metric(labels={**self.labels, **extra_labels})
+        delta = total - self.pushed.get(series, 0)
+        if delta > 0:
+            self.series[series].increment(delta)
+            self.pushed[series] = total
 
     def count_invalid(self) -> None:
         with self.lock:
-            self._outcome("invalid").increment(1)
-
-    def _outcome(self, outcome: str):
-        if outcome not in self.outcomes:
-            self.outcomes[outcome] = self.requests_family.Metric(labels={**self.labels, "outcome": outcome})
-        return self.outcomes[outcome]
+            self.invalid += 1
+            self._advance("requests", self.invalid, outcome="invalid")
 
     def update(self, scheduler: Scheduler) -> None:
         """Bring the metrics up to the scheduler's counters (called from the scheduler thread)."""
-        counters, seen = scheduler.counters, self.seen
+        counters = scheduler.counters
         with self.lock:
-            for name, metric in (("drafted", self.drafted), ("accepted", self.accepted), ("steps", self.steps)):
-                value = getattr(counters, name)
-                if value > seen[name]:
-                    metric.increment(value - seen[name])
-                    seen[name] = value
-            for i, value in enumerate(counters.accepted_per_position):
-                if i >= len(seen["positions"]):
-                    seen["positions"].append(0)
-                    self.per_position[i] = self.per_position_family.Metric(labels={**self.labels,
-                                                                                  "position": str(i + 1)})
-                if value > seen["positions"][i]:
-                    self.per_position[i].increment(value - seen["positions"][i])
-                    seen["positions"][i] = value
-            for outcome, value in counters.outcomes.items():
-                done = seen["outcomes"].get(outcome, 0)
-                if value > done:
-                    self._outcome(outcome).increment(value - done)
-                    seen["outcomes"][outcome] = value
+            for key in ("drafted", "accepted", "steps"):
+                self._advance(key, getattr(counters, key))
+            for index, total in enumerate(counters.accepted_per_position):
+                self._advance("per_position", total, position=str(index + 1))
+            for outcome, total in counters.outcomes.items():
+                self._advance("requests", total, outcome=outcome)
             self.batch_size.set(len(scheduler.active))
             self.free_kv.set(scheduler.free_kv_slots)
 
