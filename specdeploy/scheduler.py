@@ -179,8 +179,9 @@ class Scheduler:
 
     def _step(self) -> None:
         sequences = [r.sequence for r in self.active]
-        cap = self.policy.gamma(self.engine.num_draft_tokens, len(sequences))
-        emitted = self.engine.decoder.step(sequences, [min(cap, s.proposal.gamma) for s in sequences])
+        # Each request's own gamma (a per-request num_draft_tokens may exceed the pipeline's) scaled by the policy.
+        caps = [self.policy.gamma(s.proposal.gamma, len(sequences)) for s in sequences]
+        emitted = self.engine.decoder.step(sequences, caps)
         for request, tokens in zip(list(self.active), emitted):
             self._deliver(request, tokens)
 

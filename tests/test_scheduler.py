@@ -108,3 +108,16 @@ def test_request_over_the_kv_capacity_is_refused(batched):
             scheduler.submit(PROMPTS[0], SamplingParams(), 100, Collector())
     finally:
         scheduler.stop()
+
+
+def test_a_request_gamma_above_the_pipelines_is_honoured(batched):
+    """The policy scales each request's own gamma; a larger per-request num_draft_tokens is not cut to the
+    pipeline's (3 for the tiny engines)."""
+    scheduler = Scheduler(batched["int4"], SpeculationPolicy(full_up_to=1, off_above=4))
+    try:
+        collector = Collector()
+        request = scheduler.submit(PROMPTS[1], SamplingParams(), 40, collector, num_draft_tokens=8)
+        assert collector.done.wait(60)
+        assert len(request.sequence.stats.drafted_per_position) > 3
+    finally:
+        scheduler.stop()
