@@ -160,14 +160,18 @@ def bench(pipeline_path: str, engines_dir: Path, prompts_path: str | None, max_t
               help="Model repository directory (default: model_repository/<name>).")
 def package(pipeline_path: str, engines_dir: Path, output: Path | None) -> None:
     """Write a Triton model repository (ensemble: preprocessing → speculative → postprocessing)."""
+    click.echo(f"wrote {package_pipeline(pipeline_path, engines_dir, output)}")
+
+
+def package_pipeline(pipeline_path: str, engines_dir: Path, output: Path | None) -> Path:
+    """Build the pipeline's engine if needed and write its model repository (default model_repository/<name>)."""
     from specdeploy.builders.torch import build_if_needed
     from specdeploy.pipeline import load_pipeline
     from specdeploy.triton.repository import write_repository
 
     pipeline = load_pipeline(pipeline_path)
     engine_dir, _ = build_if_needed(pipeline, engines_dir)
-    output = output or Path("model_repository") / pipeline.name
-    click.echo(f"wrote {write_repository(pipeline, engine_dir, output)}")
+    return write_repository(pipeline, engine_dir, output or Path("model_repository") / pipeline.name)
 
 
 @cli.command()
@@ -189,13 +193,7 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
     if model_repository is None:
         if pipeline_path is None:
             raise click.UsageError("give PIPELINE.yaml or --model-repository")
-        from specdeploy.builders.torch import build_if_needed
-        from specdeploy.pipeline import load_pipeline
-        from specdeploy.triton.repository import write_repository
-
-        pipeline = load_pipeline(pipeline_path)
-        engine_dir, _ = build_if_needed(pipeline, engines_dir)
-        model_repository = write_repository(pipeline, engine_dir, Path("model_repository") / pipeline.name)
+        model_repository = package_pipeline(pipeline_path, engines_dir, None)
     server = TritonServer(model_repository, grpc_port, http_port, metrics_port, address)
     server.start()
     click.echo(f"tritonserver ready: gRPC {server.grpc_url}, metrics {server.metrics_url} (Ctrl-C stops it)")
