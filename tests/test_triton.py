@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 import urllib.request
@@ -162,35 +161,40 @@ def test_wrong_dtype_and_unknown_input_are_rejected_by_name(served):
     assert server.ready()
 
 
-@pytest.mark.xfail(reason="open: the free-KV gauge is not seen to drop during a long stream on the metrics port; the "
-                          "scheduler-level cancel test (test_scheduler.py) passes", strict=False)
 def test_cancelled_stream_frees_its_kv_slots(served):
+    """A gRPC cancel of a stream to the decoupled `speculative` model frees its row and KV reservation at once.
+    (Triton 2.51 propagates an ensemble's cancellation only to steps it has not started yet, so a cancel sent to
+    the ensemble does not reach the running speculative step: core PR #263, server issue #6739.)"""
     import tritonclient.grpc as grpcclient
 
-    from specdeploy.triton.client import build_inputs
-
-    server, _ = served
+    server, engine = served
     labels = {"model": "speculative", "method": "draft_target"}
     capacity = metric(metrics(server), "specdeploy_free_kv_slots", **labels)
+    assert capacity == 8 * 2048  # limits.max_batch_size rows at max_sequence_length, all free
+    ids = engine.encode_prompt("Write a very long story about a dragon and a knight.")
+    inputs = []
+    for name, kind, value in (("input_ids", "INT32", np.array([ids], dtype=np.int32)),
+                              ("max_tokens", "INT32", np.array([[1500]], dtype=np.int32)),
+                              ("stream", "BOOL", np.array([[True]]))):
+        inputs.append(grpcclient.InferInput(name, list(value.shape), kind))
+        inputs[-1].set_data_from_numpy(value)
     client = grpcclient.InferenceServerClient(server.grpc_url)
     received = []
     client.start_stream(callback=lambda result, error: received.append((result, error)))
-    story = "Write a very long story about a dragon and a knight."
-    client.async_stream_infer("ensemble", build_inputs(story, 1500, True))
+    client.async_stream_infer("speculative", inputs)
     deadline = time.monotonic() + 60
     while len(received) < 3:
         assert time.monotonic() < deadline
         time.sleep(0.05)
     assert all(error is None for _, error in received)
-    while metric(metrics(server), "specdeploy_free_kv_slots", **labels) >= capacity:  # the gauge lags a little
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
+    assert metric(metrics(server), "specdeploy_free_kv_slots", **labels) < capacity
     client.stop_stream(cancel_requests=True)
     client.close()
     while metric(metrics(server), "specdeploy_free_kv_slots", **labels) != capacity:
-        assert time.monotonic() < deadline + 30
-        time.sleep(0.2)
-    assert re.search(r"cancelled", str(metrics(server)))
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    assert metric(metrics(server), "specdeploy_requests_total", outcome="cancelled") >= 1
+    assert metric(metrics(server), "specdeploy_batch_size", **labels) == 0
 
 
 def test_model_configs_use_tensorrtllm_backend_names(served):

@@ -92,6 +92,7 @@ class SpeculativeServer:
         self.metrics = Metrics(pb_utils, {"model": model_config["name"], "method": self.engine.method})
         capacity = int(parameters.get("kv_capacity_tokens") or 0) or None
         self.scheduler = Scheduler(self.engine, policy, capacity, on_step=self.metrics.update)
+        self.metrics.update(self.scheduler)  # the gauges start at their idle values, not at 0
 
     def stop(self) -> None:
         self.scheduler.stop()
