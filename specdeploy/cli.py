@@ -65,8 +65,10 @@ def build(pipeline_path: str, engines_dir: Path, force: bool) -> None:
 
 
 @cli.command()
-@click.argument("pipeline_path", metavar="PIPELINE.yaml")
-@click.argument("prompt")
+@click.argument("arguments", nargs=-1, required=True, metavar="[PIPELINE.yaml] PROMPT")
+@click.option("--url", default=None, help="Generate through a running server's gRPC endpoint (HOST:PORT) instead "
+              "of in-process; then PIPELINE.yaml is not given.")
+@click.option("--stream/--no-stream", default=True, show_default=True, help="With --url: stream the text.")
 @engines_option
 @click.option("--max-tokens", type=int, default=None, help="Tokens to generate (default: the pipeline's).")
 @click.option("--temperature", type=float, default=None, help="0 is greedy (default: the pipeline's).")
@@ -78,11 +80,22 @@ def build(pipeline_path: str, engines_dir: Path, force: bool) -> None:
 @click.option("--no-speculation", is_flag=True, help="Plain decode (same as --num-draft-tokens 0).")
 @click.option("--compare", is_flag=True, help="Also run plain decode on the same prompt and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
-def generate(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | None,
+def generate(arguments: tuple[str, ...], url: str | None, stream: bool, engines_dir: Path, max_tokens: int | None,
              temperature: float | None, top_k: int | None, top_p: float | None,
              repetition_penalty: float | None, seed: int | None, num_draft_tokens: int | None,
              no_speculation: bool, compare: bool, as_json: bool) -> None:
-    """Generate in-process, streaming the text as it is committed."""
+    """Generate in-process (PIPELINE.yaml PROMPT) or over gRPC (--url HOST:PORT PROMPT), streaming the text."""
+    gamma = 0 if no_speculation else num_draft_tokens
+    if url is not None:
+        if len(arguments) != 1:
+            raise click.UsageError("with --url give only the PROMPT")
+        remote_generate(url, arguments[0], stream, max_tokens, gamma, compare, as_json,
+                        temperature=temperature, top_k=top_k, top_p=top_p, repetition_penalty=repetition_penalty,
+                        random_seed=seed)
+        return
+    if len(arguments) != 2:
+        raise click.UsageError("give PIPELINE.yaml and PROMPT (or --url HOST:PORT and PROMPT)")
+    pipeline_path, prompt = arguments
     from specdeploy.detokenize import IncrementalDetokenizer
     from specdeploy.sampling import SamplingParams
 
@@ -94,7 +107,6 @@ def generate(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int
         top_p=defaults.top_p if top_p is None else top_p,
         repetition_penalty=defaults.repetition_penalty if repetition_penalty is None else repetition_penalty,
         seed=seed)
-    gamma = 0 if no_speculation else num_draft_tokens
     prompt_ids = engine.encode_prompt(prompt)
     max_tokens = defaults.max_tokens if max_tokens is None else max_tokens
     if compare:  # warm up both paths, so neither timed run pays first-call costs
@@ -127,9 +139,53 @@ def generate(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int
                    f"speedup {result['speedup']:.2f}x")
 
 
+def remote_generate(url: str, prompt: str, stream: bool, max_tokens: int | None, gamma: int | None, compare: bool,
+                    as_json: bool, **sampling) -> None:
+    """`generate --url`: one request through the ensemble, optionally followed by the same one without
+    speculation for a side-by-side speed."""
+    import time
+
+    from specdeploy.triton.client import generate as grpc_generate
+
+    max_tokens = 128 if max_tokens is None else max_tokens
+
+    def run(draft_tokens: int | None, show: bool) -> tuple[str, dict, float]:
+        started, text, statistics = time.perf_counter(), "", {}
+        for chunk in grpc_generate(url, prompt, max_tokens, stream=stream, num_draft_tokens=draft_tokens,
+                                   **sampling):
+            text += chunk.text
+            statistics = chunk.statistics or statistics
+            if show and chunk.text:
+                click.echo(chunk.text, nl=False)
+        return text, statistics, time.perf_counter() - started
+
+    text, statistics, seconds = run(gamma, not as_json)
+    result = {"text": text, **statistics, "seconds": seconds,
+              "tokens_per_s": statistics.get("generated_tokens", 0) / seconds}
+    steps = statistics.get("verification_steps", 0)
+    result["mean_accepted_length"] = (statistics.get("generated_tokens", 1) - 1) / steps if steps else 0.0
+    if compare:
+        _, plain, plain_seconds = run(0, False)
+        result.update(plain_tokens_per_s=plain.get("generated_tokens", 0) / plain_seconds)
+        result["speedup"] = result["tokens_per_s"] / result["plain_tokens_per_s"]
+    if as_json:
+        click.echo(json.dumps(result))
+        return
+    click.echo(f"\n[{url}] {result.get('generated_tokens', 0)} tokens in {seconds:.2f} s "
+               f"({result['tokens_per_s']:.1f} tokens/s end to end); acceptance "
+               f"{result.get('acceptance_rate', 0):.2f}, mean accepted length {result['mean_accepted_length']:.2f}")
+    if compare:
+        click.echo(f"plain decode over the same server: {result['plain_tokens_per_s']:.1f} tokens/s: speedup "
+                   f"{result['speedup']:.2f}x")
+
+
 @cli.command()
-@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@click.argument("pipeline_path", metavar="PIPELINE.yaml", required=False)
 @engines_option
+@click.option("--url", default=None, help="Benchmark a running server (HOST:PORT) with concurrent gRPC streams.")
+@click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="With --url: concurrency levels.")
+@click.option("--requests", "requests_per_level", type=int, default=None,
+              help="With --url: requests per level and mode (default: 2 x concurrency, at least 4).")
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False, exists=True), default=None,
               help="JSON Lines, one {\"prompt\": ...} per line (default: the shipped mixed set).")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
@@ -138,15 +194,30 @@ def generate(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
-def bench(pipeline_path: str, engines_dir: Path, prompts_path: str | None, max_tokens: int, temperature: float,
+def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurrency: str,
+          requests_per_level: int | None, prompts_path: str | None, max_tokens: int, temperature: float,
           seed: int, json_out: Path | None, no_transformers: bool) -> None:
-    """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction."""
+    """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction.
+    With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
     from specdeploy.bench import load_prompts, print_report, run_bench
 
     prompts = load_prompts(prompts_path)
-    _, engine = load_engine(pipeline_path, engines_dir)
-    report = run_bench(engine, prompts, max_tokens, temperature, seed, with_transformers=not no_transformers)
-    print_report(report)
+    if url is not None:
+        from specdeploy.triton.load_report import print_server_report, run_server_bench
+
+        try:
+            levels = [int(level) for level in concurrency.split(",")]
+        except ValueError:
+            raise click.BadParameter(f"expected comma-separated integers, got {concurrency!r}",
+                                     param_hint="--concurrency") from None
+        report = run_server_bench(url, [p["prompt"] for p in prompts], levels, max_tokens, requests_per_level)
+        print_server_report(report)
+    else:
+        if pipeline_path is None:
+            raise click.UsageError("give PIPELINE.yaml (in-process) or --url HOST:PORT (a running server)")
+        _, engine = load_engine(pipeline_path, engines_dir)
+        report = run_bench(engine, prompts, max_tokens, temperature, seed, with_transformers=not no_transformers)
+        print_report(report)
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=2))

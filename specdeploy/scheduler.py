@@ -72,23 +72,41 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, policy: SpeculationPolicy | None = None,
+    def __init__(self, engine: Engine | Callable[[], Engine], policy: SpeculationPolicy | None = None,
                  kv_capacity_tokens: int | None = None, on_step: Callable[[Scheduler], None] | None = None) -> None:
-        """engine: loaded with batch_size = the most sequences stepped together. kv_capacity_tokens: the KV budget
-        shared by active sequences (default: every row at the sequence limit). on_step: called after each step
-        (metrics)."""
-        self.engine = engine
+        """engine: loaded with batch_size = the most sequences stepped together, or a function that loads it.
+        Given a function, the engine is loaded on the scheduler's own thread, which then runs every forward: with
+        torch's OpenMP, a thread other than the one whose parallel regions came first runs them about 2x slower
+        here (measured: a bf16 mat-vec 64 µs vs 155 µs), so a server whose main thread loads the weights must not
+        decode on another thread. kv_capacity_tokens: the KV budget shared by active sequences (default: every
+        row at the sequence limit). on_step: called after each step (metrics)."""
         self.policy = policy or SpeculationPolicy()
-        self.max_batch_size = engine.cache.batch_size
-        self.kv_capacity = kv_capacity_tokens or self.max_batch_size * engine.max_length
         self.on_step = on_step
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
         self.counters = SchedulerCounters()
         self._lock = threading.Condition()
         self._stopped = False
-        self._thread = threading.Thread(target=self._loop, name="specdeploy-scheduler", daemon=True)
+        self._loaded = threading.Event()
+        self._load_error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(engine, kv_capacity_tokens),
+                                        name="specdeploy-scheduler", daemon=True)
         self._thread.start()
+        self._loaded.wait()
+        if self._load_error is not None:
+            raise self._load_error
+
+    def _run(self, engine: Engine | Callable[[], Engine], kv_capacity_tokens: int | None) -> None:
+        try:
+            self.engine = engine if isinstance(engine, Engine) else engine()
+            self.max_batch_size = self.engine.cache.batch_size
+            self.kv_capacity = kv_capacity_tokens or self.max_batch_size * self.engine.max_length
+        except BaseException as exc:  # reported by __init__ on the caller's thread
+            self._load_error = exc
+            return
+        finally:
+            self._loaded.set()
+        self._loop()
 
     # ---- requests -------------------------------------------------------------------------------------------
     def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, on_tokens: TokenCallback,

@@ -18,7 +18,7 @@ class TritonPythonModel:
             before = int(pb_utils.get_input_tensor_by_name(request, "previous_length").as_numpy().reshape(-1)[0])
             text = new_text(self.tokenizer, ids, before)
             outputs = [pb_utils.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
-            for name, _ in STATISTICS:
+            for name, *_ in STATISTICS:
                 outputs.append(pb_utils.Tensor(name, pb_utils.get_input_tensor_by_name(request, name).as_numpy()))
             responses.append(pb_utils.InferenceResponse(outputs))
         return responses

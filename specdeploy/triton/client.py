@@ -66,7 +66,7 @@ def generate(url: str, prompt: str, max_tokens: int, stream: bool = True, model:
             final = response.parameters["triton_final_response"].bool_param
             if response.outputs:
                 text = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
-                statistics = {name: result.as_numpy(name).reshape(-1)[0].item() for name, _ in STATISTICS}
+                statistics = {name: result.as_numpy(name).reshape(-1)[0].item() for name, *_ in STATISTICS}
                 yield Chunk(text, statistics, final)
             elif final:
                 yield Chunk("", {}, True)

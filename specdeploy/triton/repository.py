@@ -38,7 +38,7 @@ def ensemble_inputs() -> list[str]:
 
 
 def statistic_outputs() -> list[str]:
-    return [tensor(name, kind, [1]) for name, kind in STATISTICS]
+    return [tensor(name, kind, [1]) for name, kind, _ in STATISTICS]
 
 
 def model_configs(pipeline: PipelineSpec, engine_dir: Path) -> dict[str, str]:
@@ -75,9 +75,9 @@ def model_configs(pipeline: PipelineSpec, engine_dir: Path) -> dict[str, str]:
                       + block("output", [tensor("text_output", "TYPE_STRING", [-1]), *statistic_outputs()])
                       + cpu + tokenizer)
     scalars = "".join(f'      input_map {{ key: "{n}" value: "{n}" }}\n' for n in SCALAR_INPUTS)
-    statistics = "".join(f'      input_map {{ key: "{n}" value: "_{n}" }}\n' for n, _ in STATISTICS)
-    statistics_out = "".join(f'      output_map {{ key: "{n}" value: "_{n}" }}\n' for n, _ in STATISTICS)
-    statistics_final = "".join(f'      output_map {{ key: "{n}" value: "{n}" }}\n' for n, _ in STATISTICS)
+    statistics = "".join(f'      input_map {{ key: "{n}" value: "_{n}" }}\n' for n, *_ in STATISTICS)
+    statistics_out = "".join(f'      output_map {{ key: "{n}" value: "_{n}" }}\n' for n, *_ in STATISTICS)
+    statistics_final = "".join(f'      output_map {{ key: "{n}" value: "{n}" }}\n' for n, *_ in STATISTICS)
     ensemble = (f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {batch}\n'
                 + block("input", ensemble_inputs())
                 + block("output", [tensor("text_output", "TYPE_STRING", [-1]), *statistic_outputs()])

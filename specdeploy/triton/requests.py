@@ -12,9 +12,12 @@ import numpy as np
 from specdeploy.errors import RequestError
 from specdeploy.sampling import SamplingParams
 
-# Statistics every response carries (cumulative for the request so far): name, Triton type.
-STATISTICS = [("total_draft_tokens", "TYPE_INT32"), ("total_accepted_draft_tokens", "TYPE_INT32"),
-              ("acceptance_rate", "TYPE_FP32")]
+# Statistics every response carries (cumulative for the request so far): name, Triton type, RequestStats field.
+STATISTICS = [("total_draft_tokens", "TYPE_INT32", "drafted"),
+              ("total_accepted_draft_tokens", "TYPE_INT32", "accepted"),
+              ("acceptance_rate", "TYPE_FP32", "acceptance_rate"),
+              ("generated_tokens", "TYPE_INT32", "generated_tokens"),
+              ("verification_steps", "TYPE_INT32", "steps")]
 
 # Scalar inputs of the ensemble and the speculative model (all optional but max_tokens): name → Triton type.
 SCALAR_INPUTS = {

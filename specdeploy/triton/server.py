@@ -114,9 +114,10 @@ class TritonServer:
         if self.backend_directory is None:
             self._workdir = tempfile.TemporaryDirectory(prefix="specdeploy-triton-")
             self.backend_directory = str(prepare_backends(Path(self._workdir.name)))
-        output = open(self.log_file, "ab") if self.log_file else subprocess.DEVNULL
+        # Without a log file the server's log goes to this process's terminal (what `specdeploy serve` wants).
+        output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(self.command(), env=server_environment(), stdout=output,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                                        stderr=subprocess.STDOUT if output else None, start_new_session=True)
         self.wait_ready(timeout)
         return self
 

@@ -81,7 +81,6 @@ class SpeculativeServer:
     def __init__(self, model_config: dict, pb_utils) -> None:
         self.pb = pb_utils
         parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        self.engine = Engine(parameters["engine_dir"], batch_size=int(parameters["max_active_sequences"]))
         self.defaults = SamplingParams(temperature=float(parameters["default_temperature"]),
                                        top_k=int(parameters["default_top_k"]),
                                        top_p=float(parameters["default_top_p"]),
@@ -89,10 +88,23 @@ class SpeculativeServer:
         self.default_max_tokens = int(parameters["default_max_tokens"])
         policy = SpeculationPolicy(full_up_to=int(parameters["policy_full_up_to"]),
                                    off_above=int(parameters["policy_off_above"]))
-        self.metrics = Metrics(pb_utils, {"model": model_config["name"], "method": self.engine.method})
         capacity = int(parameters.get("kv_capacity_tokens") or 0) or None
-        self.scheduler = Scheduler(self.engine, policy, capacity, on_step=self.metrics.update)
+        # The engine is loaded on the scheduler's thread, which runs all its forwards (see Scheduler).
+        self.scheduler = Scheduler(lambda: Engine(parameters["engine_dir"],
+                                                  batch_size=int(parameters["max_active_sequences"])),
+                                   policy, capacity, on_step=self._on_step)
+        self.engine = self.scheduler.engine
+        self.metrics = Metrics(pb_utils, {"model": model_config["name"], "method": self.engine.method})
         self.metrics.update(self.scheduler)  # the gauges start at their idle values, not at 0
+        import torch
+
+        pb_utils.Logger.log_info(f"specdeploy: {self.engine.dir} ({self.engine.method}, gamma "
+                                 f"{self.engine.num_draft_tokens}), {self.scheduler.max_batch_size} rows, "
+                                 f"{torch.get_num_threads()} torch threads")
+
+    def _on_step(self, scheduler: Scheduler) -> None:
+        if hasattr(self, "metrics"):  # steps only run once requests arrive, after __init__ has finished
+            self.metrics.update(scheduler)
 
     def stop(self) -> None:
         self.scheduler.stop()
@@ -129,11 +141,9 @@ class SpeculativeServer:
         pb = self.pb
         outputs = [pb.Tensor("output_ids", np.array([ids], dtype=np.int32)),
                    pb.Tensor("previous_length", np.array([[previous_length]], dtype=np.int32))]
-        values = {"total_draft_tokens": stats.drafted, "total_accepted_draft_tokens": stats.accepted,
-                  "acceptance_rate": stats.acceptance_rate}
-        for name, kind in STATISTICS:
+        for name, kind, field_name in STATISTICS:
             dtype = np.int32 if kind == "TYPE_INT32" else np.float32
-            outputs.append(pb.Tensor(name, np.array([[values[name]]], dtype=dtype)))
+            outputs.append(pb.Tensor(name, np.array([[getattr(stats, field_name)]], dtype=dtype)))
         return pb.InferenceResponse(outputs)
 
 
