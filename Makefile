@@ -21,8 +21,7 @@ $(STAMP): setup.cfg pyproject.toml
 	touch $(STAMP)
 
 demo: venv
-	$(VENV)/bin/specdeploy build $(PIPELINE)
-	$(VENV)/bin/specdeploy generate $(PIPELINE) --compare --max-tokens 160 \
+	$(VENV)/bin/specdeploy demo $(PIPELINE) \
 		"Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 test: venv

@@ -186,6 +186,10 @@ def remote_generate(url: str, prompt: str, stream: bool, max_tokens: int | None,
 @click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="With --url: concurrency levels.")
 @click.option("--requests", "requests_per_level", type=int, default=None,
               help="With --url: requests per level and mode (default: 2 x concurrency, at least 4).")
+@click.option("--stress", type=int, default=None, metavar="N",
+              help="With --url: N requests at the highest --concurrency, some cancelled at random (--cancel-"
+                   "fraction); counts lost and corrupted responses.")
+@click.option("--cancel-fraction", type=click.FloatRange(0, 1), default=0.2, show_default=True)
 @click.option("--prompts", "prompts_path", type=click.Path(dir_okay=False, exists=True), default=None,
               help="JSON Lines, one {\"prompt\": ...} per line (default: the shipped mixed set).")
 @click.option("--max-tokens", type=int, default=128, show_default=True)
@@ -195,8 +199,8 @@ def remote_generate(url: str, prompt: str, stream: bool, max_tokens: int | None,
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
 def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurrency: str,
-          requests_per_level: int | None, prompts_path: str | None, max_tokens: int, temperature: float,
-          seed: int, json_out: Path | None, no_transformers: bool) -> None:
+          requests_per_level: int | None, stress: int | None, cancel_fraction: float, prompts_path: str | None,
+          max_tokens: int, temperature: float, seed: int, json_out: Path | None, no_transformers: bool) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction.
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
     from specdeploy.bench import load_prompts, print_report, run_bench
@@ -210,8 +214,21 @@ def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurr
         except ValueError:
             raise click.BadParameter(f"expected comma-separated integers, got {concurrency!r}",
                                      param_hint="--concurrency") from None
-        report = run_server_bench(url, [p["prompt"] for p in prompts], levels, max_tokens, requests_per_level)
-        print_server_report(report)
+        texts = [p["prompt"] for p in prompts]
+        if stress is not None:
+            from specdeploy.triton.load_report import run_stress
+
+            report = run_stress(url, texts, stress, max(levels), max_tokens, cancel_fraction, seed)
+            click.echo(json.dumps(report, indent=2))
+        else:
+            in_process = None
+            if pipeline_path is not None:  # the same pipeline in this process, one stream, for the gRPC overhead
+                from specdeploy.triton.load_report import in_process_tokens_per_s
+
+                _, engine = load_engine(pipeline_path, engines_dir)
+                in_process = in_process_tokens_per_s(engine, texts, max_tokens)
+            report = run_server_bench(url, texts, levels, max_tokens, requests_per_level, in_process)
+            print_server_report(report)
     else:
         if pipeline_path is None:
             raise click.UsageError("give PIPELINE.yaml (in-process) or --url HOST:PORT (a running server)")
@@ -272,6 +289,24 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
         signal.signal(signum, lambda *_: server.stop())
     server.process.wait()
     server.stop()
+
+
+@cli.command()
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@click.argument("prompt")
+@engines_option
+@click.option("--max-tokens", type=int, default=160, show_default=True)
+def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int) -> None:
+    """The main job end to end: build, package, serve on free local ports, stream a generation over gRPC with the
+    acceptance statistics and a plain-vs-speculative comparison, then stop the server."""
+    from specdeploy.triton.server import TritonServer
+
+    repository = package_pipeline(pipeline_path, engines_dir, None)
+    click.echo(f"model repository: {repository}; starting tritonserver ...")
+    with TritonServer(repository, log_file=repository.with_name(repository.name + ".tritonserver.log")) as server:
+        click.echo(f"tritonserver ready on {server.grpc_url} (log: {server.log_file})\n")
+        remote_generate(server.grpc_url, prompt, True, max_tokens, None, True, False)
+    click.echo("tritonserver stopped")
 
 
 def main() -> None:

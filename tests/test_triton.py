@@ -208,3 +208,43 @@ def test_model_configs_use_tensorrtllm_backend_names(served):
                  "acceptance_rate"):
         assert f'name: "{name}"' in ensemble
     assert "decoupled: true" in configs["speculative"]
+
+
+def test_generate_url_and_bench_url_commands(served, tmp_path):
+    import json
+
+    from test_cli import run_cli
+
+    server, engine = served
+    expected = plain_text(engine, PROMPTS[2], 16)
+    for stream in ("--stream", "--no-stream"):
+        result = run_cli("generate", "--url", server.grpc_url, PROMPTS[2], "--max-tokens", "16", stream, "--json")
+        assert result.returncode == 0, result.stderr
+        report = json.loads(result.stdout)
+        assert report["text"] == expected and report["generated_tokens"] <= 16 and report["tokens_per_s"] > 0
+    wrong = run_cli("generate", "--url", server.grpc_url, "pipeline.yaml", PROMPTS[2])
+    assert wrong.returncode == 2 and "with --url give only the PROMPT" in wrong.stderr
+    bad = run_cli("generate", "--url", server.grpc_url, PROMPTS[2], "--top-p", "2")
+    assert bad.returncode == 2 and "top_p" in bad.stderr
+    out = tmp_path / "server.json"
+    result = run_cli("bench", "--url", server.grpc_url, "--concurrency", "1,2", "--requests", "2", "--max-tokens", "8",
+                     "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    levels = json.loads(out.read_text())["levels"]
+    assert [level["concurrency"] for level in levels] == [1, 2]
+    assert all(level["speculative_tokens_per_s"] > 0 and level["plain_tokens_per_s"] > 0 and level["failed"] == 0
+               for level in levels)
+    assert run_cli("bench", "--url", server.grpc_url, "--concurrency", "1,x").returncode == 2
+
+
+def test_random_cancellations_lose_and_corrupt_nothing(served):
+    """Concurrent streams, a third dropped at random mid-stream: every other response arrives complete and equal to
+    its prompt served alone (fp32, so batching changes no argmax)."""
+    from specdeploy.triton.load_report import run_stress
+
+    server, _ = served
+    report = run_stress(server.grpc_url, PROMPTS, requests=32, concurrency=8, max_tokens=16, cancel_fraction=0.3)
+    assert report["cancelled"] > 0 and report["finished"] > 0
+    assert report["finished"] + report["cancelled"] == 32
+    assert report["failed"] == report["lost"] == report["corrupted"] == 0
+    assert server.ready()
