@@ -6,7 +6,7 @@ attention mask, so one call can verify a chain or a tree of drafted tokens; it r
 
 Weights use the canonical (Hugging Face Llama) names. A linear layer is stored either dense (`<name>.weight`) or
 as int4 groups (`<name>.codes`, `<name>.scales`, `<name>.minimums`) or int8 rows (`<name>.int8`,
-`<name>.row_scales`), see quantize.py.
+`<name>.row_scales`) or, for a draft's vocabulary head, both (int4 read, int8 rescoring), see quantize.py.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from torch import nn
 
 from specdeploy.kv_cache import KVCache, write_entries
 from specdeploy.model_config import ModelConfig
-from specdeploy.quantize import Int4Linear, Int8Linear
+from specdeploy.quantize import Int4Linear, Int8Linear, RescoredHead
 
 
 def packs_for_cpu(weight: torch.Tensor) -> bool:
@@ -55,14 +55,18 @@ def fused_linear(state: dict[str, torch.Tensor], names: list[str], dtype: torch.
         tensor = state[f"{name}.{key}"]
         return tensor if order is None else tensor[order]
 
+    def stacked(key: str) -> torch.Tensor:
+        return torch.cat([rows(n, key, o) for n, o in zip(names, row_order)])
+
     if f"{names[0]}.weight" in state:
-        return DenseLinear(torch.cat([rows(n, "weight", o) for n, o in zip(names, row_order)]).to(dtype))
+        return DenseLinear(stacked("weight").to(dtype))
+    int4 = None
+    if f"{names[0]}.codes" in state:
+        int4 = Int4Linear(stacked("codes"), stacked("scales").float(), stacked("minimums").float())
     if f"{names[0]}.int8" in state:
-        return Int8Linear(*(torch.cat([rows(n, key, o) for n, o in zip(names, row_order)])
-                            for key in ("int8", "row_scales")))
-    parts = {key: torch.cat([rows(n, key, o) for n, o in zip(names, row_order)])
-             for key in ("codes", "scales", "minimums")}
-    return Int4Linear(parts["codes"], parts["scales"].float(), parts["minimums"].float())
+        int8 = stacked("int8"), stacked("row_scales")
+        return Int8Linear(*int8) if int4 is None else RescoredHead(int4, *int8)
+    return int4
 
 
 def interleaved_rope_rows(num_heads: int, head_dim: int) -> torch.Tensor:

@@ -27,7 +27,7 @@ from specdeploy.errors import BuildError
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.quantize import GROUP_SIZE, quantize_int4, quantize_int8
 
-ENGINE_FORMAT = 3  # bump whenever what a build writes changes, so existing engines are rebuilt
+ENGINE_FORMAT = 4  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -65,12 +65,13 @@ def matches_manifest(final: Path, inputs: dict) -> bool:
     return all(recorded.get(k) == inputs[k] for k in ("spec", "source_checksum", "versions"))
 
 
-DRAFT_QUANTIZATION = {"method": "int4", "group_size": GROUP_SIZE, "lm_head": "int8"}
+DRAFT_QUANTIZATION = {"method": "int4", "group_size": GROUP_SIZE, "lm_head": "int4, top 4 rescored at int8"}
 
 
 def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Weight-only quantized copy of the target: projections as int4 groups, the vocabulary head as int8 rows,
-    norms and the embedding table in bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
+    """Weight-only quantized copy of the target: projections as int4 groups, the vocabulary head as int4 groups
+    plus int8 rows for rescoring its top logits, norms and the embedding table in bf16 (an embedding lookup reads
+    one row, so quantizing it saves nothing)."""
     draft = {}
     for name, tensor in state.items():
         base = name.removesuffix(".weight")
@@ -79,6 +80,7 @@ def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         elif name != "lm_head.weight":
             draft[name] = tensor.to(torch.bfloat16)
     head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied: the draft gets its own copy
+    draft.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
     draft.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})
     return draft
 

@@ -54,9 +54,10 @@ class DraftModelProposer:
     def propose(self, sequences: list[Sequence], gammas: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Draft up to gammas[r] tokens after each sequence (row r of the cache).
 
-        Returns drafted tokens [B, G] long, their sampling distributions q [B, G, V] (G = max gamma) and how many
-        each row drafted (fewer than gammas[r] only when the draft's confidence fell below the early-stop
-        threshold). Entries past a row's count are scratch.
+        Returns drafted tokens [B, G] long, their sampling distributions q [B, G, V] (G = max gamma; None when
+        every row is greedy, q then being the point mass on each drafted token) and how many each row drafted
+        (fewer than gammas[r] only when the draft's confidence fell below the early-stop threshold). Entries past a
+        row's count are scratch.
         """
         device = self.model.embed.device
         batch, width = len(sequences), max(gammas)
@@ -67,14 +68,18 @@ class DraftModelProposer:
             inputs = [s.committed[s.draft_length:] for s in sequences]
             starts = [s.draft_length for s in sequences]
         seen = [None if s.seen is None else s.seen.clone() for s in sequences]
+        # Rows that draft the plain argmax: one batched argmax replaces their per-row sampling.
+        argmax_rows = [s.params.greedy and seen[r] is None for r, s in enumerate(sequences)]
         counts = list(gammas)
         drafted = torch.zeros(batch, width, dtype=torch.long, device=device)
-        q = torch.zeros(batch, width, self.model.config.vocab_size, device=device)
+        all_greedy = all(s.params.greedy for s in sequences)
+        q = None if all_greedy else torch.zeros(batch, width, self.model.config.vocab_size, device=device)
         for k in range(width):
             hidden = ragged_forward(self.model, self.cache.rows(0, batch), inputs, starts)  # [B, H]
             self.forwards += 1
             starts = [start + len(fed) for start, fed in zip(starts, inputs)]
             logits = self.model.logits(hidden)  # [B, V]
+            drafted[:, k] = logits.argmax(-1)
             for r, sequence in enumerate(sequences):
                 if k >= counts[r]:
                     continue
@@ -82,9 +87,13 @@ class DraftModelProposer:
                 if self.early_stop_threshold and k and logits[r].softmax(-1).max().item() < self.early_stop_threshold:
                     counts[r] = k
                     continue
-                q[r, k] = sampling_distribution(logits[r:r + 1], sequence.params,
-                                                None if seen[r] is None else seen[r][None])[0]
-                drafted[r, k] = sample(q[r, k:k + 1], sequence.generator)[0]
+                if argmax_rows[r] and q is None:
+                    continue
+                row_q = sampling_distribution(logits[r:r + 1], sequence.params,
+                                              None if seen[r] is None else seen[r][None])
+                drafted[r, k] = sample(row_q, sequence.generator)[0]
+                if q is not None:
+                    q[r, k] = row_q[0]
                 if seen[r] is not None:
                     seen[r][drafted[r, k]] = True
             inputs = [[token] for token in drafted[:, k].tolist()]
