@@ -14,8 +14,15 @@ import torch
 
 from specdeploy.kv_cache import KVCache
 from specdeploy.model import LlamaModel, ragged_forward_all
-from specdeploy.sampling import SamplingParams, sample, sampling_distribution, seen_after_drafts, seen_mask
-from specdeploy.speculative.acceptance import accept
+from specdeploy.sampling import (
+    SamplingParams,
+    greedy_tokens,
+    sample,
+    sampling_distribution,
+    seen_after_drafts,
+    seen_mask,
+)
+from specdeploy.speculative.acceptance import accept, accept_greedy
 from specdeploy.speculative.draft_model import DraftModelProposer
 from specdeploy.speculative.ngram import NgramProposer
 from specdeploy.speculative.schedule import ProposalLength
@@ -103,12 +110,14 @@ class BatchDecoder:
                 count = counts[r]
                 row_logits, offset = logits[offset:offset + count + 1], offset + count + 1
                 context = None if sequence.seen is None else seen_after_drafts(sequence.seen, drafted[r, :count])
-                p = sampling_distribution(row_logits, sequence.params, context)  # [count + 1, V]
-                if count == 0:
-                    results.append((sample(p, sequence.generator).tolist(), 0))
-                    continue
-                outcome = accept(drafted[r:r + 1, :count], None if q is None else q[r:r + 1, :count], p[None],
-                                 torch.tensor([count], device=self.device), sequence.generator)
+                num_drafted = torch.tensor([count], device=self.device)
+                if sequence.params.greedy:  # p and the row's q (or the one-hot proposal) are point masses
+                    target_tokens = greedy_tokens(row_logits, sequence.params, context)  # [count + 1]
+                    outcome = accept_greedy(drafted[r:r + 1, :count], target_tokens[None], num_drafted)
+                else:
+                    p = sampling_distribution(row_logits, sequence.params, context)  # [count + 1, V]
+                    outcome = accept(drafted[r:r + 1, :count], None if q is None else q[r:r + 1, :count], p[None],
+                                     num_drafted, sequence.generator)
                 row = outcome.tokens[0].tolist()  # the row's one host sync
                 accepted = row.index(-1) - 1 if -1 in row else count
                 results.append((row[:accepted + 1], accepted))

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 GROUP_SIZE = 32
+INT4_KERNEL_ROWS = 16  # torch's CPU int4 kernel packs output rows in blocks of 16
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> dict[str, torch.Tensor]:

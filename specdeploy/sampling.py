@@ -60,10 +60,7 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams,
                           seen: torch.Tensor | None = None) -> torch.Tensor:
     """logits: [N, V]; seen: [N, V] bool, tokens already in the context (for the repetition penalty).
     Returns fp32 probabilities [N, V], each row summing to 1."""
-    logits = logits.float()
-    if params.repetition_penalty != 1.0 and seen is not None:
-        penalised = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-        logits = torch.where(seen, penalised, logits)
+    logits = penalised(logits, params, seen)
     if params.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
     logits = logits / params.temperature
@@ -79,6 +76,20 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams,
         probs = probs * keep
         probs = probs / probs.sum(-1, keepdim=True)
     return probs
+
+
+def greedy_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
+    """The token a greedy `sampling_distribution` puts its point mass on, without building it: [N, V] → [N] long."""
+    return penalised(logits, params, seen).argmax(-1)
+
+
+def penalised(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
+    """fp32 logits [N, V] after the repetition penalty on the `seen` [N, V] tokens."""
+    logits = logits.float()
+    if params.repetition_penalty == 1.0 or seen is None:
+        return logits
+    scaled = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
+    return torch.where(seen, scaled, logits)
 
 
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 from scipy import stats
 
 from specdeploy.sampling import SamplingParams, sample, sampling_distribution
-from specdeploy.speculative.acceptance import AcceptanceResult, accept
+from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_greedy
 
 AcceptFn = Callable[
     [torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Generator | None], AcceptanceResult
@@ -596,7 +596,8 @@ def greedy_targets() -> torch.Tensor:
     return sampling_distribution(logits, SamplingParams(temperature=0.0))
 
 
-@pytest.mark.parametrize("explicit_q", [False, True], ids=["draft_probs_none", "one_hot_draft_probs"])
+@pytest.mark.parametrize("explicit_q", [False, True, "tokens"],
+                         ids=["draft_probs_none", "one_hot_draft_probs", "accept_greedy_from_tokens"])
 def test_greedy_reduces_to_exact_match(explicit_q):
     p = greedy_targets()
     draft_tokens = torch.tensor([
@@ -612,9 +613,12 @@ def test_greedy_reduces_to_exact_match(explicit_q):
     batch = draft_tokens.shape[0]
     target = p.expand(batch, 4, 6)
     draft_probs = None
-    if explicit_q:
+    if explicit_q is True:
         draft_probs = torch.nn.functional.one_hot(draft_tokens.clamp(max=5), 6).float()
-    result = accept(draft_tokens, draft_probs, target, num_drafted, None)
+    if explicit_q == "tokens":  # the batch decoder's greedy path: only the tokens the point masses sit on
+        result = accept_greedy(draft_tokens, target.argmax(-1), num_drafted)
+    else:
+        result = accept(draft_tokens, draft_probs, target, num_drafted, None)
     expected = torch.tensor([
         [2, 4, 1, 3],
         [2, 4, -1, -1],
@@ -626,6 +630,21 @@ def test_greedy_reduces_to_exact_match(explicit_q):
     ])
     assert torch.equal(result.tokens, expected)
     assert torch.equal(result.num_accepted, torch.tensor([3, 1, 0, 1, 2, 0, 2]))
+
+
+def test_accept_greedy_equals_accept_on_point_masses():
+    generator = torch.Generator().manual_seed(7)
+    batch, gamma, vocab = 64, 5, 4  # a small vocabulary so that many drafted tokens match
+    target_tokens = torch.randint(vocab, (batch, gamma + 1), generator=generator)
+    draft_tokens = torch.where(torch.rand(batch, gamma, generator=generator) < 0.7, target_tokens[:, :gamma],
+                               torch.randint(vocab, (batch, gamma), generator=generator))
+    num_drafted = torch.randint(gamma + 1, (batch,), generator=generator)
+    p = torch.nn.functional.one_hot(target_tokens, vocab).float()
+    expected = accept(draft_tokens, None, p, num_drafted, None)
+    result = accept_greedy(draft_tokens, target_tokens, num_drafted)
+    assert torch.equal(result.tokens, expected.tokens)
+    assert torch.equal(result.num_accepted, expected.num_accepted)
+    assert 0 < expected.num_accepted.float().mean() < gamma  # both full and partial acceptances occurred
 
 
 def test_greedy_draft_model_matches_target_argmax_walk():

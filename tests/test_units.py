@@ -7,8 +7,8 @@ import torch
 
 from specdeploy.detokenize import IncrementalDetokenizer
 from specdeploy.errors import RequestError
-from specdeploy.quantize import Int4Linear, dequantize_int4, quantize_int4
-from specdeploy.sampling import SamplingParams, sampling_distribution, seen_after_drafts, seen_mask
+from specdeploy.quantize import Int4Linear, Int8Linear, RescoredHead, dequantize_int4, quantize_int4, quantize_int8
+from specdeploy.sampling import SamplingParams, greedy_tokens, sampling_distribution, seen_after_drafts, seen_mask
 from specdeploy.speculative.ngram import NgramProposer
 from specdeploy.speculative.schedule import ProposalLength
 from specdeploy.stats import RequestStats
@@ -89,6 +89,30 @@ def test_int4_round_trip_and_kernel():
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1))
     expected = x.bfloat16().float() @ restored.t()
     torch.testing.assert_close(Int4Linear(**parts)(x), expected, atol=0.1, rtol=0.02)
+
+
+def test_rescored_head_keeps_the_int8_winner_and_int4_elsewhere():
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(512, 64, generator=generator)
+    coarse, fine = Int4Linear(**quantize_int4(weight)), Int8Linear(**quantize_int8(weight))
+    head = RescoredHead(coarse, **quantize_int8(weight), rescored=4)
+    x = torch.randn(3, 7, 64, generator=generator).bfloat16()
+    logits, int4_logits, int8_logits = head(x), coarse(x).float(), fine(x).float()
+    assert logits.shape == (3, 7, 512) and logits.dtype == torch.float32
+    top = int4_logits.topk(4, dim=-1).indices
+    rescored = torch.zeros_like(logits, dtype=torch.bool).scatter(-1, top, True)
+    assert torch.equal(logits[~rescored], int4_logits[~rescored])
+    # The rescored entries are the int8 logits up to the kernels' accumulation order, rounded to bf16.
+    torch.testing.assert_close(logits[rescored], int8_logits[rescored], atol=0.07, rtol=0.01)
+    assert torch.equal(logits.argmax(-1), int8_logits.argmax(-1))
+
+
+def test_greedy_tokens_are_where_the_greedy_distribution_sits():
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3))
+    for params, seen in [(SamplingParams(), None),
+                         (SamplingParams(repetition_penalty=3.0), torch.rand(6, 50) < 0.3)]:
+        expected = sampling_distribution(logits, params, seen).argmax(-1)
+        assert torch.equal(greedy_tokens(logits, params, seen), expected)
 
 
 def test_detokenizer_never_emits_broken_utf8(tiny_engines):

@@ -25,7 +25,7 @@ from specdeploy.checkpoints import Checkpoint, check_tokenizers_match, checksum,
 from specdeploy.engine import DTYPES
 from specdeploy.errors import BuildError
 from specdeploy.pipeline import PipelineSpec
-from specdeploy.quantize import GROUP_SIZE, quantize_int4, quantize_int8
+from specdeploy.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 
 ENGINE_FORMAT = 4  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -65,13 +65,16 @@ def matches_manifest(final: Path, inputs: dict) -> bool:
     return all(recorded.get(k) == inputs[k] for k in ("spec", "source_checksum", "versions"))
 
 
-DRAFT_QUANTIZATION = {"method": "int4", "group_size": GROUP_SIZE, "lm_head": "int4, top 4 rescored at int8"}
+def draft_quantization(vocab_size: int) -> dict:
+    """What quantized_draft_state does, for the draft's config.json."""
+    head = "int4, top logits rescored at int8" if vocab_size % INT4_KERNEL_ROWS == 0 else "int8"
+    return {"method": "int4", "group_size": GROUP_SIZE, "lm_head": head}
 
 
 def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Weight-only quantized copy of the target: projections as int4 groups, the vocabulary head as int4 groups
-    plus int8 rows for rescoring its top logits, norms and the embedding table in bf16 (an embedding lookup reads
-    one row, so quantizing it saves nothing)."""
+    """Weight-only quantized copy of the target: projections as int4 groups; the vocabulary head as int4 groups
+    plus int8 rows for rescoring its top logits (int8 alone when the vocabulary does not suit the int4 kernel);
+    norms and the embedding table in bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
     draft = {}
     for name, tensor in state.items():
         base = name.removesuffix(".weight")
@@ -80,7 +83,8 @@ def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
         elif name != "lm_head.weight":
             draft[name] = tensor.to(torch.bfloat16)
     head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied: the draft gets its own copy
-    draft.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
+    if head.shape[0] % INT4_KERNEL_ROWS == 0:  # otherwise the head stays int8 only
+        draft.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
     draft.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})
     return draft
 
@@ -156,7 +160,7 @@ def build_if_needed(pipeline: PipelineSpec, engines_root: str | Path = "engines"
                 progress.update(task, description=f"[{pipeline.name}] quantizing the target into an int4 draft")
                 # Activations in the target's dtype, so the draft can share the target's KV cache.
                 write_component(staging / "draft", target, quantized_draft_state(target.state),
-                                pipeline.target.dtype, pipeline, DRAFT_QUANTIZATION)
+                                pipeline.target.dtype, pipeline, draft_quantization(target.config.vocab_size))
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
                 draft = load_checkpoint(draft_spec.checkpoint, pipeline)

@@ -72,10 +72,30 @@ def accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     # p == q up to rounding can still reject with vanishing probability; p itself is then the right fallback.
     residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), final_p)
     final_dist = torch.where(rejected[:, None], residual, final_p)
-    final_token = sample(final_dist, generator)  # [B]
+    return emitted(draft_tokens, num_accepted, sample(final_dist, generator))
 
-    tokens = torch.full((batch, gamma + 1), -1, dtype=torch.long, device=device)
+
+def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor, num_drafted: torch.Tensor
+                  ) -> AcceptanceResult:
+    """`accept` when p and q are all point masses, from the tokens they sit on: the rule keeps drafted tokens while
+    they equal the target's, then emits the target's token (the residual of two point masses is p's).
+
+    draft_tokens: [B, gamma] long; target_tokens: [B, gamma + 1] long, the target's token at each position;
+    num_drafted: [B] long.
+    """
+    gamma = draft_tokens.shape[1]
+    valid = torch.arange(gamma, device=draft_tokens.device)[None, :] < num_drafted[:, None]
+    num_accepted = ((draft_tokens == target_tokens[:, :gamma]) & valid).long().cumprod(-1).sum(-1)
+    rows = torch.arange(draft_tokens.shape[0], device=draft_tokens.device)
+    return emitted(draft_tokens, num_accepted, target_tokens[rows, num_accepted])
+
+
+def emitted(draft_tokens: torch.Tensor, num_accepted: torch.Tensor, final_token: torch.Tensor) -> AcceptanceResult:
+    """The step's tokens: the accepted drafted prefix [B, gamma], then final_token [B], then -1."""
+    batch, gamma = draft_tokens.shape
+    positions = torch.arange(gamma, device=draft_tokens.device)
+    tokens = torch.full((batch, gamma + 1), -1, dtype=torch.long, device=draft_tokens.device)
     keep = positions[None, :] < num_accepted[:, None]
     tokens[:, :gamma] = torch.where(keep, draft_tokens, -1)
-    tokens[rows, num_accepted] = final_token
+    tokens[torch.arange(batch, device=draft_tokens.device), num_accepted] = final_token
     return AcceptanceResult(tokens=tokens, num_accepted=num_accepted)
