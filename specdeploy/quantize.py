@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdeploy.reductions import topk_indices
+
 GROUP_SIZE = 32
 INT4_KERNEL_ROWS = 16  # torch's CPU int4 kernel packs output rows in blocks of 16
 
@@ -102,7 +104,7 @@ class RescoredHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         logits = self.coarse(x).float()
         flat, flat_logits = x.reshape(-1, x.shape[-1]).float(), logits.view(-1, logits.shape[-1])
-        top = flat_logits.topk(self.rescored, dim=-1).indices  # [N, k]
+        top = topk_indices(flat_logits, self.rescored)  # [N, k]
         rows = self.weight_int8[top].float()  # [N, k, K]
         exact = torch.einsum("nk,njk->nj", flat, rows) * self.row_scales[top]
         # Rounded to x's dtype like the target's logits: a bf16 target's argmax among equal bf16 values is the

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from specdeploy.errors import RequestError
+from specdeploy.reductions import argmax
 
 
 def sampling_problems(temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> list[tuple[str, str]]:
@@ -62,7 +63,7 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams,
     Returns fp32 probabilities [N, V], each row summing to 1."""
     logits = penalised(logits, params, seen)
     if params.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     logits = logits / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
@@ -80,7 +81,7 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams,
 
 def greedy_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None = None) -> torch.Tensor:
     """The token a greedy `sampling_distribution` puts its point mass on, without building it: [N, V] → [N] long."""
-    return penalised(logits, params, seen).argmax(-1)
+    return argmax(penalised(logits, params, seen))
 
 
 def penalised(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
@@ -96,9 +97,9 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """One token per row of probs [N, V] → [N] long. No generator: the argmax. The exponential race
     (argmax of p / Exp(1)) samples exactly from p without a host sync."""
     if generator is None:
-        return probs.argmax(-1)
+        return argmax(probs)
     noise = torch.empty_like(probs).exponential_(generator=generator)
-    return (probs / noise).argmax(-1)
+    return argmax(probs / noise)
 
 
 def seen_mask(tokens: list[int] | torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from specdeploy.kv_cache import KVCache
 from specdeploy.model import LlamaModel, ragged_forward
+from specdeploy.reductions import argmax
 from specdeploy.sampling import sample, sampling_distribution
 
 if TYPE_CHECKING:
@@ -79,7 +80,7 @@ class DraftModelProposer:
             self.forwards += 1
             starts = [start + len(fed) for start, fed in zip(starts, inputs)]
             logits = self.model.logits(hidden)  # [B, V]
-            drafted[:, k] = logits.argmax(-1)
+            drafted[:, k] = argmax(logits)
             for r, sequence in enumerate(sequences):
                 if k >= counts[r]:
                     continue
