@@ -53,7 +53,10 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 def test_ngram_prefers_the_longest_most_recent_match():
     proposer = NgramProposer(min_n=1, max_n=3)
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert proposer.propose(tokens, 3) == [7, 8, 5]  # "2 3" last seen before "7 8 5"
+    assert proposer.propose(tokens, 3) == [7]  # "2 3" last seen before "7 8 5", earlier before "9": cut to one
+    tokens = [4, 2, 3, 7, 8, 1, 1, 2, 3, 7, 8, 5, 6, 0, 2, 3]
+    assert proposer.propose(tokens, 4) == [7, 8]  # both earlier "2 3" continue "7 8", then differ
+    assert proposer.propose([6, 2, 3, 7, 8, 5, 1, 2, 3], 4) == [7, 8, 5, 1]  # one occurrence: all of it
     assert proposer.propose([4, 5, 6], 3) == []
     assert proposer.propose(tokens, 0) == []
     assert NgramProposer(min_n=2, max_n=2).propose([1, 2, 3, 1, 2], 5) == [3, 1, 2]
