@@ -11,6 +11,9 @@ as int4 groups (`<name>.codes`, `<name>.scales`, `<name>.minimums`) or int8 rows
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -100,6 +103,18 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
 
 
+class LayerCalls(NamedTuple):
+    """A layer's submodules' forward methods, bound once: going through nn.Module.__call__ and its attribute
+    lookup six times per layer cost about 5% of a draft forward (0.6 of 12 ms here), and nothing hooks them."""
+
+    input_norm: Callable[[torch.Tensor], torch.Tensor]
+    qkv: Callable[[torch.Tensor], torch.Tensor]
+    out: Callable[[torch.Tensor], torch.Tensor]
+    post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
+    gate_up: Callable[[torch.Tensor], torch.Tensor]
+    down: Callable[[torch.Tensor], torch.Tensor]
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
         super().__init__()
@@ -115,6 +130,8 @@ class DecoderLayer(nn.Module):
                                            config.rms_norm_eps)
         self.gate_up = fused_linear(state, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], dtype)
         self.down = fused_linear(state, [f"{mlp}.down_proj"], dtype)
+        self.calls = LayerCalls(self.input_norm.forward, self.qkv.forward, self.out.forward,
+                                self.post_attention_norm.forward, self.gate_up.forward, self.down.forward)
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, keys_cache: torch.Tensor, values_cache: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
@@ -123,7 +140,8 @@ class DecoderLayer(nn.Module):
         mask: [B, 1, G*T, S] bool or None, G = query heads per kv head (queries are grouped by kv head)."""
         batch, length, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(self.input_norm(x)).unflatten(-1, (heads + 2 * kv_heads, dim))  # [B, T, all heads, D]
+        calls = self.calls
+        qkv = calls.qkv(calls.input_norm(x)).unflatten(-1, (heads + 2 * kv_heads, dim))  # [B, T, all heads, D]
         qk = rotate(qkv[:, :, :heads + kv_heads], rotation)
         k = qk[:, :, heads:].transpose(1, 2)  # [B, kv_heads, T, D]
         v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
@@ -133,9 +151,9 @@ class DecoderLayer(nn.Module):
         q = qk[:, :, :heads].transpose(1, 2).reshape(batch, kv_heads, (heads // kv_heads) * length, dim)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         attended = attended.view(batch, kv_heads, heads // kv_heads, length, dim).permute(0, 3, 1, 2, 4)
-        x = x + self.out(attended.reshape(batch, length, heads * dim))
-        gate, up = self.gate_up(self.post_attention_norm(x)).chunk(2, dim=-1)
-        return x + self.down(F.silu(gate) * up)
+        x = x + calls.out(attended.reshape(batch, length, heads * dim))
+        gate, up = calls.gate_up(calls.post_attention_norm(x)).chunk(2, dim=-1)
+        return x + calls.down(F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -187,7 +205,7 @@ class LlamaModel(nn.Module):
         rotation = self.rotations[positions][:, :, None]  # [B, T, 1, D/2]
         x = self.embed[tokens]
         for index, layer in enumerate(self.layers):
-            x = layer(x, rotation, *kv_cache.layer(index), slots, mask, kv_len)
+            x = layer.forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len)  # no hooks: skip __call__
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
