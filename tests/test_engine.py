@@ -110,6 +110,24 @@ def test_draft_target_rejects_sometimes(tiny_engines):
     assert 0 < generation.stats.accepted < generation.stats.drafted
 
 
+@pytest.mark.parametrize("threshold", [0.05, 0.2])
+def test_early_stop_drafts_fewer_tokens_without_wasted_forwards(tiny_engines, threshold):
+    engine = tiny_engines["draft_target"]
+    proposer = engine.decoder.draft
+    plain = engine.generate(PROMPTS[0], SamplingParams(), 40, num_draft_tokens=0).run()
+    proposer.early_stop_threshold = threshold
+    try:
+        forwards_before = proposer.forwards
+        generation = engine.generate(PROMPTS[0], SamplingParams(), 40, num_draft_tokens=6)
+        assert generation.run() == plain
+    finally:
+        proposer.early_stop_threshold = 0.0
+    stats = generation.stats
+    assert 0 < stats.drafted < 6 * stats.speculative_steps  # some steps stopped early
+    # One row: each forward drafts one proposed token; an unsure token is proposed, not thrown away.
+    assert proposer.forwards - forwards_before == stats.drafted
+
+
 def fresh_prefill(model: LlamaModel, tokens: list[int], max_length: int):
     cache = model.new_cache(1, max_length)
     model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)

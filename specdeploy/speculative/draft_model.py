@@ -57,8 +57,8 @@ class DraftModelProposer:
 
         Returns drafted tokens [B, G] long, their sampling distributions q [B, G, V] (G = max gamma; None when
         every row is greedy, q then being the point mass on each drafted token) and how many each row drafted
-        (fewer than gammas[r] only when the draft's confidence fell below the early-stop threshold). Entries past a
-        row's count are scratch.
+        (fewer than gammas[r] only when the draft's confidence fell below the early-stop threshold: the row stops
+        after that token). Entries past a row's count are scratch.
         """
         device = self.model.embed.device
         batch, width = len(sequences), max(gammas)
@@ -76,6 +76,8 @@ class DraftModelProposer:
         all_greedy = all(s.params.greedy for s in sequences)
         q = None if all_greedy else torch.zeros(batch, width, self.model.config.vocab_size, device=device)
         for k in range(width):
+            if all(k >= count for count in counts):
+                break  # every row stopped early: no row needs this forward
             hidden = ragged_forward(self.model, self.cache.rows(0, batch), inputs, starts)  # [B, H]
             self.forwards += 1
             starts = [start + len(fed) for start, fed in zip(starts, inputs)]
@@ -84,19 +86,18 @@ class DraftModelProposer:
             for r, sequence in enumerate(sequences):
                 if k >= counts[r]:
                     continue
-                # Confidence is the draft's own top-1 probability (at temperature 0, q is a point mass).
-                if self.early_stop_threshold and k and logits[r].softmax(-1).max().item() < self.early_stop_threshold:
-                    counts[r] = k
-                    continue
-                if argmax_rows[r] and q is None:
-                    continue
-                row_q = sampling_distribution(logits[r:r + 1], sequence.params,
-                                              None if seen[r] is None else seen[r][None])
-                drafted[r, k] = sample(row_q, sequence.generator)[0]
-                if q is not None:
-                    q[r, k] = row_q[0]
-                if seen[r] is not None:
-                    seen[r][drafted[r, k]] = True
+                if not (argmax_rows[r] and q is None):
+                    row_q = sampling_distribution(logits[r:r + 1], sequence.params,
+                                                  None if seen[r] is None else seen[r][None])
+                    drafted[r, k] = sample(row_q, sequence.generator)[0]
+                    if q is not None:
+                        q[r, k] = row_q[0]
+                    if seen[r] is not None:
+                        seen[r][drafted[r, k]] = True
+                # Confidence is the draft's own top-1 probability. An unsure token is still proposed (its forward
+                # is paid for and it may be accepted); the row drafts nothing after it.
+                if self.early_stop_threshold and logits[r].softmax(-1).max().item() < self.early_stop_threshold:
+                    counts[r] = k + 1
             inputs = [[token] for token in drafted[:, k].tolist()]
         if not self.shared:
             for sequence, fed in zip(sequences, starts):
