@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from specdeploy.batch import Sequence
 from specdeploy.engine import Engine
 from specdeploy.errors import RequestError
+from specdeploy.pipeline import PolicySpec
 from specdeploy.sampling import SamplingParams
 from specdeploy.stats import RequestStats
 
@@ -33,8 +34,8 @@ class SpeculationPolicy:
     """Proposal cap per step from the number of active sequences B: the request's gamma while B ≤ full_up_to,
     then reduced linearly, down to 1 at off_above; 0 (no drafting at all) when B > off_above."""
 
-    full_up_to: int = 1
-    off_above: int = 4
+    full_up_to: int
+    off_above: int
 
     def gamma(self, gamma: int, batch_size: int) -> int:
         if batch_size > self.off_above:
@@ -80,7 +81,7 @@ class Scheduler:
         here (measured: a bf16 mat-vec 64 µs vs 155 µs), so a server whose main thread loads the weights must not
         decode on another thread. kv_capacity_tokens: the KV budget shared by active sequences (default: every
         row at the sequence limit). on_step: called after each step (metrics)."""
-        self.policy = policy or SpeculationPolicy()
+        self.policy = policy or SpeculationPolicy(PolicySpec.full_up_to, PolicySpec.off_above)
         self.on_step = on_step
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
