@@ -105,7 +105,7 @@ def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
 
 class LayerCalls(NamedTuple):
     """A layer's submodules' forward methods, bound once: going through nn.Module.__call__ and its attribute
-    lookup six times per layer cost about 5% of a draft forward (0.6 of 12 ms here), and nothing hooks them."""
+    lookup six times per layer cost about 8% of a draft forward (12.0 → 11.0 ms here), and nothing hooks them."""
 
     input_norm: Callable[[torch.Tensor], torch.Tensor]
     qkv: Callable[[torch.Tensor], torch.Tensor]
