@@ -120,7 +120,7 @@ def test_defaults_for_minimal_pipeline(tmp_path: Path):
     assert spec.speculation.num_draft_tokens == 4
     assert spec.speculation.acceptance == "exact"
     assert spec.speculation.draft is None
-    assert spec.speculation.ngram == NgramSpec(min_n=1, max_n=4)
+    assert spec.speculation.ngram == NgramSpec(min_n=2, max_n=4)
 
     assert spec.sampling == SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, max_tokens=128)
     assert spec.limits == LimitsSpec(max_batch_size=8, max_input_length=1024, max_sequence_length=2048,
