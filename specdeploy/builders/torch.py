@@ -65,9 +65,9 @@ def matches_manifest(final: Path, inputs: dict) -> bool:
     return all(recorded.get(k) == inputs[k] for k in ("spec", "source_checksum", "versions"))
 
 
-def draft_quantization(vocab_size: int) -> dict:
-    """What quantized_draft_state does, for the draft's config.json."""
-    head = "int4, top logits rescored at int8" if vocab_size % INT4_KERNEL_ROWS == 0 else "int8"
+def draft_quantization(draft: dict[str, torch.Tensor]) -> dict:
+    """What quantized_draft_state produced, for the draft's config.json."""
+    head = "int4, top logits rescored at int8" if "lm_head.codes" in draft else "int8"
     return {"method": "int4", "group_size": GROUP_SIZE, "lm_head": head}
 
 
@@ -159,8 +159,9 @@ def build_if_needed(pipeline: PipelineSpec, engines_root: str | Path = "engines"
             if draft_spec.derive == "int4":
                 progress.update(task, description=f"[{pipeline.name}] quantizing the target into an int4 draft")
                 # Activations in the target's dtype, so the draft can share the target's KV cache.
-                write_component(staging / "draft", target, quantized_draft_state(target.state),
-                                pipeline.target.dtype, pipeline, draft_quantization(target.config.vocab_size))
+                draft_state = quantized_draft_state(target.state)
+                write_component(staging / "draft", target, draft_state, pipeline.target.dtype, pipeline,
+                                draft_quantization(draft_state))
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
                 draft = load_checkpoint(draft_spec.checkpoint, pipeline)

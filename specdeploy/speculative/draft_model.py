@@ -21,7 +21,7 @@ import torch
 from specdeploy.kv_cache import KVCache
 from specdeploy.model import LlamaModel, ragged_forward
 from specdeploy.reductions import argmax
-from specdeploy.sampling import sample, sampling_distribution
+from specdeploy.sampling import greedy_tokens, sample, sampling_distribution
 
 if TYPE_CHECKING:
     from specdeploy.batch import Sequence
@@ -69,8 +69,6 @@ class DraftModelProposer:
             inputs = [s.committed[s.draft_length:] for s in sequences]
             starts = [s.draft_length for s in sequences]
         seen = [None if s.seen is None else s.seen.clone() for s in sequences]
-        # Rows that draft the plain argmax: one batched argmax replaces their per-row sampling.
-        argmax_rows = [s.params.greedy and seen[r] is None for r, s in enumerate(sequences)]
         counts = list(gammas)
         drafted = torch.zeros(batch, width, dtype=torch.long, device=device)
         all_greedy = all(s.params.greedy for s in sequences)
@@ -82,18 +80,19 @@ class DraftModelProposer:
             self.forwards += 1
             starts = [start + len(fed) for start, fed in zip(starts, inputs)]
             logits = self.model.logits(hidden)  # [B, V]
-            drafted[:, k] = argmax(logits)
+            drafted[:, k] = argmax(logits)  # every greedy row without a repetition penalty, in one call
             for r, sequence in enumerate(sequences):
                 if k >= counts[r]:
                     continue
-                if not (argmax_rows[r] and q is None):
-                    row_q = sampling_distribution(logits[r:r + 1], sequence.params,
-                                                  None if seen[r] is None else seen[r][None])
-                    drafted[r, k] = sample(row_q, sequence.generator)[0]
-                    if q is not None:
-                        q[r, k] = row_q[0]
-                    if seen[r] is not None:
-                        seen[r][drafted[r, k]] = True
+                context = None if seen[r] is None else seen[r][None]
+                if q is None:  # every row greedy: q is the point mass on the drafted token
+                    if context is not None:
+                        drafted[r, k] = greedy_tokens(logits[r:r + 1], sequence.params, context)[0]
+                else:
+                    q[r, k] = sampling_distribution(logits[r:r + 1], sequence.params, context)[0]
+                    drafted[r, k] = sample(q[r, k:k + 1], sequence.generator)[0]
+                if seen[r] is not None:
+                    seen[r][drafted[r, k]] = True
                 # Confidence is the draft's own top-1 probability. An unsure token is still proposed (its forward
                 # is paid for and it may be accepted); the row drafts nothing after it.
                 if self.early_stop_threshold and logits[r].softmax(-1).max().item() < self.early_stop_threshold:
