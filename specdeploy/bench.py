@@ -18,10 +18,8 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from specdeploy.engine import Engine
 from specdeploy.errors import SpecdeployError
-from specdeploy.sampling import SamplingParams
-from specdeploy.speculative.draft_model import DraftModelProposer
+from specdeploy.runtime.engine import Engine
 from specdeploy.stats import RequestStats, decode_rate
 
 
@@ -127,9 +125,12 @@ def compare_greedy(engine: Engine, prompt_ids: list[int], plain: list[int], spec
     return "near_tie" if gap <= near_tie_tolerance(engine.dtype) else "mismatch"
 
 
-def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, temperature: float = 0.0,
-              seed: int = 0, with_transformers: bool = True, quiet: bool = False) -> dict:
-    params = SamplingParams(temperature=temperature, seed=seed)
+def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, temperature: float | None, seed: int,
+              with_transformers: bool, quiet: bool = False) -> dict:
+    """max_tokens, temperature: None for the pipeline's. The seed is the same for every prompt and mode."""
+    sampling = engine.pipeline.sampling
+    params = sampling.params(temperature=temperature, seed=seed)
+    max_tokens = sampling.max_tokens if max_tokens is None else max_tokens
     encoded = [engine.encode_prompt(p["prompt"]) for p in prompts]
     engine.generate(encoded[0], params, 8).run()  # warm-up: first calls allocate and page in weights
     runs = []
@@ -141,7 +142,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, temperature:
         runs.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens, speculative_tokens))
 
     report = summarize(engine, runs)
-    if temperature == 0:
+    if params.greedy:
         verdicts = [compare_greedy(engine, ids, r.plain_tokens, r.speculative_tokens)
                     for ids, r in zip(encoded, runs)]
         report["greedy_match"] = all(v != "mismatch" for v in verdicts)
@@ -159,9 +160,9 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int, temperature:
     if with_transformers:
         hf = transformers_decode_tokens_per_s(engine, encoded[0], min(max_tokens, 64))
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
-    report.update(method=engine.method, num_draft_tokens=engine.num_draft_tokens, schedule=engine.schedule,
-                  dtype=engine.dtype,
-                  temperature=temperature, max_tokens=max_tokens, prompts=len(prompts),
+    report.update(method=engine.method, num_draft_tokens=engine.num_draft_tokens,
+                  schedule=engine.pipeline.speculation.schedule, dtype=engine.dtype,
+                  temperature=params.temperature, max_tokens=max_tokens, prompts=len(prompts),
                   threads=torch.get_num_threads())
     return report
 
@@ -174,7 +175,8 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     steps = sum(s.steps for s in spec)
     emitted = sum(s.decode_tokens for s in spec)
     plain_step = sum(s.verify_seconds for s in plain) / max(sum(s.steps for s in plain), 1)
-    draft_units = sum(s.draft_forwards for s in spec) if isinstance(engine.draft, DraftModelProposer) else drafted
+    # c per draft forward for a draft model; per drafted token for a draft-free proposer (no forwards).
+    draft_units = sum(s.draft_forwards for s in spec) or drafted
     draft_cost = sum(s.draft_seconds for s in spec) / max(draft_units, 1) / plain_step
     verify_cost = sum(s.verify_seconds for s in spec) / max(steps, 1) / plain_step
     alpha = accepted / drafted if drafted else 0.0
@@ -182,7 +184,7 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     speculative_steps = sum(s.speculative_steps for s in spec)
     mean_drafted = drafted / speculative_steps if speculative_steps else 0.0
     # Under the heuristic schedule gamma varies per step: the formula gets the mean proposal length instead.
-    formula_gamma = gamma if engine.schedule == "constant" else mean_drafted
+    formula_gamma = gamma if engine.pipeline.speculation.schedule == "constant" else mean_drafted
     per_position = [0] * gamma, [0] * gamma
     for s in spec:
         for i, (d, a) in enumerate(zip(s.drafted_per_position, s.accepted_per_position)):

@@ -1,8 +1,9 @@
-"""PipelineSpec: the one validated configuration, loaded from a pipeline YAML.
+"""PipelineSpec: the one validated configuration, loaded from a pipeline YAML (or the JSON a build saves).
 
-Every section is a frozen dataclass; `load_pipeline` walks the YAML against their type hints, so unknown keys,
+Every section is a frozen dataclass validated when it is constructed, so a spec built in code is checked exactly
+like one loaded from a file. `parse_pipeline` walks the data against the sections' type hints, so unknown keys,
 wrong types and values outside a Literal are errors naming the file, the key path, the bad value and what is
-allowed. Range rules live in each section's `check` method. Defaults are defined here and nowhere else.
+allowed. Defaults are defined here and nowhere else; this module imports neither torch nor the runtime.
 """
 
 from __future__ import annotations
@@ -18,26 +19,39 @@ from typing import Literal
 import yaml
 
 from specdeploy.errors import PipelineError
-from specdeploy.sampling import SamplingParams, sampling_problems
-from specdeploy.speculative.schedule import Schedule
-
-DEFAULT_SAMPLING = SamplingParams()
+from specdeploy.sampling_params import SamplingParams, sampling_problems
 
 SourceKind = Literal["package", "gguf", "hf_dir"]
 DType = Literal["float32", "bfloat16"]
-Method = Literal["draft_target", "ngram", "none"]  # "medusa" joins when its heads exist
+# The speculation methods: a new proposer adds its name here (and its settings section to SpeculationSpec, if it
+# has settings) and registers its class in speculative/registry.py.
+Method = Literal["draft_target", "ngram", "none"]
+Schedule = Literal["constant", "heuristic"]  # proposal length per step: always gamma, or adaptive up to gamma
+BackendKind = Literal["torch"]  # "trtllm" joins with its builder
+
+_NEUTRAL = SamplingParams()
 
 
-class Problem(Exception):
-    """Raised by a section's check(): `key` is relative to the section."""
+class Problem(PipelineError):
+    """Raised by a section's check(): `key` is relative to the section (the parser adds the section's path)."""
 
     def __init__(self, key: str, message: str) -> None:
-        super().__init__(message)
+        super().__init__(f"{key}: {message}")
         self.key, self.message = key, message
 
 
+class Section:
+    """Base of every section: validated at construction by its `check` (a no-op unless the section has rules)."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        pass
+
+
 @dataclass(frozen=True)
-class CheckpointSpec:
+class CheckpointSpec(Section):
     """Where weights come from. package: '<python package>/<file inside it>'; gguf: a .gguf file; hf_dir: a
     directory with config.json, *.safetensors and tokenizer files. Relative paths are relative to the YAML file."""
 
@@ -52,13 +66,13 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True)
-class TargetSpec:
+class TargetSpec(Section):
     checkpoint: CheckpointSpec
     dtype: DType = "bfloat16"
 
 
 @dataclass(frozen=True)
-class DraftSpec:
+class DraftSpec(Section):
     """The draft model. `derive: int4` quantizes the target into a draft (same tokenizer by construction);
     `derive: none` takes `checkpoint` as it is (its tokenizer must match the target's)."""
 
@@ -77,7 +91,7 @@ class DraftSpec:
 
 
 @dataclass(frozen=True)
-class NgramSpec:
+class NgramSpec(Section):
     """Prompt lookup: match the last n tokens (max_n down to min_n) of prompt + output against earlier text."""
 
     min_n: int = 2
@@ -91,11 +105,11 @@ class NgramSpec:
 
 
 @dataclass(frozen=True)
-class SpeculationSpec:
+class SpeculationSpec(Section):
     method: Method = "none"
     num_draft_tokens: int = 4
     acceptance: Literal["exact"] = "exact"
-    schedule: Schedule = "constant"  # proposal length per step: always gamma, or adaptive up to gamma
+    schedule: Schedule = "constant"
     draft: DraftSpec | None = None
     ngram: NgramSpec = field(default_factory=NgramSpec)
 
@@ -109,14 +123,13 @@ class SpeculationSpec:
 
 
 @dataclass(frozen=True)
-class SamplingSpec:
-    """Defaults for requests that do not set them (the request defaults themselves live in SamplingParams).
-    temperature 0 means greedy; top_k 0 means off."""
+class SamplingSpec(Section):
+    """Defaults for requests that do not set them. temperature 0 means greedy; top_k 0 means off."""
 
-    temperature: float = DEFAULT_SAMPLING.temperature
-    top_k: int = DEFAULT_SAMPLING.top_k
-    top_p: float = DEFAULT_SAMPLING.top_p
-    repetition_penalty: float = DEFAULT_SAMPLING.repetition_penalty
+    temperature: float = _NEUTRAL.temperature
+    top_k: int = _NEUTRAL.top_k
+    top_p: float = _NEUTRAL.top_p
+    repetition_penalty: float = _NEUTRAL.repetition_penalty
     max_tokens: int = 128
 
     def check(self) -> None:
@@ -125,9 +138,19 @@ class SamplingSpec:
         if self.max_tokens <= 0:
             raise Problem("max_tokens", f"must be ≥ 1, got {self.max_tokens}")
 
+    def params(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+               repetition_penalty: float | None = None, seed: int | None = None) -> SamplingParams:
+        """A request's SamplingParams: the given values, this section's for those left None."""
+        return SamplingParams(temperature=self.temperature if temperature is None else temperature,
+                              top_k=self.top_k if top_k is None else top_k,
+                              top_p=self.top_p if top_p is None else top_p,
+                              repetition_penalty=(self.repetition_penalty if repetition_penalty is None
+                                                  else repetition_penalty),
+                              seed=seed)
+
 
 @dataclass(frozen=True)
-class LimitsSpec:
+class LimitsSpec(Section):
     max_batch_size: int = 8
     max_input_length: int = 1024
     max_sequence_length: int = 2048
@@ -144,9 +167,9 @@ class LimitsSpec:
 
 
 @dataclass(frozen=True)
-class PolicySpec:
-    """Speculation by batch size (see scheduler.SpeculationPolicy): full gamma while the batch has at most
-    full_up_to sequences, then less, and none above off_above."""
+class PolicySpec(Section):
+    """Speculation by batch size B: the request's gamma while B ≤ full_up_to, then reduced linearly down to 1 at
+    off_above, and no drafting at all when B > off_above."""
 
     # Measured over gRPC (bench --url, 64 tokens): gamma 5 at two streams 1.34x plain, gamma 2 at four 1.06x,
     # while any drafting at eight or more streams gained at most 4% (the batch's GEMM is already compute-bound).
@@ -159,11 +182,20 @@ class PolicySpec:
         if self.off_above < self.full_up_to:
             raise Problem("off_above", f"must be ≥ full_up_to ({self.full_up_to}), got {self.off_above}")
 
+    def gamma(self, gamma: int, batch_size: int) -> int:
+        """The proposal cap for a request whose own gamma is `gamma` in a batch of `batch_size` sequences."""
+        if batch_size > self.off_above:
+            return 0
+        if batch_size <= self.full_up_to:
+            return gamma
+        remaining = (self.off_above - batch_size + 1) / (self.off_above - self.full_up_to + 1)
+        return max(1, round(gamma * remaining))
+
 
 @dataclass(frozen=True)
-class ServingSpec:
-    """How the Triton `speculative` model schedules: the speculation policy and the KV budget in tokens (default:
-    limits.max_batch_size × limits.max_sequence_length)."""
+class ServingSpec(Section):
+    """How the Triton `speculative` model schedules: the speculation policy and the KV budget in tokens (None:
+    limits.max_batch_size × limits.max_sequence_length, see PipelineSpec.kv_capacity_tokens)."""
 
     policy: PolicySpec = field(default_factory=PolicySpec)
     kv_capacity_tokens: int | None = None
@@ -174,14 +206,21 @@ class ServingSpec:
 
 
 @dataclass(frozen=True)
-class PipelineSpec:
+class BackendSpec(Section):
+    """Which engine the build produces and the Triton repository serves; each kind brings its own settings."""
+
+    kind: BackendKind = "torch"
+
+
+@dataclass(frozen=True)
+class PipelineSpec(Section):
     name: str
     target: TargetSpec
     speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
     sampling: SamplingSpec = field(default_factory=SamplingSpec)
     limits: LimitsSpec = field(default_factory=LimitsSpec)
     serving: ServingSpec = field(default_factory=ServingSpec)
-    backend: Literal["torch"] = "torch"  # "trtllm" joins with its builder
+    backend: BackendSpec = field(default_factory=BackendSpec)
     source_file: Path | None = field(default=None, compare=False)
 
     def check(self) -> None:
@@ -189,8 +228,13 @@ class PipelineSpec:
             raise Problem("name", f"must be non-empty letters, digits, '-', '_' or '.', got {self.name!r}")
         gamma, limit = self.speculation.num_draft_tokens, self.limits.max_draft_tokens
         if gamma > limit:
-            raise Problem("speculation.num_draft_tokens",
-                          f"{gamma} is above limits.max_draft_tokens ({limit})")
+            raise Problem("speculation.num_draft_tokens", f"{gamma} is above limits.max_draft_tokens ({limit})")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The KV budget shared by a server's active sequences, in tokens."""
+        limits = self.limits
+        return self.serving.kv_capacity_tokens or limits.max_batch_size * limits.max_sequence_length
 
     def resolve(self, path: str) -> Path:
         """A checkpoint path, relative to the pipeline file's directory when not absolute."""
@@ -199,8 +243,30 @@ class PipelineSpec:
             return candidate
         return (self.source_file.parent / candidate).resolve()
 
+    def resolved(self) -> PipelineSpec:
+        """The same spec with file checkpoints as absolute paths, so it means the same wherever it is saved."""
+
+        def absolute(checkpoint: CheckpointSpec | None) -> CheckpointSpec | None:
+            if checkpoint is None or checkpoint.source == "package":
+                return checkpoint
+            return dataclasses.replace(checkpoint, path=str(self.resolve(checkpoint.path)))
+
+        speculation = self.speculation
+        if speculation.draft is not None:
+            draft = dataclasses.replace(speculation.draft, checkpoint=absolute(speculation.draft.checkpoint))
+            speculation = dataclasses.replace(speculation, draft=draft)
+        target = dataclasses.replace(self.target, checkpoint=absolute(self.target.checkpoint))
+        return dataclasses.replace(self, target=target, speculation=speculation)
+
+    def to_dict(self) -> dict:
+        """Plain data that parse_pipeline turns back into an equal spec."""
+        data = dataclasses.asdict(self)
+        data.pop("source_file")
+        return data
+
 
 def load_pipeline(path: str | Path) -> PipelineSpec:
+    """A pipeline YAML file (JSON, which YAML reads too, for the copy a build saves in the engine directory)."""
     path = Path(path)
     if not path.is_file():
         raise PipelineError(f"{path}: pipeline file not found")
@@ -267,11 +333,8 @@ def _build(cls: type, data: object, prefix: str, where: str):
             values[name] = _convert(hints[name], data[name], key, where)
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
             raise PipelineError(f"{where}: {key}: required key is missing ({_describe(hints[name])})")
-    instance = cls(**values)
-    if hasattr(instance, "check"):
-        try:
-            instance.check()
-        except Problem as problem:
-            key = f"{prefix}.{problem.key}" if prefix else problem.key
-            raise PipelineError(f"{where}: {key}: {problem.message}") from None
-    return instance
+    try:
+        return cls(**values)
+    except Problem as problem:
+        key = f"{prefix}.{problem.key}" if prefix else problem.key
+        raise PipelineError(f"{where}: {key}: {problem.message}") from None

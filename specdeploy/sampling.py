@@ -7,54 +7,22 @@ distributions each side really samples from. Temperature 0 gives a point mass on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from specdeploy.errors import RequestError
 from specdeploy.reductions import argmax
+from specdeploy.sampling_params import SamplingParams
 
 
-def sampling_problems(temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> list[tuple[str, str]]:
-    """(field, problem) for every value outside its range; the one place these ranges are defined."""
-    problems = []
-    if not temperature >= 0:  # written so that NaN fails too
-        problems.append(("temperature", f"must be ≥ 0, got {temperature}"))
-    if top_k < 0:
-        problems.append(("top_k", f"must be ≥ 0, got {top_k}"))
-    if not 0 < top_p <= 1:
-        problems.append(("top_p", f"must be in (0, 1], got {top_p}"))
-    if not repetition_penalty > 0:
-        problems.append(("repetition_penalty", f"must be > 0, got {repetition_penalty}"))
-    return problems
-
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_k: int = 0  # 0: off
-    top_p: float = 1.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-
-    def __post_init__(self) -> None:
-        for key, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
-            raise RequestError(f"{key}: {problem}")
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature == 0
-
-    def generator(self, device: torch.device | str = "cpu") -> torch.Generator | None:
-        """The request's random stream; None when greedy (nothing random is drawn)."""
-        if self.greedy:
-            return None
-        generator = torch.Generator(device=device)
-        if self.seed is None:
-            generator.seed()
-        else:
-            generator.manual_seed(self.seed)
-        return generator
+def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
+    """The request's random stream; None when greedy (nothing random is drawn)."""
+    if params.greedy:
+        return None
+    generator = torch.Generator(device=device)
+    if params.seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(params.seed)
+    return generator
 
 
 def sampling_distribution(logits: torch.Tensor, params: SamplingParams,
@@ -93,12 +61,42 @@ def penalised(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor |
     return torch.where(seen, scaled, logits)
 
 
-def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
-    """One token per row of probs [N, V] → [N] long. No generator: the argmax. The exponential race
+class RowStreams:
+    """The random streams of a batch of requests: row r draws only from generators[r], and only what it uses
+    itself (counts[r] uniforms for its drafted tokens, one noise row for its final token), so a seeded request's
+    draws never depend on what else shares its batch."""
+
+    def __init__(self, generators: list[torch.Generator], counts: list[int]) -> None:
+        self.generators, self.counts = generators, counts
+
+
+Randomness = torch.Generator | RowStreams | None
+
+
+def uniform(shape: tuple[int, int], randomness: Randomness, device: torch.device | str) -> torch.Tensor:
+    """[B, G] draws in (0, 1] (torch.rand can return exactly 0, which the acceptance rule must never see); None: all
+    ones (point masses need no randomness). With RowStreams, entries past counts[r] are 1 and drawn from nothing."""
+    if randomness is None:
+        return torch.ones(shape, device=device)
+    if isinstance(randomness, torch.Generator):
+        return 1.0 - torch.rand(shape, generator=randomness, device=device)
+    draws = torch.ones(shape, device=device)
+    for row, (generator, count) in enumerate(zip(randomness.generators, randomness.counts)):
+        draws[row, :count] = 1.0 - torch.rand(count, generator=generator, device=device)
+    return draws
+
+
+def sample(probs: torch.Tensor, randomness: Randomness) -> torch.Tensor:
+    """One token per row of probs [N, V] → [N] long. No randomness: the argmax. The exponential race
     (argmax of p / Exp(1)) samples exactly from p without a host sync."""
-    if generator is None:
+    if randomness is None:
         return argmax(probs)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+    noise = torch.empty_like(probs)
+    if isinstance(randomness, torch.Generator):
+        noise.exponential_(generator=randomness)
+    else:
+        for row, generator in enumerate(randomness.generators):
+            noise[row].exponential_(generator=generator)
     return argmax(probs / noise)
 
 

@@ -96,8 +96,8 @@ def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
     """Loaded tiny engines: draft_target (noisy fp32 draft), int4 (derived draft), ngram, heuristic (noisy draft,
     adaptive proposal length)."""
     from specdeploy.builders.torch import build
-    from specdeploy.engine import Engine
     from specdeploy.pipeline import load_pipeline
+    from specdeploy.runtime.engine import Engine
 
     root = tmp_path_factory.mktemp("tiny-engines")
     specs = {
@@ -107,19 +107,21 @@ def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
         "heuristic": tiny_pipeline(root, "tiny-heuristic", tiny_checkpoints["target"],
                                    draft=tiny_checkpoints["draft"], schedule="heuristic"),
     }
-    return {key: Engine(build(load_pipeline(path), root / "engines", quiet=True)) for key, path in specs.items()}
+    return {key: Engine(build(load_pipeline(path), root / "engines", quiet=True).directory)
+            for key, path in specs.items()}
 
 
 @pytest.fixture(scope="session")
 def smollm2_fp32_engines(tmp_path_factory) -> dict[str, object]:
     """SmolLM2-135M-Instruct in fp32 (for exactness), built once and loaded for both shipped methods."""
     from specdeploy.builders.torch import build
-    from specdeploy.engine import Engine
     from specdeploy.pipeline import load_pipeline
+    from specdeploy.runtime.engine import Engine
 
     root = tmp_path_factory.mktemp("smollm2")
     spec = yaml.safe_load((REPO / "pipelines" / "smollm2-draft-target.yaml").read_text())
     spec["name"] = "smollm2-fp32"
     spec["target"]["dtype"] = "float32"
-    engine_dir = build(load_pipeline(write_pipeline(root / "fp32.yaml", **spec)), root / "engines", quiet=True)
+    engine_dir = build(load_pipeline(write_pipeline(root / "fp32.yaml", **spec)), root / "engines",
+                       quiet=True).directory
     return {"draft-target": Engine(engine_dir), "ngram": Engine(engine_dir, method="ngram")}

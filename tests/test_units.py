@@ -5,13 +5,21 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdeploy.detokenize import IncrementalDetokenizer
 from specdeploy.errors import RequestError
-from specdeploy.quantize import Int4Linear, Int8Linear, RescoredHead, dequantize_int4, quantize_int4, quantize_int8
-from specdeploy.sampling import SamplingParams, greedy_tokens, sampling_distribution, seen_after_drafts, seen_mask
+from specdeploy.models.quantize import (
+    Int4Linear,
+    Int8Linear,
+    RescoredHead,
+    dequantize_int4,
+    quantize_int4,
+    quantize_int8,
+)
+from specdeploy.sampling import greedy_tokens, sampling_distribution, seen_after_drafts, seen_mask
+from specdeploy.sampling_params import SamplingParams
 from specdeploy.speculative.ngram import NgramProposer
 from specdeploy.speculative.schedule import ProposalLength
 from specdeploy.stats import RequestStats
+from specdeploy.text import IncrementalDetokenizer
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():
@@ -53,13 +61,13 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
 def test_ngram_prefers_the_longest_most_recent_match():
     proposer = NgramProposer(min_n=1, max_n=3)
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert proposer.propose(tokens, 3) == [7]  # "2 3" last seen before "7 8 5", earlier before "9": cut to one
+    assert proposer.continuation(tokens, 3) == [7]  # "2 3" last seen before "7 8 5", earlier before "9": cut to one
     tokens = [4, 2, 3, 7, 8, 1, 1, 2, 3, 7, 8, 5, 6, 0, 2, 3]
-    assert proposer.propose(tokens, 4) == [7, 8]  # both earlier "2 3" continue "7 8", then differ
-    assert proposer.propose([6, 2, 3, 7, 8, 5, 1, 2, 3], 4) == [7, 8, 5, 1]  # one occurrence: all of it
-    assert proposer.propose([4, 5, 6], 3) == []
-    assert proposer.propose(tokens, 0) == []
-    assert NgramProposer(min_n=2, max_n=2).propose([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+    assert proposer.continuation(tokens, 4) == [7, 8]  # both earlier "2 3" continue "7 8", then differ
+    assert proposer.continuation([6, 2, 3, 7, 8, 5, 1, 2, 3], 4) == [7, 8, 5, 1]  # one occurrence: all of it
+    assert proposer.continuation([4, 5, 6], 3) == []
+    assert proposer.continuation(tokens, 0) == []
+    assert NgramProposer(min_n=2, max_n=2).continuation([1, 2, 3, 1, 2], 5) == [3, 1, 2]
 
 
 def test_heuristic_proposal_length_grows_on_full_acceptance_and_shrinks_on_rejection():
@@ -153,7 +161,7 @@ def test_stats_per_position_and_mean_accepted_length():
 
 
 def test_dense_linear_packed_bf16_matches_f_linear():
-    from specdeploy.model import DenseLinear, packs_for_cpu
+    from specdeploy.models.llama import DenseLinear, packs_for_cpu
 
     weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     layer = DenseLinear(weight)

@@ -3,12 +3,14 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdeploy.triton.requests import encode_request, model_tokenizer
+from specdeploy.errors import RequestError
+from specdeploy.triton.model_files import load_tokenizer
+from specdeploy.triton.requests import encode_request
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.tokenizer = model_tokenizer(args)
+        self.tokenizer = load_tokenizer(args)
 
     def execute(self, requests):
         responses = []
@@ -21,7 +23,7 @@ class TritonPythonModel:
                     pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
                     pb_utils.Tensor("stop_words_ids", np.array([stop_ids], dtype=np.int32)),
                 ]))
-            except ValueError as exc:
+            except RequestError as exc:
                 responses.append(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)))
         return responses

@@ -1,20 +1,21 @@
 """Triton Python model (decoupled): owns draft and target and runs continuous-batched speculative decoding.
 
 Each request joins the scheduler; every step's tokens go back as a response (streaming) or once at the end.
-Thin: the scheduler, the validation and the metrics live in specdeploy.
+Thin: the engine, the scheduler, the validation and the metrics live in specdeploy.
 """
 
 import json
 
 import triton_python_backend_utils as pb_utils
 
+from specdeploy.triton.model_files import ENGINE_PARAMETER, parameter_path
 from specdeploy.triton.speculative_model import SpeculativeServer
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        config = json.loads(args["model_config"])
-        self.server = SpeculativeServer(config, pb_utils)
+        name = json.loads(args["model_config"])["name"]
+        self.server = SpeculativeServer(parameter_path(args, ENGINE_PARAMETER), name, pb_utils)
 
     def execute(self, requests):
         for request in requests:

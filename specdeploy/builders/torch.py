@@ -1,9 +1,11 @@
-"""Torch backend builder: pipeline checkpoints → engines/<name>/{target,draft}/.
+"""Torch backend builder: pipeline checkpoints → engines/<name>/{target,draft}/ + pipeline.json.
 
-Each component directory holds model.safetensors, config.json (architecture, dtype, limits, speculation) and the
-tokenizer files. The engine directory's build_manifest.json is written last and records a fingerprint of every
-input; a rebuild with the same fingerprint is skipped. The build happens in a hidden sibling directory that is
-moved into place only when complete, so a failed build never leaves an engine that looks finished.
+Each component directory holds model.safetensors, config.json (the architecture and the dtype: what loading the
+weights needs) and the tokenizer files; everything else an engine is run with comes from the pipeline.json beside
+them. The build manifest is written last and records a fingerprint of every input; a build with the same
+fingerprint is skipped (a change in a section that does not shape the engine, such as sampling or serving, only
+rewrites pipeline.json). The build happens in a hidden sibling directory that is moved into place only when
+complete, so a failed build never leaves an engine that looks finished.
 """
 
 from __future__ import annotations
@@ -15,54 +17,38 @@ import shutil
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
 import specdeploy
-from specdeploy.checkpoints import Checkpoint, check_tokenizers_match, checksum, load_checkpoint, source_files
-from specdeploy.engine import DTYPES
+from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, source_files
+from specdeploy.builders.manifest import fingerprint, up_to_date
 from specdeploy.errors import BuildError
-from specdeploy.pipeline import PipelineSpec
-from specdeploy.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
+from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline
+from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
+from specdeploy.models.registry import DTYPES
+from specdeploy.pipeline import PipelineSpec, load_pipeline
 
-ENGINE_FORMAT = 4  # bump whenever what a build writes changes, so existing engines are rebuilt
+ENGINE_FORMAT = 5  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def spec_dict(pipeline: PipelineSpec) -> dict:
-    data = dataclasses.asdict(pipeline)
-    data.pop("source_file")
-    return data
+class BuildResult(NamedTuple):
+    directory: Path
+    built: bool  # False: the engine was already up to date
 
 
-def fingerprint(pipeline: PipelineSpec) -> dict:
-    """Everything a build depends on: the spec sections that shape the engine, the sources and the versions."""
-    spec = spec_dict(pipeline)
+def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
+    """The fingerprint of a build: spec sections, sources and versions."""
     files = source_files(pipeline.target.checkpoint, pipeline)
     draft = pipeline.speculation.draft
     if draft is not None and draft.checkpoint is not None:
         files += source_files(draft.checkpoint, pipeline)
-    return {
-        "spec": {key: spec[key] for key in ("name", "target", "speculation", "limits", "backend")},
-        "source_checksum": checksum(files),
-        "sources": [str(f) for f in files],
-        "versions": {"specdeploy": specdeploy.__version__, "engine_format": ENGINE_FORMAT, "torch": torch.__version__},
-    }
-
-
-def engine_dir(pipeline: PipelineSpec, engines_root: Path) -> Path:
-    return Path(engines_root) / pipeline.name
-
-
-def matches_manifest(final: Path, inputs: dict) -> bool:
-    """Whether the engine at `final` was built from exactly these inputs (a fingerprint())."""
-    manifest = final / "build_manifest.json"
-    if not manifest.is_file():
-        return False
-    recorded = json.loads(manifest.read_text())
-    return all(recorded.get(k) == inputs[k] for k in ("spec", "source_checksum", "versions"))
+    versions = {"specdeploy": specdeploy.__version__, "engine_format": ENGINE_FORMAT, "torch": torch.__version__}
+    return fingerprint(pipeline, files, versions, final)
 
 
 def draft_quantization(draft: dict[str, torch.Tensor]) -> dict:
@@ -95,9 +81,7 @@ def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, to
     config = dataclasses.replace(checkpoint.config, quantization=quantization,
                                  max_position_embeddings=max(checkpoint.config.max_position_embeddings,
                                                              pipeline.limits.max_sequence_length))
-    spec = spec_dict(pipeline)
-    meta = {"model": config.to_dict(), "dtype": dtype, "limits": spec["limits"], "speculation": spec["speculation"]}
-    (directory / "config.json").write_text(json.dumps(meta, indent=2))
+    (directory / "config.json").write_text(json.dumps({"model": config.to_dict(), "dtype": dtype}, indent=2))
     save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
     checkpoint.tokenizer.save_pretrained(directory)
 
@@ -131,19 +115,14 @@ def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> N
                              f"got {getattr(checkpoint.config, name)} (use derive: none with a draft checkpoint)")
 
 
-def build(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: bool = False,
-          quiet: bool = False) -> Path:
-    """Build the pipeline's engines; returns the engine directory. Skips the work when nothing changed."""
-    return build_if_needed(pipeline, engines_root, force, quiet)[0]
-
-
-def build_if_needed(pipeline: PipelineSpec, engines_root: str | Path = "engines", force: bool = False,
-                    quiet: bool = False) -> tuple[Path, bool]:
-    """(engine directory, whether it was built now); the inputs are fingerprinted once."""
-    final = engine_dir(pipeline, Path(engines_root))
-    inputs = fingerprint(pipeline)
-    if not force and matches_manifest(final, inputs):
-        return final, False
+def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
+    """Build the pipeline's engines under engines_root/<name>/, unless they are up to date."""
+    final = engine_path(engines_root, pipeline)
+    inputs = build_inputs(pipeline, final)
+    if not force and up_to_date(final, inputs):
+        if load_pipeline(final / PIPELINE_FILE) != pipeline.resolved():
+            save_engine_pipeline(final, pipeline)  # serving or sampling defaults changed: no new weights needed
+        return BuildResult(final, False)
     speculation = pipeline.speculation
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
@@ -151,6 +130,7 @@ def build_if_needed(pipeline: PipelineSpec, engines_root: str | Path = "engines"
         target = load_checkpoint(pipeline.target.checkpoint, pipeline)
         check_draft_quantizable(pipeline, target)
         progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
+        save_engine_pipeline(staging, pipeline)
         target_dtype = DTYPES[pipeline.target.dtype]
         write_component(staging / "target", target, {k: v.to(target_dtype) for k, v in target.state.items()},
                         pipeline.target.dtype, pipeline)
@@ -171,6 +151,6 @@ def build_if_needed(pipeline: PipelineSpec, engines_root: str | Path = "engines"
                                 draft_spec.dtype, pipeline)
         manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         components=sorted(p.name for p in staging.iterdir() if p.is_dir()))
-        (staging / "build_manifest.json").write_text(json.dumps(manifest, indent=2))
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")
-    return final, True
+    return BuildResult(final, True)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdeploy.sampling import sample
+from specdeploy.sampling import Randomness, sample, uniform
 
 
 @dataclass
@@ -29,14 +29,15 @@ class AcceptanceResult:
 
 
 def accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_probs: torch.Tensor,
-           num_drafted: torch.Tensor, generator: torch.Generator | None) -> AcceptanceResult:
+           num_drafted: torch.Tensor, generator: Randomness) -> AcceptanceResult:
     """Apply the exact rule to one verification step.
 
     draft_tokens: [B, gamma] long (entries at or past num_drafted are ignored).
     draft_probs: [B, gamma, V] q_i, or None for draft-free proposers (q is one-hot on the drafted token).
     target_probs: [B, gamma + 1, V] p_1..p_(gamma+1), the target's sampling distributions.
     num_drafted: [B] long, how many drafted tokens each row proposed (0..gamma).
-    generator: randomness for r_i and the final sample; None only when every p and q is a point mass (greedy).
+    generator: randomness for r_i and the final sample (one generator, or one stream per row); None only when every
+    p and q is a point mass (greedy).
     """
     batch, gamma = draft_tokens.shape
     device = target_probs.device
@@ -48,12 +49,10 @@ def accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
         q_of_x = torch.ones_like(p_of_x)
     else:
         q_of_x = draft_probs.gather(-1, safe_tokens[..., None]).squeeze(-1)
-    if generator is None:
-        uniform = torch.ones_like(p_of_x)  # point masses: p(x) / q(x) is exactly 0 or 1
-    else:
-        # r in (0, 1]: torch.rand can return exactly 0, which would accept a token the target gives p = 0.
-        uniform = 1.0 - torch.rand(p_of_x.shape, generator=generator, device=device)
-    survives = (uniform * q_of_x <= p_of_x) & valid  # r <= p/q without dividing by q
+    # r in (0, 1] (r = 0 would accept a token the target gives p = 0); all ones for point masses, where p(x) / q(x)
+    # is exactly 0 or 1.
+    r = uniform(p_of_x.shape, generator, device)
+    survives = (r * q_of_x <= p_of_x) & valid  # r <= p/q without dividing by q
     num_accepted = survives.long().cumprod(-1).sum(-1)  # [B]
 
     # The distribution of the emitted token at index num_accepted: residual after a rejection, p for the bonus.

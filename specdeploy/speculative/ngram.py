@@ -9,12 +9,24 @@ same tokens per step. q is one-hot on each proposed token.
 
 from __future__ import annotations
 
+from specdeploy.sequence import Sequence
+from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
 
-class NgramProposer:
-    def __init__(self, min_n: int = 2, max_n: int = 4) -> None:
-        self.min_n, self.max_n = min_n, max_n
 
-    def propose(self, tokens: list[int], gamma: int) -> list[int]:
+class NgramProposer(Proposer):
+    def __init__(self, min_n: int, max_n: int, device: str = "cpu") -> None:
+        self.min_n, self.max_n, self.device = min_n, max_n, device
+
+    @classmethod
+    def from_engine(cls, parts: EngineParts) -> NgramProposer:
+        ngram = parts.pipeline.speculation.ngram
+        return cls(ngram.min_n, ngram.max_n, parts.device)
+
+    def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
+        proposals = [self.continuation(s.committed, g) for s, g in zip(sequences, gammas)]
+        return Proposal.from_lists(proposals, self.device)
+
+    def continuation(self, tokens: list[int], gamma: int) -> list[int]:
         """Up to gamma tokens continuing `tokens`, or [] when no n-gram of the tail occurred before."""
         if gamma <= 0:
             return []

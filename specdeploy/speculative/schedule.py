@@ -8,9 +8,8 @@ does not repeat stops paying for wide verify forwards (on this CPU a 17-token ve
 
 from __future__ import annotations
 
-from typing import Literal
+from specdeploy.pipeline import Schedule
 
-Schedule = Literal["constant", "heuristic"]
 HEURISTIC_START = 4  # first proposal length under the heuristic (then it grows or shrinks)
 
 

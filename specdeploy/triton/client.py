@@ -20,8 +20,9 @@ class Chunk:
     final: bool
 
 
-def build_inputs(prompt: str, max_tokens: int, stream: bool, **fields) -> list:
-    """InferInputs with tensorrtllm_backend names, typed as the ensemble declares them; None fields are not sent."""
+def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) -> list:
+    """InferInputs with tensorrtllm_backend names, typed as the ensemble declares them; None fields are not sent
+    (the server's pipeline supplies them)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import triton_to_np_dtype
 
@@ -45,7 +46,7 @@ def build_inputs(prompt: str, max_tokens: int, stream: bool, **fields) -> list:
     return inputs
 
 
-def generate(url: str, prompt: str, max_tokens: int, stream: bool = True, model: str = "ensemble",
+def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True, model: str = "ensemble",
              timeout: float = 600.0, **fields) -> Iterator[Chunk]:
     """Yield the text as the server sends it. RequestError carries the server's message for a bad request."""
     import tritonclient.grpc as grpcclient

@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
+import time
+
 from rich.console import Console
 from rich.table import Table
 
+from specdeploy.request import NO_END_ID, GenerationRequest
+from specdeploy.runtime.engine import Engine
+from specdeploy.triton.client import generate
 from specdeploy.triton.load import run_level
 
 
-def in_process_tokens_per_s(engine, prompts: list[str], max_tokens: int) -> float:
+def in_process_tokens_per_s(engine: Engine, prompts: list[str], max_tokens: int | None) -> float:
     """End-to-end tokens/s (prefill included, as a client sees it) of the engine itself, one stream, over the
-    prompts in the order a concurrency-1 level sends them."""
-    from specdeploy.sampling import SamplingParams
-
-    engine.generate(engine.encode_prompt(prompts[0]), SamplingParams(), 8).run()
+    prompts in the order a concurrency-1 level sends them, with the pipeline's sampling defaults."""
+    params = engine.pipeline.sampling.params()
+    max_tokens = engine.pipeline.sampling.max_tokens if max_tokens is None else max_tokens
+    engine.generate(engine.encode_prompt(prompts[0]), params, 8).run()
     tokens = seconds = 0.0
     for prompt in prompts:
-        generation = engine.generate(engine.encode_prompt(prompt), SamplingParams(), max_tokens)
+        generation = engine.generate(engine.encode_prompt(prompt), params, max_tokens)
         generation.run()
         tokens += generation.stats.generated_tokens
         seconds += generation.stats.total_seconds
     return tokens / seconds
 
 
-def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens: int,
+def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens: int | None,
                      requests_per_level: int | None = None, in_process: float | None = None) -> dict:
     """Per level: aggregate tokens/s with the server's speculation and with num_draft_tokens = 0, same requests.
     A warm-up request runs first so neither mode pays first-call costs."""
@@ -51,7 +56,8 @@ def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens
 
 
 def print_server_report(report: dict, console: Console | None = None) -> None:
-    table = Table(title=f"specdeploy bench --url {report['url']} ({report['max_tokens']} tokens per request)")
+    tokens = report["max_tokens"] or "the server's default"
+    table = Table(title=f"specdeploy bench --url {report['url']} ({tokens} tokens per request)")
     for column in ("concurrency", "speculative tok/s", "plain tok/s", "speedup", "acceptance", "vs 1 stream",
                    "failed"):
         table.add_column(column, justify="right")
@@ -67,7 +73,7 @@ def print_server_report(report: dict, console: Console | None = None) -> None:
                       f"in-process ({report['in_process_tokens_per_s']:.1f} tokens/s, prefill included)")
 
 
-def run_stress(url: str, prompts: list[str], requests: int, concurrency: int, max_tokens: int,
+def run_stress(url: str, prompts: list[str], requests: int, concurrency: int, max_tokens: int | None,
                cancel_fraction: float, seed: int = 0) -> dict:
     """Many requests at high concurrency, some cancelled at random mid-stream: every other one must come back
     complete and equal to its prompt's reference text (the same prompt served alone)."""
@@ -78,3 +84,54 @@ def run_stress(url: str, prompts: list[str], requests: int, concurrency: int, ma
     counts = check_results(level, expected)
     return {"requests": requests, "concurrency": concurrency, "cancel_fraction": cancel_fraction,
             "seconds": level.seconds, **counts}
+
+
+def segment_rate(samples: list[tuple[float, int]], start: float, end: float) -> float:
+    """Tokens/s between the first samples (seconds, tokens so far) that reach `start` and `end` of the total."""
+    total = samples[-1][1]
+    t0, n0 = next(sample for sample in samples if sample[1] >= start * total)
+    t1, n1 = next(sample for sample in samples if sample[1] >= end * total)
+    return (n1 - n0) / (t1 - t0) if t1 > t0 else 0.0
+
+
+def stream_figures(samples: list[tuple[float, int]]) -> dict:
+    """Overall tokens/s and the slowdown from the first quarter of the tokens to the last fifth."""
+    first, last = segment_rate(samples, 0.0, 0.25), segment_rate(samples, 0.8, 1.0)
+    return {"tokens": samples[-1][1], "seconds": samples[-1][0], "tokens_per_s": samples[-1][1] / samples[-1][0],
+            "first_quarter_tokens_per_s": first, "last_fifth_tokens_per_s": last,
+            "slowdown": 1 - last / first if first else 0.0}
+
+
+def run_long_stream(url: str, engine: Engine, prompt: str, tokens: int) -> dict:
+    """One greedy generation of exactly `tokens` tokens (end_id -1: no end token) streamed over gRPC, and the
+    same generation in-process, each as (time, tokens so far) per step: their speeds and how much each slows down
+    as the context grows (attention over a longer context costs both; the stream must not add to it)."""
+    ids = engine.encode_prompt(prompt)
+    request = GenerationRequest(ids, tokens, engine.pipeline.sampling.params(temperature=0.0), end_id=NO_END_ID)
+    engine.start(GenerationRequest(ids, 8, request.sampling)).run()  # warm-up
+    started, in_process = time.perf_counter(), []
+    generation = engine.start(request)
+    for _ in generation:
+        in_process.append((time.perf_counter() - started, len(generation.tokens)))
+    list(generate(url, prompt, 8, temperature=0.0))  # warm-up
+    started, streamed = time.perf_counter(), []
+    for chunk in generate(url, prompt, tokens, stream=True, temperature=0.0, end_id=NO_END_ID):
+        if chunk.statistics:
+            streamed.append((time.perf_counter() - started, int(chunk.statistics["generated_tokens"])))
+    report = {"url": url, "tokens": tokens, "in_process": stream_figures(in_process),
+              "grpc_stream": stream_figures(streamed)}
+    report["grpc_vs_in_process"] = report["grpc_stream"]["tokens_per_s"] / report["in_process"]["tokens_per_s"]
+    return report
+
+
+def print_long_stream(report: dict, console: Console | None = None) -> None:
+    table = Table(title=f"one streamed generation of {report['tokens']} tokens, {report['url']} vs in-process")
+    for column in ("", "tokens/s", "first quarter", "last fifth", "slowdown"):
+        table.add_column(column, justify="right")
+    for name in ("in_process", "grpc_stream"):
+        row = report[name]
+        table.add_row(name.replace("_", " "), f"{row['tokens_per_s']:.1f}", f"{row['first_quarter_tokens_per_s']:.1f}",
+                      f"{row['last_fifth_tokens_per_s']:.1f}", f"{row['slowdown']:.1%}")
+    console = console or Console()
+    console.print(table)
+    console.print(f"the gRPC stream runs at {report['grpc_vs_in_process']:.2f} of in-process")

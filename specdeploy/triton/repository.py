@@ -1,133 +1,127 @@
-"""`specdeploy package`: a Triton model repository for a pipeline's engines.
+"""`specdeploy package`: a self-contained, relocatable Triton model repository for a pipeline's engine.
 
 ensemble (tensorrtllm_backend's request/response names) = preprocessing → speculative (decoupled, Python backend,
-owns draft + target) → postprocessing. The Python model files come from model_repo/ (thin wrappers importing
-specdeploy); every config.pbtxt is generated here from the pipeline and parsed with Triton's own ModelConfig
-protobuf before it is written.
+owns draft + target) → postprocessing. Each model carries its files in its version directory, named by paths
+relative to it (model_files.py): the engine in `speculative/1/engine/` (hard links to the built engine where the
+file system allows, else a copy), the tokenizer in `preprocessing/1/tokenizer/` and `postprocessing/1/tokenizer/`.
+The repository therefore serves from wherever it is copied or mounted. Every config.pbtxt is built as Triton's
+ModelConfig protobuf message and written with protobuf's text format; the Python model files come from
+model_repo/ (thin wrappers importing specdeploy).
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 from pathlib import Path
 
+from google.protobuf import text_format
+from tritonclient.grpc import model_config_pb2 as pb
+
 import specdeploy
-from specdeploy.errors import SpecdeployError
+from specdeploy.layout import engine_pipeline
 from specdeploy.pipeline import PipelineSpec
+from specdeploy.triton.model_files import ENGINE_PARAMETER, TOKENIZER_PARAMETER
 from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
 
 MODEL_CODE = Path(specdeploy.__file__).resolve().parent.parent / "model_repo"
+VERSION = "1"
+ENGINE_FOLDER, TOKENIZER_FOLDER = "engine", "tokenizer"
+WEIGHT_FILES = {"model.safetensors", "config.json"}  # a component's files that are not its tokenizer's
 
 
-def tensor(name: str, kind: str, dims: list[int], optional: bool = False) -> str:
-    flag = " optional: true" if optional else ""
-    return f'  {{ name: "{name}" data_type: {kind} dims: [ {", ".join(map(str, dims))} ]{flag} }}'
+def add_tensor(tensors, name: str, kind: str, dims: list[int], optional: bool = False) -> None:
+    """Append a ModelInput or ModelOutput (`tensors` is the config's repeated field)."""
+    tensor = tensors.add(name=name, data_type=pb.DataType.Value(kind), dims=dims)
+    if optional:
+        tensor.optional = True
 
 
-def block(key: str, tensors: list[str]) -> str:
-    return f"{key} [\n" + ",\n".join(tensors) + "\n]\n"
+def add_statistics(tensors) -> None:
+    for name, kind, _ in STATISTICS:
+        add_tensor(tensors, name, kind, [1])
 
 
-def parameters(values: dict[str, object]) -> str:
-    return "".join(f'parameters {{ key: "{k}" value: {{ string_value: "{v}" }} }}\n' for k, v in values.items())
+def python_model(name: str, pipeline: PipelineSpec, **parameters: str) -> pb.ModelConfig:
+    config = pb.ModelConfig(name=name, backend="python", max_batch_size=pipeline.limits.max_batch_size)
+    config.instance_group.add(count=1, kind=pb.ModelInstanceGroup.KIND_CPU)
+    for key, value in parameters.items():
+        config.parameters[key].string_value = value
+    return config
 
 
-def ensemble_inputs() -> list[str]:
-    return [tensor("text_input", "TYPE_STRING", [1]), tensor("stop_words", "TYPE_STRING", [-1], optional=True),
-            *(tensor(name, kind, [1], optional=name != "max_tokens") for name, kind in SCALAR_INPUTS.items())]
+def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
+    """The four models' configs."""
+    preprocessing = python_model("preprocessing", pipeline, **{TOKENIZER_PARAMETER: TOKENIZER_FOLDER})
+    add_tensor(preprocessing.input, "text_input", "TYPE_STRING", [1])
+    add_tensor(preprocessing.input, "stop_words", "TYPE_STRING", [-1], optional=True)
+    add_tensor(preprocessing.output, "input_ids", "TYPE_INT32", [-1])
+    add_tensor(preprocessing.output, "stop_words_ids", "TYPE_INT32", [-1])
+
+    speculative = python_model("speculative", pipeline, **{ENGINE_PARAMETER: ENGINE_FOLDER})
+    speculative.model_transaction_policy.decoupled = True
+    add_tensor(speculative.input, "input_ids", "TYPE_INT32", [-1])
+    add_tensor(speculative.input, "stop_words_ids", "TYPE_INT32", [-1], optional=True)
+    for name, kind in SCALAR_INPUTS.items():
+        add_tensor(speculative.input, name, kind, [1], optional=True)
+    add_tensor(speculative.output, "output_ids", "TYPE_INT32", [-1])
+    add_tensor(speculative.output, "previous_length", "TYPE_INT32", [1])
+    add_statistics(speculative.output)
+
+    postprocessing = python_model("postprocessing", pipeline, **{TOKENIZER_PARAMETER: TOKENIZER_FOLDER})
+    add_tensor(postprocessing.input, "output_ids", "TYPE_INT32", [-1])
+    add_tensor(postprocessing.input, "previous_length", "TYPE_INT32", [1])
+    add_statistics(postprocessing.input)
+    add_tensor(postprocessing.output, "text_output", "TYPE_STRING", [-1])
+    add_statistics(postprocessing.output)
+
+    ensemble = pb.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=pipeline.limits.max_batch_size)
+    add_tensor(ensemble.input, "text_input", "TYPE_STRING", [1])
+    add_tensor(ensemble.input, "stop_words", "TYPE_STRING", [-1], optional=True)
+    for name, kind in SCALAR_INPUTS.items():
+        add_tensor(ensemble.input, name, kind, [1], optional=True)
+    add_tensor(ensemble.output, "text_output", "TYPE_STRING", [-1])
+    add_statistics(ensemble.output)
+    statistics = {name: f"_{name}" for name, *_ in STATISTICS}
+    steps = ensemble.ensemble_scheduling.step
+    steps.add(model_name="preprocessing", model_version=-1,
+              input_map={"text_input": "text_input", "stop_words": "stop_words"},
+              output_map={"input_ids": "_input_ids", "stop_words_ids": "_stop_words_ids"})
+    steps.add(model_name="speculative", model_version=-1,
+              input_map={"input_ids": "_input_ids", "stop_words_ids": "_stop_words_ids",
+                         **{name: name for name in SCALAR_INPUTS}},
+              output_map={"output_ids": "_output_ids", "previous_length": "_previous_length", **statistics})
+    steps.add(model_name="postprocessing", model_version=-1,
+              input_map={"output_ids": "_output_ids", "previous_length": "_previous_length", **statistics},
+              output_map={"text_output": "text_output", **{name: name for name in statistics}})
+    return {config.name: config for config in (preprocessing, speculative, postprocessing, ensemble)}
 
 
-def statistic_outputs() -> list[str]:
-    return [tensor(name, kind, [1]) for name, kind, _ in STATISTICS]
-
-
-def model_configs(pipeline: PipelineSpec, engine_dir: Path) -> dict[str, str]:
-    """config.pbtxt text per model name."""
-    batch = pipeline.limits.max_batch_size
-    tokenizer = parameters({"tokenizer_dir": engine_dir / "target"})
-    python = f'backend: "python"\nmax_batch_size: {batch}\n'
-    cpu = "instance_group [ { count: 1 kind: KIND_CPU } ]\n"
-    preprocessing = (f'name: "preprocessing"\n{python}'
-                     + block("input", [tensor("text_input", "TYPE_STRING", [1]),
-                                       tensor("stop_words", "TYPE_STRING", [-1], optional=True)])
-                     + block("output", [tensor("input_ids", "TYPE_INT32", [-1]),
-                                        tensor("stop_words_ids", "TYPE_INT32", [-1])])
-                     + cpu + tokenizer)
-    sampling = pipeline.sampling
-    speculative = (f'name: "speculative"\n{python}model_transaction_policy {{ decoupled: true }}\n'
-                   + block("input", [tensor("input_ids", "TYPE_INT32", [-1]),
-                                     tensor("stop_words_ids", "TYPE_INT32", [-1], optional=True),
-                                     *(tensor(n, k, [1], optional=True) for n, k in SCALAR_INPUTS.items())])
-                   + block("output", [tensor("output_ids", "TYPE_INT32", [-1]),
-                                      tensor("previous_length", "TYPE_INT32", [1]), *statistic_outputs()])
-                   + cpu
-                   + parameters({"engine_dir": engine_dir, "max_active_sequences": batch,
-                                 "default_max_tokens": sampling.max_tokens,
-                                 "default_temperature": sampling.temperature, "default_top_k": sampling.top_k,
-                                 "default_top_p": sampling.top_p,
-                                 "default_repetition_penalty": sampling.repetition_penalty,
-                                 "policy_full_up_to": pipeline.serving.policy.full_up_to,
-                                 "policy_off_above": pipeline.serving.policy.off_above,
-                                 "kv_capacity_tokens": pipeline.serving.kv_capacity_tokens or 0}))
-    postprocessing = (f'name: "postprocessing"\n{python}'
-                      + block("input", [tensor("output_ids", "TYPE_INT32", [-1]),
-                                        tensor("previous_length", "TYPE_INT32", [1]), *statistic_outputs()])
-                      + block("output", [tensor("text_output", "TYPE_STRING", [-1]), *statistic_outputs()])
-                      + cpu + tokenizer)
-    scalars = "".join(f'      input_map {{ key: "{n}" value: "{n}" }}\n' for n in SCALAR_INPUTS)
-    statistics = "".join(f'      input_map {{ key: "{n}" value: "_{n}" }}\n' for n, *_ in STATISTICS)
-    statistics_out = "".join(f'      output_map {{ key: "{n}" value: "_{n}" }}\n' for n, *_ in STATISTICS)
-    statistics_final = "".join(f'      output_map {{ key: "{n}" value: "{n}" }}\n' for n, *_ in STATISTICS)
-    ensemble = (f'name: "ensemble"\nplatform: "ensemble"\nmax_batch_size: {batch}\n'
-                + block("input", ensemble_inputs())
-                + block("output", [tensor("text_output", "TYPE_STRING", [-1]), *statistic_outputs()])
-                + "ensemble_scheduling {\n  step [\n"
-                + '    { model_name: "preprocessing" model_version: -1\n'
-                  '      input_map { key: "text_input" value: "text_input" }\n'
-                  '      input_map { key: "stop_words" value: "stop_words" }\n'
-                  '      output_map { key: "input_ids" value: "_input_ids" }\n'
-                  '      output_map { key: "stop_words_ids" value: "_stop_words_ids" } },\n'
-                + '    { model_name: "speculative" model_version: -1\n'
-                  '      input_map { key: "input_ids" value: "_input_ids" }\n'
-                  '      input_map { key: "stop_words_ids" value: "_stop_words_ids" }\n'
-                + scalars
-                + '      output_map { key: "output_ids" value: "_output_ids" }\n'
-                  '      output_map { key: "previous_length" value: "_previous_length" }\n'
-                + statistics_out + "    },\n"
-                + '    { model_name: "postprocessing" model_version: -1\n'
-                  '      input_map { key: "output_ids" value: "_output_ids" }\n'
-                  '      input_map { key: "previous_length" value: "_previous_length" }\n'
-                + statistics
-                + '      output_map { key: "text_output" value: "text_output" }\n'
-                + statistics_final + "    }\n  ]\n}\n")
-    return {"preprocessing": preprocessing, "speculative": speculative, "postprocessing": postprocessing,
-            "ensemble": ensemble}
-
-
-def validate_config(name: str, text: str) -> None:
-    """Parse with Triton's ModelConfig protobuf: unknown fields, bad enums and syntax errors are caught here."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
+def link_or_copy(source: str, destination: str) -> None:
+    """A hard link (no second copy of the weights on disk) where the file system allows it, else a copy."""
     try:
-        text_format.Parse(text, model_config_pb2.ModelConfig())
-    except text_format.ParseError as exc:
-        raise SpecdeployError(f"generated {name}/config.pbtxt is not a valid Triton ModelConfig: {exc}") from None
+        os.link(source, destination)
+    except OSError:
+        shutil.copy2(source, destination)
 
 
-def write_repository(pipeline: PipelineSpec, engine_dir: Path, output: Path) -> Path:
-    """Write (or replace) the model repository at `output`. Returns it."""
-    engine_dir = Path(engine_dir).resolve()
-    configs = model_configs(pipeline, engine_dir)
-    for name, text in configs.items():
-        validate_config(name, text)
+def write_repository(engine_dir: Path, output: Path) -> Path:
+    """Write (or replace) the model repository at `output` for the engine at `engine_dir`. Returns it."""
+    engine_dir = Path(engine_dir)
+    configs = model_configs(engine_pipeline(engine_dir))
     output.mkdir(parents=True, exist_ok=True)
-    for name, text in configs.items():
+    for name, config in configs.items():
         model_dir = output / name
         if model_dir.exists():
             shutil.rmtree(model_dir)
-        (model_dir / "1").mkdir(parents=True)
-        (model_dir / "config.pbtxt").write_text(text)
+        version = model_dir / VERSION
+        version.mkdir(parents=True)
+        (model_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
         if name != "ensemble":
-            shutil.copy2(MODEL_CODE / name / "model.py", model_dir / "1" / "model.py")
+            shutil.copy2(MODEL_CODE / name / "model.py", version / "model.py")
+        if TOKENIZER_PARAMETER in config.parameters:
+            shutil.copytree(engine_dir / "target", version / TOKENIZER_FOLDER,
+                            ignore=lambda _, names: [n for n in names if n in WEIGHT_FILES])
+        if ENGINE_PARAMETER in config.parameters:
+            shutil.copytree(engine_dir, version / ENGINE_FOLDER, copy_function=link_or_copy)
     return output

@@ -1,16 +1,15 @@
-"""Request and response fields of the Triton models: names (tensorrtllm_backend's), validation, text handling.
-
-Pure functions over numpy arrays, so they are tested without a server.
+"""Request and response fields of the Triton models: names (tensorrtllm_backend's) and the conversion of a
+request's tensors into a GenerationRequest. Pure functions over numpy arrays, so they are tested without a server.
 """
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
 from specdeploy.errors import RequestError
-from specdeploy.sampling import SamplingParams
+from specdeploy.pipeline import PipelineSpec
+from specdeploy.request import GenerationRequest
+from specdeploy.text import encode_prompt, encode_stop_words
 
 # Statistics every response carries (cumulative for the request so far): name, Triton type, RequestStats field.
 STATISTICS = [("total_draft_tokens", "TYPE_INT32", "drafted"),
@@ -19,7 +18,7 @@ STATISTICS = [("total_draft_tokens", "TYPE_INT32", "drafted"),
               ("generated_tokens", "TYPE_INT32", "generated_tokens"),
               ("verification_steps", "TYPE_INT32", "steps")]
 
-# Scalar inputs of the ensemble and the speculative model (all optional but max_tokens): name → Triton type.
+# Scalar inputs of the ensemble and the speculative model, all optional (unset: the pipeline's value): name → type.
 SCALAR_INPUTS = {
     "max_tokens": "TYPE_INT32", "temperature": "TYPE_FP32", "top_k": "TYPE_INT32", "top_p": "TYPE_FP32",
     "repetition_penalty": "TYPE_FP32", "random_seed": "TYPE_UINT64", "end_id": "TYPE_INT32", "stream": "TYPE_BOOL",
@@ -27,42 +26,34 @@ SCALAR_INPUTS = {
 }
 
 
-def model_tokenizer(args: dict):
-    """The tokenizer named by a Python model's `tokenizer_dir` parameter (args: what initialize() receives)."""
-    from transformers import AutoTokenizer
+def text_of(value: np.ndarray, name: str) -> str:
+    """One string input ([1, 1] or [1] bytes) as text; RequestError names the field."""
+    if value.size != 1:
+        raise RequestError(f"{name}: expected one string per request, got shape {list(value.shape)}")
+    item = value.reshape(-1)[0]
+    try:
+        return item.decode("utf-8", errors="strict") if isinstance(item, bytes) else str(item)
+    except UnicodeDecodeError:
+        raise RequestError(f"{name}: not valid UTF-8") from None
 
-    parameters = json.loads(args["model_config"])["parameters"]
-    return AutoTokenizer.from_pretrained(parameters["tokenizer_dir"]["string_value"])
 
-
-def _text(value: np.ndarray) -> str:
-    item = value.reshape(-1)[0] if value.size else b""
-    return item.decode("utf-8", errors="strict") if isinstance(item, bytes) else str(item)
+def words_of(value: np.ndarray | None) -> list[str]:
+    """stop_words [1, N] bytes → the words."""
+    if value is None:
+        return []
+    return [w.decode("utf-8", errors="replace") if isinstance(w, bytes) else str(w) for w in value.reshape(-1)]
 
 
 def encode_request(tokenizer, text_input: np.ndarray, stop_words: np.ndarray | None) -> tuple[list[int], list[int]]:
-    """text_input [1, 1] or [1] bytes → prompt ids (chat template when the tokenizer has one); stop_words [1, N]
-    bytes → their ids, flattened with -1 after each word. ValueError names the bad field."""
-    if text_input.size != 1:
-        raise ValueError(f"text_input: expected one string per request, got shape {list(text_input.shape)}")
-    try:
-        text = _text(text_input)
-    except UnicodeDecodeError:
-        raise ValueError("text_input: not valid UTF-8") from None
-    if not text.strip():
-        raise ValueError("text_input: must not be empty")
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
-    stop_ids: list[int] = []
-    for word in [] if stop_words is None else stop_words.reshape(-1):
-        word = word.decode("utf-8", errors="replace") if isinstance(word, bytes) else str(word)
-        if word:
-            stop_ids += tokenizer(word, add_special_tokens=False)["input_ids"] + [-1]
-    return ids, stop_ids
+    """The preprocessing model: text_input → prompt ids (chat template included), stop_words → their ids joined
+    by -1. RequestError names the bad field."""
+    prompt = encode_prompt(tokenizer, text_of(text_input, "text_input"))
+    return prompt, join_stop_ids(encode_stop_words(tokenizer, words_of(stop_words)))
+
+
+def join_stop_ids(words: list[list[int]]) -> list[int]:
+    """[[a, b], [c]] → [a, b, -1, c, -1]: several token sequences in one tensor."""
+    return [token for word in words for token in [*word, -1]]
 
 
 def split_stop_ids(flat: list[int]) -> list[list[int]]:
@@ -78,21 +69,30 @@ def split_stop_ids(flat: list[int]) -> list[list[int]]:
     return words + ([current] if current else [])
 
 
-def scalar(inputs: dict[str, np.ndarray], name: str, default):
-    """One request's scalar input, checked for exactly one element."""
+def scalar(inputs: dict[str, np.ndarray], name: str):
+    """One request's scalar input, checked for exactly one element; None when the request does not set it."""
     value = inputs.get(name)
     if value is None:
-        return default
+        return None
     if value.size != 1:
         raise RequestError(f"{name}: expected one value, got shape {list(value.shape)}")
     return value.reshape(-1)[0].item()
 
 
-def sampling_from(inputs: dict[str, np.ndarray], defaults: SamplingParams) -> SamplingParams:
-    """SamplingParams from a request's tensors (tensorrtllm_backend names); RequestError names the bad field."""
-    seed = scalar(inputs, "random_seed", None)
-    return SamplingParams(temperature=float(scalar(inputs, "temperature", defaults.temperature)),
-                          top_k=int(scalar(inputs, "top_k", defaults.top_k)),
-                          top_p=float(scalar(inputs, "top_p", defaults.top_p)),
-                          repetition_penalty=float(scalar(inputs, "repetition_penalty", defaults.repetition_penalty)),
-                          seed=None if seed is None else int(seed))
+def generation_request(inputs: dict[str, np.ndarray], pipeline: PipelineSpec) -> GenerationRequest:
+    """A GenerationRequest from the speculative model's input tensors; unset fields take the pipeline's values."""
+    seed, gamma, end_id = scalar(inputs, "random_seed"), scalar(inputs, "num_draft_tokens"), scalar(inputs, "end_id")
+    max_tokens = scalar(inputs, "max_tokens")
+    temperature, top_p = scalar(inputs, "temperature"), scalar(inputs, "top_p")
+    top_k, penalty = scalar(inputs, "top_k"), scalar(inputs, "repetition_penalty")
+    sampling = pipeline.sampling.params(
+        temperature=None if temperature is None else float(temperature), top_k=None if top_k is None else int(top_k),
+        top_p=None if top_p is None else float(top_p),
+        repetition_penalty=None if penalty is None else float(penalty), seed=None if seed is None else int(seed))
+    stops = inputs.get("stop_words_ids")
+    return GenerationRequest(
+        prompt_ids=inputs["input_ids"].reshape(-1).tolist(),
+        max_tokens=pipeline.sampling.max_tokens if max_tokens is None else int(max_tokens),
+        sampling=sampling, num_draft_tokens=None if gamma is None else int(gamma),
+        stop_sequences=[] if stops is None else split_stop_ids(stops.reshape(-1).tolist()),
+        end_id=None if end_id is None else int(end_id))

@@ -143,10 +143,6 @@ class TritonServer:
     def _log_hint(self) -> str:
         return f" (log: {self.log_file})" if self.log_file else ""
 
-    def send_signal(self, signum: int) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.send_signal(signum)
-
     def stop(self, timeout: float = 30.0) -> int | None:
         """SIGTERM, then SIGKILL after `timeout`. Returns the exit status."""
         if self.process is not None and self.process.poll() is None:

@@ -6,14 +6,16 @@
 from __future__ import annotations
 
 import threading
+from pathlib import Path
 
 import numpy as np
 
-from specdeploy.engine import Engine
 from specdeploy.errors import RequestError
-from specdeploy.sampling import SamplingParams
-from specdeploy.scheduler import Scheduler, SpeculationPolicy
-from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS, sampling_from, scalar, split_stop_ids
+from specdeploy.layout import engine_pipeline
+from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.scheduler import Scheduler
+from specdeploy.text import stream_window
+from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS, generation_request, scalar
 
 
 class Metrics:
@@ -78,27 +80,19 @@ class Metrics:
 
 
 class SpeculativeServer:
-    def __init__(self, model_config: dict, pb_utils) -> None:
+    def __init__(self, engine_dir: Path, model_name: str, pb_utils) -> None:
+        """engine_dir: the engine this model serves; everything else (limits, defaults, policy) comes from the
+        pipeline saved in it."""
         self.pb = pb_utils
-        parameters = {k: v["string_value"] for k, v in model_config.get("parameters", {}).items()}
-        self.defaults = SamplingParams(temperature=float(parameters["default_temperature"]),
-                                       top_k=int(parameters["default_top_k"]),
-                                       top_p=float(parameters["default_top_p"]),
-                                       repetition_penalty=float(parameters["default_repetition_penalty"]))
-        self.default_max_tokens = int(parameters["default_max_tokens"])
-        policy = SpeculationPolicy(full_up_to=int(parameters["policy_full_up_to"]),
-                                   off_above=int(parameters["policy_off_above"]))
-        capacity = int(parameters.get("kv_capacity_tokens") or 0) or None
+        rows = engine_pipeline(engine_dir).limits.max_batch_size
         # The engine is loaded on the scheduler's thread, which runs all its forwards (see Scheduler).
-        self.scheduler = Scheduler(lambda: Engine(parameters["engine_dir"],
-                                                  batch_size=int(parameters["max_active_sequences"])),
-                                   policy, capacity, on_step=self._on_step)
+        self.scheduler = Scheduler(lambda: Engine(engine_dir, batch_size=rows), on_step=self._on_step)
         self.engine = self.scheduler.engine
-        self.metrics = Metrics(pb_utils, {"model": model_config["name"], "method": self.engine.method})
+        self.metrics = Metrics(pb_utils, {"model": model_name, "method": self.engine.method})
         self.metrics.update(self.scheduler)  # the gauges start at their idle values, not at 0
         import torch
 
-        pb_utils.Logger.log_info(f"specdeploy: {self.engine.dir} ({self.engine.method}, gamma "
+        pb_utils.Logger.log_info(f"specdeploy: {engine_dir} ({self.engine.method}, gamma "
                                  f"{self.engine.num_draft_tokens}), {self.scheduler.max_batch_size} rows, "
                                  f"{torch.get_num_threads()} torch threads")
 
@@ -119,28 +113,16 @@ class SpeculativeServer:
         try:
             inputs = {name: tensor.as_numpy() for name in ("input_ids", "stop_words_ids", *SCALAR_INPUTS)
                       if (tensor := self.pb.get_input_tensor_by_name(request, name)) is not None}
-            prompt = inputs["input_ids"].reshape(-1).tolist()
-            max_tokens = int(scalar(inputs, "max_tokens", self.default_max_tokens))
-            gamma = scalar(inputs, "num_draft_tokens", None)
-            params = sampling_from(inputs, self.defaults)
-            stream = bool(scalar(inputs, "stream", False))
-            stops = split_stop_ids(inputs.get("stop_words_ids", np.zeros(0, np.int32)).reshape(-1).tolist())
-            end_id = scalar(inputs, "end_id", None)
-            if end_id is not None:
-                stops.append([int(end_id)])
-            if max_tokens > self.engine.max_length:
-                raise RequestError(f"max_tokens: {max_tokens} is over max_sequence_length "
-                                   f"({self.engine.max_length})")
-            responder = Responder(self, sender, stream)
-            self.scheduler.submit(prompt, params, max_tokens, responder, None if gamma is None else int(gamma),
-                                  stops, is_cancelled=sender.is_cancelled)
+            stream = bool(scalar(inputs, "stream"))
+            self.scheduler.submit(generation_request(inputs, self.engine.pipeline), Responder(self, sender, stream),
+                                  is_cancelled=sender.is_cancelled)
         except RequestError as exc:
             self._error(sender, str(exc))
 
-    def response(self, ids: list[int], previous_length: int, stats) -> object:
+    def response(self, window: list[int], shown: int, stats) -> object:
         pb = self.pb
-        outputs = [pb.Tensor("output_ids", np.array([ids], dtype=np.int32)),
-                   pb.Tensor("previous_length", np.array([[previous_length]], dtype=np.int32))]
+        outputs = [pb.Tensor("output_ids", np.array([window], dtype=np.int32)),
+                   pb.Tensor("previous_length", np.array([[shown]], dtype=np.int32))]
         for name, kind, field_name in STATISTICS:
             dtype = np.int32 if kind == "TYPE_INT32" else np.float32
             outputs.append(pb.Tensor(name, np.array([[getattr(stats, field_name)]], dtype=dtype)))
@@ -148,7 +130,8 @@ class SpeculativeServer:
 
 
 class Responder:
-    """The scheduler's callback for one request: sends each step's tokens (stream) or everything at the end."""
+    """The scheduler's callback for one request: streamed, each step's tokens go out in a bounded window (the few
+    tokens detokenisation needs, then the new ones); otherwise every token goes out once at the end."""
 
     def __init__(self, server: SpeculativeServer, sender, stream: bool) -> None:
         self.server, self.sender, self.stream = server, sender, stream
@@ -156,8 +139,8 @@ class Responder:
         self.sent = 0
 
     def __call__(self, tokens: list[int], finished: str | None, stats) -> None:
-        server, pb = self.server, self.server.pb
-        self.ids.extend(t for t in tokens if t not in server.engine.eos_ids)
+        pb = self.server.pb
+        self.ids.extend(tokens)
         if finished == "cancelled":
             self.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
@@ -167,7 +150,7 @@ class Responder:
             return
         if not self.stream and finished is None:
             return
-        previous = self.sent if self.stream else 0
+        window, shown = stream_window(self.ids, self.sent) if self.stream else (self.ids, 0)
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
-        self.sender.send(server.response(self.ids, previous, stats), flags=flags)
+        self.sender.send(self.server.response(window, shown, stats), flags=flags)
         self.sent = len(self.ids)

@@ -7,7 +7,6 @@ importing may run code with dependencies we do not need).
 
 from __future__ import annotations
 
-import hashlib
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -16,7 +15,8 @@ from pathlib import Path
 import torch
 
 from specdeploy.errors import BuildError
-from specdeploy.model_config import ModelConfig
+from specdeploy.models.config import ModelConfig
+from specdeploy.models.registry import ARCHITECTURES
 from specdeploy.pipeline import CheckpointSpec, PipelineSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -56,16 +56,6 @@ def source_files(spec: CheckpointSpec, pipeline: PipelineSpec) -> list[Path]:
     return [path]
 
 
-def checksum(files: list[Path]) -> str:
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode())
-        with file.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(block)
-    return digest.hexdigest()
-
-
 def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -79,9 +69,9 @@ def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
         model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra)
     except (OSError, ValueError, KeyError) as exc:
         raise BuildError(f"checkpoint {path}: could not be loaded: {exc}") from None
-    if model.config.model_type != "llama":
+    if model.config.model_type not in ARCHITECTURES:
         raise BuildError(f"checkpoint {path}: architecture {model.config.model_type!r} is not supported "
-                         f"(allowed: llama)")
+                         f"(allowed: {', '.join(ARCHITECTURES)})")
     config = ModelConfig.from_hf(model.config)
     state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     if config.tie_word_embeddings:

@@ -19,8 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.kv_cache import KVCache, write_entries
-from specdeploy.model_config import ModelConfig
-from specdeploy.quantize import Int4Linear, Int8Linear, RescoredHead
+from specdeploy.models.config import ModelConfig
+from specdeploy.models.quantize import Int4Linear, Int8Linear, RescoredHead
 
 
 def packs_for_cpu(weight: torch.Tensor) -> bool:
@@ -213,23 +213,30 @@ class LlamaModel(nn.Module):
         return self.lm_head(hidden).float()
 
 
-def ragged_forward(model: LlamaModel, cache: KVCache, inputs: list[list[int]], starts: list[int]) -> torch.Tensor:
-    """One forward over rows of different lengths: row r feeds inputs[r] at positions starts[r].. into cache row r.
+def pad_rows(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
+    """Token lists of different lengths → [B, W] long, each padded at its end with token 0."""
+    width = max(len(row) for row in rows)
+    return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
 
-    Short rows are padded at their end; the padding is written past the row's real tokens, where the next write
-    overwrites it before anything attends to it (the cache has headroom for it). Returns the hidden state of each
-    row's last real token: [B, hidden].
+
+def ragged_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int]) -> torch.Tensor:
+    """One forward over rows fed at different positions: row r feeds tokens[r] [B, W] at positions starts[r]..
+    into cache row r, attending causally to the row's first starts[r] entries and to itself.
+
+    A row with fewer real tokens than W carries padding at its end; the padding is written past the row's real
+    tokens, where the next write overwrites it before anything attends to it (the cache has headroom for it).
+    Returns every position's hidden state: [B, W, hidden] (padding positions included).
     """
-    hidden = ragged_forward_all(model, cache, inputs, starts)
-    last = torch.tensor([len(row) - 1 for row in inputs], device=hidden.device)
-    return hidden[torch.arange(len(inputs), device=hidden.device), last]
-
-
-def ragged_forward_all(model: LlamaModel, cache: KVCache, inputs: list[list[int]], starts: list[int]) -> torch.Tensor:
-    """As ragged_forward, returning every position: [B, T, hidden] (padding positions included)."""
-    device = model.embed.device
-    width = max(len(row) for row in inputs)
-    tokens = torch.tensor([row + [0] * (width - len(row)) for row in inputs], dtype=torch.long, device=device)
-    positions = torch.tensor(starts, device=device)[:, None] + torch.arange(width, device=device)
+    width = tokens.shape[1]
+    positions = torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(width, device=tokens.device)
     cache.lengths = list(starts)
     return model(tokens, positions, cache)
+
+
+def ragged_forward(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],
+                   lengths: list[int]) -> torch.Tensor:
+    """As ragged_forward_all, returning the hidden state of each row's last real token (row r has lengths[r]):
+    [B, hidden]."""
+    hidden = ragged_forward_all(model, cache, tokens, starts)
+    last = torch.tensor([length - 1 for length in lengths], device=hidden.device)
+    return hidden[torch.arange(len(lengths), device=hidden.device), last]

@@ -10,6 +10,7 @@ less as the batch fills, none above a threshold, in which case drafting is skipp
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 import traceback
@@ -17,33 +18,15 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from specdeploy.batch import Sequence
-from specdeploy.engine import Engine
-from specdeploy.errors import RequestError
-from specdeploy.pipeline import PolicySpec
-from specdeploy.sampling import SamplingParams
+from specdeploy.pipeline import ServingSpec
+from specdeploy.request import GenerationRequest
+from specdeploy.runtime.engine import Engine
+from specdeploy.sequence import Sequence
 from specdeploy.stats import RequestStats
 
 # on_tokens(tokens, finished, stats): new tokens of one request; finished is None or the finish reason
 # ("stop", "length", "cancelled", "error: ..."); stats: the request's RequestStats so far.
 TokenCallback = Callable[[list[int], str | None, RequestStats], None]
-
-
-@dataclass(frozen=True)
-class SpeculationPolicy:
-    """Proposal cap per step from the number of active sequences B: the request's gamma while B ≤ full_up_to,
-    then reduced linearly, down to 1 at off_above; 0 (no drafting at all) when B > off_above."""
-
-    full_up_to: int
-    off_above: int
-
-    def gamma(self, gamma: int, batch_size: int) -> int:
-        if batch_size > self.off_above:
-            return 0
-        if batch_size <= self.full_up_to:
-            return gamma
-        remaining = (self.off_above - batch_size + 1) / (self.off_above - self.full_up_to + 1)
-        return max(1, round(gamma * remaining))
 
 
 @dataclass
@@ -73,15 +56,14 @@ class SchedulerCounters:
 
 
 class Scheduler:
-    def __init__(self, engine: Engine | Callable[[], Engine], policy: SpeculationPolicy | None = None,
-                 kv_capacity_tokens: int | None = None, on_step: Callable[[Scheduler], None] | None = None) -> None:
+    def __init__(self, engine: Engine | Callable[[], Engine], serving: ServingSpec | None = None,
+                 on_step: Callable[[Scheduler], None] | None = None) -> None:
         """engine: loaded with batch_size = the most sequences stepped together, or a function that loads it.
         Given a function, the engine is loaded on the scheduler's own thread, which then runs every forward: with
         torch's OpenMP, a thread other than the one whose parallel regions came first runs them about 2x slower
         here (measured: a bf16 mat-vec 64 µs vs 155 µs), so a server whose main thread loads the weights must not
-        decode on another thread. kv_capacity_tokens: the KV budget shared by active sequences (default: every
-        row at the sequence limit). on_step: called after each step (metrics)."""
-        self.policy = policy or SpeculationPolicy(PolicySpec.full_up_to, PolicySpec.off_above)
+        decode on another thread. serving: the speculation policy and KV budget, when not the engine pipeline's
+        own. on_step: called after each step (metrics)."""
         self.on_step = on_step
         self.waiting: deque[Request] = deque()
         self.active: list[Request] = []
@@ -90,18 +72,22 @@ class Scheduler:
         self._stopped = False
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(engine, kv_capacity_tokens),
+        self._thread = threading.Thread(target=self._run, args=(engine, serving),
                                         name="specdeploy-scheduler", daemon=True)
         self._thread.start()
         self._loaded.wait()
         if self._load_error is not None:
             raise self._load_error
 
-    def _run(self, engine: Engine | Callable[[], Engine], kv_capacity_tokens: int | None) -> None:
+    def _run(self, engine: Engine | Callable[[], Engine], serving: ServingSpec | None) -> None:
         try:
             self.engine = engine if isinstance(engine, Engine) else engine()
+            pipeline = self.engine.pipeline
+            if serving is not None:
+                pipeline = dataclasses.replace(pipeline, serving=serving)
+            self.policy = pipeline.serving.policy
+            self.kv_capacity = pipeline.kv_capacity_tokens
             self.max_batch_size = self.engine.cache.batch_size
-            self.kv_capacity = kv_capacity_tokens or self.max_batch_size * self.engine.max_length
         except BaseException as exc:  # reported by __init__ on the caller's thread
             self._load_error = exc
             return
@@ -110,21 +96,15 @@ class Scheduler:
         self._loop()
 
     # ---- requests -------------------------------------------------------------------------------------------
-    def submit(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int, on_tokens: TokenCallback,
-               num_draft_tokens: int | None = None, stop_sequences: list[list[int]] | None = None,
+    def submit(self, request: GenerationRequest, on_tokens: TokenCallback,
                is_cancelled: Callable[[], bool] = lambda: False) -> Request:
-        """Queue a request (RequestError if it is invalid or can never fit)."""
-        sequence = self.engine.new_sequence(prompt_ids, params, max_tokens, num_draft_tokens, stop_sequences)
-        gamma = sequence.proposal.gamma
-        cost = len(prompt_ids) + sequence.max_tokens + gamma + 1
-        if cost > self.kv_capacity:
-            raise RequestError(f"max_tokens: prompt ({len(prompt_ids)}) + max_tokens + {gamma + 1} reserved "
-                               f"speculative slots need {cost} KV slots, over the capacity of {self.kv_capacity}")
-        request = Request(sequence, on_tokens, is_cancelled, reserved=cost)
+        """Queue a request (RequestError if it is invalid or can never fit the KV budget)."""
+        sequence = self.engine.new_sequence(request, self.kv_capacity)
+        queued = Request(sequence, on_tokens, is_cancelled, reserved=request.kv_slots(self.engine.pipeline))
         with self._lock:
-            self.waiting.append(request)
+            self.waiting.append(queued)
             self._lock.notify()
-        return request
+        return queued
 
     def cancel(self, request: Request) -> None:
         with self._lock:
@@ -216,7 +196,7 @@ class Scheduler:
         """Remove an active request (its row is refilled by the last active row), count it, report its end."""
         row, last = self.active.index(request), len(self.active) - 1
         if row != last:
-            self._move_row(last, row)
+            self.engine.decoder.move_row(last, row)
         self.active[row] = self.active[last]
         self.active.pop()
         stats = request.sequence.stats
@@ -234,12 +214,6 @@ class Scheduler:
         if self.on_step is not None:
             self.on_step(self)
         request.on_tokens(tokens or [], reason, stats)
-
-    def _move_row(self, source: int, destination: int) -> None:
-        self.engine.cache.move_row(source, destination)
-        draft = self.engine.draft
-        if draft is not None and not draft.shared:
-            draft.cache.move_row(source, destination)
 
     def _count_outcome(self, outcome: str) -> None:
         self.counters.outcomes[outcome] = self.counters.outcomes.get(outcome, 0) + 1

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from specdeploy.errors import SpecdeployError
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Llama-architecture dimensions. `quantization` is None (dense) or {"method": "int4", "group_size": 32}."""
+    """A decoder's dimensions; `architecture` names its family in models/registry.py. `quantization` is None
+    (dense) or a description of a weight-only quantized copy (see builders/torch.py)."""
 
     vocab_size: int
     hidden_size: int
@@ -36,8 +35,6 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise SpecdeployError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
-        if self.architecture != "llama":
-            raise SpecdeployError(f"model config: architecture {self.architecture!r} is not supported (allowed: llama)")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     @classmethod
@@ -51,6 +48,7 @@ class ModelConfig:
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         return cls(
+            architecture=hf_config.model_type,
             vocab_size=hf_config.vocab_size,
             hidden_size=hf_config.hidden_size,
             intermediate_size=hf_config.intermediate_size,
@@ -84,7 +82,3 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict) -> ModelConfig:
         return cls(**data)
-
-    @classmethod
-    def load(cls, path: Path) -> ModelConfig:
-        return cls.from_dict(json.loads(Path(path).read_text())["model"])

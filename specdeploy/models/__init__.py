@@ -1,0 +1,1 @@
+"""Model families: one module per architecture, registered by name in registry.py."""

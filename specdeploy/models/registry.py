@@ -1,0 +1,40 @@
+"""Architectures by the name an engine's config.json records, and loading one engine component.
+
+A new model family is one module exposing a class built as `Model(config, state, dtype)` with the interface of
+`LlamaModel` (forward with positions, cache and mask; logits; new_cache), plus one line in ARCHITECTURES.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+from specdeploy.errors import SpecdeployError
+from specdeploy.models.config import ModelConfig
+from specdeploy.models.llama import LlamaModel
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel}
+
+
+def model_class(architecture: str) -> type[LlamaModel]:
+    if architecture not in ARCHITECTURES:
+        raise SpecdeployError(f"architecture {architecture!r} is not supported "
+                              f"(allowed: {', '.join(ARCHITECTURES)})")
+    return ARCHITECTURES[architecture]
+
+
+def component_config(directory: Path) -> tuple[ModelConfig, str]:
+    """The architecture and the dtype name recorded in `<engine>/<component>/config.json`."""
+    meta = json.loads((Path(directory) / "config.json").read_text())
+    return ModelConfig.from_dict(meta["model"]), meta["dtype"]
+
+
+def load_component(directory: Path, device: str = "cpu") -> LlamaModel:
+    """A model from `<engine>/<component>/` (config.json + model.safetensors)."""
+    config, dtype = component_config(directory)
+    state = load_file(str(Path(directory) / "model.safetensors"), device=device)
+    return model_class(config.architecture)(config, state, DTYPES[dtype]).to(device).eval()

@@ -1,0 +1,195 @@
+"""Sequences decoded together: prefill one into a cache row, then batched speculative steps over all of them.
+
+A step for B sequences (rows 0..B-1 of the target's cache) has three phases:
+- propose: the proposer drafts up to gamma_r tokens for row r (gamma 0 makes the row a plain decode step);
+- verify: one ragged target forward over every row's pending token and drafts, the exact rule for all rows at once
+  (greedy rows through one `accept_greedy`, sampled rows through one `accept`), and one host read of the outcome;
+- commit: each row appends its accepted drafts and the recovered or bonus token (cut at an end token, a stop
+  sequence or max_tokens), its caches keep exactly the committed prefix, and the proposer is handed the target's
+  hidden states at the committed positions.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from specdeploy.kv_cache import KVCache
+from specdeploy.models.llama import LlamaModel, ragged_forward_all
+from specdeploy.pipeline import Schedule
+from specdeploy.reductions import argmax
+from specdeploy.request import NO_END_ID, GenerationRequest
+from specdeploy.sampling import (
+    RowStreams,
+    penalised,
+    request_generator,
+    sample,
+    sampling_distribution,
+    seen_after_drafts,
+    seen_mask,
+)
+from specdeploy.sequence import Sequence
+from specdeploy.speculative.acceptance import accept, accept_greedy
+from specdeploy.speculative.proposer import Proposal, Proposer
+from specdeploy.speculative.schedule import ProposalLength
+from specdeploy.stats import RequestStats
+
+
+@dataclass
+class Verdict:
+    """A verified step, read to the host: per row the accepted drafted tokens then the recovered or bonus token,
+    and the target's hidden states of the verified positions [B, W, H] (row r's first len(tokens[r]) are kept)."""
+
+    tokens: list[list[int]]
+    hidden: torch.Tensor
+
+
+class BatchDecoder:
+    """The target, its cache and the proposer of one engine, stepping up to the cache's rows of sequences."""
+
+    def __init__(self, target: LlamaModel, cache: KVCache, proposer: Proposer, max_length: int) -> None:
+        """max_length: the logical sequence limit (the cache has headroom past it for ragged padding)."""
+        self.target, self.cache, self.proposer, self.max_length = target, cache, proposer, max_length
+        self.vocab_size = target.config.vocab_size
+        self.device = target.embed.device
+
+    def new_sequence(self, request: GenerationRequest, gamma: int, schedule: Schedule,
+                     end_ids: frozenset[int]) -> Sequence:
+        """A sequence for a checked request, ready for prefill. end_ids: the model's end tokens (the request's
+        end_id replaces them)."""
+        params = request.sampling
+        if request.end_id is not None:
+            end_ids = frozenset() if request.end_id == NO_END_ID else frozenset([request.end_id])
+        penalised_request = params.repetition_penalty != 1.0
+        return Sequence(committed=list(request.prompt_ids), prompt_length=len(request.prompt_ids), params=params,
+                        max_tokens=request.max_tokens, proposal=ProposalLength(schedule, gamma),
+                        stats=RequestStats(prompt_tokens=len(request.prompt_ids)), end_ids=end_ids,
+                        stop_sequences=[list(s) for s in request.stop_sequences if s],
+                        generator=request_generator(params, self.device),
+                        seen=seen_mask(request.prompt_ids, self.vocab_size, self.device) if penalised_request else None)
+
+    def prefill(self, sequence: Sequence, row: int) -> list[int]:
+        """Run the prompt into cache row `row` and commit the first token. Returns the emitted tokens."""
+        started = time.perf_counter()
+        prompt = sequence.committed
+        with torch.inference_mode():
+            view = self.cache.rows(row, row + 1)
+            view.lengths[0] = 0
+            hidden = self.target(torch.tensor([prompt], device=self.device),
+                                 torch.arange(len(prompt), device=self.device)[None], view)[0]  # [T, H]
+            probs = sampling_distribution(self.target.logits(hidden[-1:]), sequence.params,
+                                          None if sequence.seen is None else sequence.seen[None])
+            first = sample(probs, sequence.generator).tolist()
+            emitted = self._append(sequence, row, first)
+            if sequence.finish_reason is None:
+                self.proposer.prefill(row, sequence, hidden)
+        sequence.stats.prefill_seconds = time.perf_counter() - started
+        return emitted
+
+    def step(self, sequences: list[Sequence], caps: list[int] | None = None) -> list[list[int]]:
+        """One decode step for rows 0..B-1. caps[r] caps row r's proposal (default: its schedule's length).
+        Returns the tokens each row emitted."""
+        gammas = [self._gamma(s, None if caps is None else caps[r]) for r, s in enumerate(sequences)]
+        started = time.perf_counter()
+        with torch.inference_mode():
+            proposal = (self.proposer.propose(sequences, gammas) if max(gammas) > 0
+                        else Proposal.empty(len(sequences), self.device))
+            proposed = time.perf_counter()
+            verdict = self.verify(sequences, proposal)
+            verified = time.perf_counter()
+            emitted = [self.commit(sequence, row, proposal.counts[row], verdict)
+                       for row, sequence in enumerate(sequences)]
+        for sequence in sequences:
+            sequence.stats.draft_seconds += proposed - started
+            sequence.stats.verify_seconds += verified - proposed
+        return emitted
+
+    def verify(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
+        """One target forward over every row's pending token + drafted tokens, then the exact rule per row."""
+        batch, counts = len(sequences), proposal.counts
+        width = max(counts) + 1
+        pending = torch.tensor([[s.committed[-1]] for s in sequences], device=self.device)
+        tokens = torch.cat([pending, proposal.tokens[:, :width - 1]], dim=1)  # [B, W]
+        hidden = ragged_forward_all(self.target, self.cache.rows(0, batch), tokens,
+                                    [s.cache_length for s in sequences])  # [B, W, H]
+        # Logits only at each row's real positions: the vocabulary projection is a fifth of a forward here.
+        rows = [r for r in range(batch) for _ in range(counts[r] + 1)]
+        columns = [c for r in range(batch) for c in range(counts[r] + 1)]
+        logits = self.target.logits(hidden[rows, columns])  # [N, V] fp32
+        logits = self._penalised(sequences, proposal, logits)
+        outcome = torch.full((batch, width + 1), -1, dtype=torch.long, device=self.device)
+        greedy = [r for r, s in enumerate(sequences) if s.params.greedy]
+        sampled = [r for r, s in enumerate(sequences) if not s.params.greedy]
+        num_drafted = torch.tensor(counts, device=self.device)
+        if greedy:  # the logits are final (penalties applied): each position's target token is their argmax
+            target_tokens = torch.zeros(batch, width, dtype=torch.long, device=self.device)
+            if sampled:
+                picked = [i for i, r in enumerate(rows) if sequences[r].params.greedy]
+                target_tokens[[rows[i] for i in picked], [columns[i] for i in picked]] = argmax(logits[picked])
+            else:
+                target_tokens[rows, columns] = argmax(logits)
+            result = accept_greedy(tokens[greedy, 1:], target_tokens[greedy], num_drafted[greedy])
+            outcome[greedy, :width] = result.tokens
+            outcome[greedy, width] = result.num_accepted
+        if sampled:
+            target_probs = torch.zeros(len(sampled), width, self.vocab_size, device=self.device)
+            offsets = [0]
+            for count in counts:
+                offsets.append(offsets[-1] + count + 1)
+            for i, r in enumerate(sampled):
+                target_probs[i, :counts[r] + 1] = sampling_distribution(logits[offsets[r]:offsets[r + 1]],
+                                                                        sequences[r].params)
+            draft_probs = None if proposal.q is None else proposal.q[sampled, :width - 1]
+            streams = RowStreams([sequences[r].generator for r in sampled], [counts[r] for r in sampled])
+            result = accept(tokens[sampled, 1:], draft_probs, target_probs, num_drafted[sampled], streams)
+            outcome[sampled, :width] = result.tokens
+            outcome[sampled, width] = result.num_accepted
+        read = outcome.tolist()  # the step's one host sync
+        return Verdict([row[:row[-1] + 1] for row in read], hidden)
+
+    def _penalised(self, sequences: list[Sequence], proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
+        """Apply each penalised row's repetition penalty to its verified positions (each position has seen the
+        context and the drafted tokens before it), so greedy and sampled rows then work on final logits."""
+        offset = 0
+        for r, sequence in enumerate(sequences):
+            count = proposal.counts[r]
+            if sequence.seen is not None:
+                context = seen_after_drafts(sequence.seen, proposal.tokens[r, :count])
+                logits[offset:offset + count + 1] = penalised(logits[offset:offset + count + 1], sequence.params,
+                                                              context)
+            offset += count + 1
+        return logits
+
+    def commit(self, sequence: Sequence, row: int, drafted: int, verdict: Verdict) -> list[int]:
+        """Append row `row`'s verified tokens; statistics count only what was committed."""
+        tokens = verdict.tokens[row]
+        emitted = self._append(sequence, row, tokens)
+        accepted = min(len(tokens) - 1, len(emitted))  # drafted tokens accepted *and* committed
+        sequence.stats.record_step(drafted, accepted)
+        sequence.proposal.update(drafted, len(tokens) - 1)
+        if sequence.finish_reason is None:
+            self.proposer.on_commit(row, sequence, verdict.hidden[row, :len(emitted)])
+        return emitted
+
+    def move_row(self, source: int, destination: int) -> None:
+        """Move the sequence in row `source` to row `destination` (compacting the active rows)."""
+        self.cache.move_row(source, destination)
+        self.proposer.move_row(source, destination)
+
+    def _gamma(self, sequence: Sequence, cap: int | None) -> int:
+        gamma = sequence.proposal.current if cap is None else min(cap, sequence.proposal.current)
+        return max(0, min(gamma, sequence.remaining - 1, self.max_length - len(sequence.committed)))
+
+    def _append(self, sequence: Sequence, row: int, tokens: list[int]) -> list[int]:
+        """Commit tokens and keep the target's cache at the committed prefix. Returns what was emitted."""
+        emitted = sequence.append(tokens)
+        if sequence.seen is not None:
+            sequence.seen[emitted] = True
+        self.cache.rewind(row, sequence.cache_length)
+        stats = sequence.stats
+        stats.generated_tokens = sequence.generated
+        if sequence.finish_reason:
+            stats.finish_reason = sequence.finish_reason
+        return emitted

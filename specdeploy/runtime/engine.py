@@ -1,0 +1,135 @@
+"""A built engine directory loaded for generation: prefill, then speculative (or plain) decode steps.
+
+Everything the engine is run with comes from the pipeline saved in the engine directory; the proposer is the one
+the pipeline's speculation method registers (speculative/registry.py). One decode step feeds the pending token
+plus the drafted tokens to the target in a single forward, applies the exact acceptance rule and commits
+accepted + 1 tokens (batch.py); a plain decode step is the same step with nothing drafted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdeploy import text
+from specdeploy.errors import SpecdeployError
+from specdeploy.layout import engine_pipeline
+from specdeploy.models.registry import load_component
+from specdeploy.pipeline import Method, PipelineSpec
+from specdeploy.request import GenerationRequest, check_request
+from specdeploy.runtime.batch import BatchDecoder
+from specdeploy.sampling_params import SamplingParams
+from specdeploy.sequence import Sequence
+from specdeploy.speculative.proposer import EngineParts
+from specdeploy.speculative.registry import create_proposer
+from specdeploy.stats import RequestStats
+
+
+@dataclass
+class Generation:
+    """Iterate to receive the tokens committed by each step; `stats` and `tokens` fill in as it runs."""
+
+    steps: Iterator[list[int]]
+    stats: RequestStats
+    tokens: list[int] = field(default_factory=list)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        for emitted in self.steps:
+            self.tokens.extend(emitted)
+            yield emitted
+
+    def run(self) -> list[int]:
+        for _ in self:
+            pass
+        return self.tokens
+
+
+def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:
+    """The pipeline run with another speculation method; a draft engine is only needed by draft_target."""
+    speculation = pipeline.speculation
+    if method == "draft_target" and speculation.draft is None:
+        raise SpecdeployError("method 'draft_target' needs a draft engine, and none was built")
+    draft = speculation.draft if method == "draft_target" else None
+    return dataclasses.replace(pipeline, speculation=dataclasses.replace(speculation, method=method, draft=draft))
+
+
+class Engine:
+    def __init__(self, engine_dir: str | Path, device: str = "cpu", method: Method | None = None,
+                 batch_size: int = 1) -> None:
+        """method: run with another speculation method than the one built ("ngram" and "none" need no draft).
+        batch_size: cache rows, i.e. how many sequences `decoder` can step together (a server uses
+        limits.max_batch_size; one in-process generation needs one)."""
+        from transformers import AutoTokenizer
+
+        self.dir = Path(engine_dir)
+        pipeline = engine_pipeline(self.dir)
+        self.pipeline = pipeline if method is None else with_method(pipeline, method)
+        self.device = device
+        self.target = load_component(self.dir / "target", device)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
+        limits = self.pipeline.limits
+        # Headroom past the limit: ragged batches pad short rows by up to max_draft_tokens + 1 positions.
+        self.cache = self.target.new_cache(batch_size, limits.max_sequence_length + limits.max_draft_tokens + 1)
+        self.proposer = create_proposer(self.method, EngineParts(self.dir, self.pipeline, self.target, self.cache,
+                                                                 device))
+        self.end_ids = text.end_of_sequence_ids(self.tokenizer, self.target.config.eos_token_ids)
+        self.decoder = BatchDecoder(self.target, self.cache, self.proposer, limits.max_sequence_length)
+
+    @property
+    def method(self) -> Method:
+        return self.pipeline.speculation.method
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return self.pipeline.speculation.num_draft_tokens
+
+    @property
+    def vocab_size(self) -> int:
+        return self.target.config.vocab_size
+
+    @property
+    def dtype(self) -> str:
+        return self.pipeline.target.dtype
+
+    @property
+    def max_length(self) -> int:
+        return self.pipeline.limits.max_sequence_length
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return text.encode_prompt(self.tokenizer, prompt)
+
+    def decode(self, tokens: list[int]) -> str:
+        return text.decode(self.tokenizer, tokens)
+
+    def check(self, request: GenerationRequest, kv_capacity: int | None = None) -> None:
+        """RequestError when the request cannot be served (kv_capacity: the budget, default the pipeline's)."""
+        check_request(request, self.pipeline, self.vocab_size,
+                      self.pipeline.kv_capacity_tokens if kv_capacity is None else kv_capacity)
+
+    def new_sequence(self, request: GenerationRequest, kv_capacity: int | None = None) -> Sequence:
+        """A checked request, ready for `decoder.prefill`."""
+        self.check(request, kv_capacity)
+        return self.decoder.new_sequence(request, request.gamma(self.pipeline), self.pipeline.speculation.schedule,
+                                         self.end_ids)
+
+    def start(self, request: GenerationRequest) -> Generation:
+        """Start generating one request alone (cache row 0)."""
+        sequence = self.new_sequence(request)
+        return Generation(self._steps(sequence), sequence.stats)
+
+    def generate(self, prompt_ids: list[int], params: SamplingParams, max_tokens: int,
+                 num_draft_tokens: int | None = None) -> Generation:
+        """`start` for a request of these fields (num_draft_tokens None: the pipeline's gamma; 0: plain)."""
+        return self.start(GenerationRequest(prompt_ids, max_tokens, params, num_draft_tokens))
+
+    def _steps(self, sequence: Sequence) -> Iterator[list[int]]:
+        started = time.perf_counter()
+        forwards_before = self.proposer.forwards
+        yield self.decoder.prefill(sequence, 0)
+        while sequence.finish_reason is None:
+            yield self.decoder.step([sequence])[0]
+        sequence.stats.draft_forwards = self.proposer.forwards - forwards_before
+        sequence.stats.total_seconds = time.perf_counter() - started

@@ -1,0 +1,81 @@
+"""The proposer interface: what the batch decoder asks of every speculation method.
+
+The decoder steps the sequences in cache rows 0..B-1 together. For each row a proposer sees, in order:
+- `prefill(row, sequence, hidden)` once the target has run the prompt into that row;
+- `propose(sequences, gammas)` before each verification: up to gammas[r] tokens for row r;
+- `on_commit(row, sequence, hidden)` after each verification committed tokens to the row;
+- `move_row(source, destination)` when the scheduler moves a sequence to another row.
+`hidden` is the target's final hidden states [n, H] at the positions just committed to the target's cache (the
+prompt at prefill; the pending token and the accepted drafts after a step). Its last row is the state whose
+logits chose the new pending token, which is what a head-based proposer (Medusa) drafts from.
+
+A proposer keeps whatever per-row state it needs (a draft model's own KV cache, for one) and is built from the
+engine it serves by `from_engine`; speculative/registry.py maps each pipeline method to its class.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+
+from specdeploy.kv_cache import KVCache
+from specdeploy.pipeline import PipelineSpec
+from specdeploy.sequence import Sequence
+
+if TYPE_CHECKING:
+    from specdeploy.models.llama import LlamaModel
+
+
+@dataclass
+class Proposal:
+    tokens: torch.Tensor  # [B, G] long: row r's drafted tokens in tokens[r, :counts[r]], scratch after them
+    q: torch.Tensor | None  # [B, G, V] the distributions they were sampled from; None: point masses on `tokens`
+    counts: list[int]  # [B] tokens drafted per row
+
+    @staticmethod
+    def empty(batch: int, device: torch.device | str) -> Proposal:
+        return Proposal(torch.zeros(batch, 0, dtype=torch.long, device=device), None, [0] * batch)
+
+    @staticmethod
+    def from_lists(proposals: list[list[int]], device: torch.device | str) -> Proposal:
+        """Token-list proposals (q one-hot on each), padded into one tensor."""
+        width = max([len(p) for p in proposals] + [0])
+        tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposals], dtype=torch.long,
+                              device=device).reshape(len(proposals), width)
+        return Proposal(tokens, None, [len(p) for p in proposals])
+
+
+@dataclass
+class EngineParts:
+    """What an engine offers a proposer it builds: its directory, pipeline, target model and the target's cache."""
+
+    directory: Path
+    pipeline: PipelineSpec
+    target: LlamaModel
+    cache: KVCache
+    device: str
+
+
+class Proposer:
+    """Base class: every hook is a no-op and nothing is proposed. `forwards` counts draft-model forwards."""
+
+    forwards: int = 0
+
+    @classmethod
+    def from_engine(cls, parts: EngineParts) -> Proposer:
+        return cls()
+
+    def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
+        pass
+
+    def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
+        return Proposal.empty(len(sequences), "cpu")
+
+    def on_commit(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
+        pass
+
+    def move_row(self, source: int, destination: int) -> None:
+        pass

@@ -1,0 +1,91 @@
+"""Text around the token ids: the chat template, the tokens that end a request, and detokenisation as tokens
+arrive, never as broken UTF-8.
+
+Incremental detokenisation decodes a window of tokens and emits what its newest tokens add. A trailing U+FFFD
+means a multi-byte character is still incomplete, so that part is held back until a later token completes it.
+The window starts a few tokens before the first new one: decoding both the window and its already-shown part from
+the same first token cancels tokenizer effects at the window's start (a leading-space marker a decoder strips, a
+character cut in half), and covers the tokens of a held-back character. A streamed response therefore carries only
+`STREAM_CONTEXT` shown tokens plus the new ones, and the cost of a stream grows linearly with its length.
+"""
+
+from __future__ import annotations
+
+from specdeploy.errors import RequestError
+
+# Shown tokens resent before the new ones: UTF-8 holds back at most 3 bytes (3 byte-fallback tokens) and a
+# decoder's start-of-text effects need a token or two; 8 leaves room for both.
+STREAM_CONTEXT = 8
+
+
+def encode_prompt(tokenizer, text: str) -> list[int]:
+    """Token ids for a user message; wrapped in the chat template when the tokenizer has one."""
+    if not text or not text.strip():
+        raise RequestError("text_input: must not be empty")
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        return tokenizer(text, add_special_tokens=False)["input_ids"]
+    return tokenizer(text)["input_ids"]
+
+
+def encode_stop_words(tokenizer, words: list[str]) -> list[list[int]]:
+    """Each non-empty stop word as the token ids it has inside generated text."""
+    return [tokenizer(word, add_special_tokens=False)["input_ids"] for word in words if word]
+
+
+def end_of_sequence_ids(tokenizer, model_eos_ids: tuple[int, ...]) -> frozenset[int]:
+    """The tokens that end a generation by default: the model's end-of-sequence ids and the tokenizer's."""
+    ids = set(model_eos_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def decode(tokenizer, ids: list[int]) -> str:
+    """The text of generated ids (special tokens, such as the end-of-sequence token, are not text)."""
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+def visible_text(tokenizer, ids: list[int]) -> str:
+    """Decoded text without a trailing incomplete character."""
+    return decode(tokenizer, ids).rstrip("\ufffd")
+
+
+def new_text(tokenizer, window: list[int], shown: int) -> str:
+    """The text the tokens of `window` after its first `shown` add: the stateless form, for a caller that keeps
+    only how many tokens it has shown. Text held back at the end of the shown part comes out here."""
+    before = visible_text(tokenizer, window[:shown]) if shown else ""
+    now = visible_text(tokenizer, window)
+    return now[len(before):] if now.startswith(before) else ""
+
+
+def stream_window(ids: list[int], shown: int) -> tuple[list[int], int]:
+    """What a streamed response carries for `ids` of which the first `shown` were sent before: the window
+    (at most STREAM_CONTEXT shown tokens, then the new ones) and how many of its tokens were shown."""
+    start = max(0, shown - STREAM_CONTEXT)
+    return ids[start:], shown - start
+
+
+class IncrementalDetokenizer:
+    """The stateful form: feed tokens as they come, receive the text they complete."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.tokens: list[int] = []
+        self.text = ""
+
+    def add(self, tokens: list[int]) -> str:
+        shown = len(self.tokens)
+        self.tokens.extend(tokens)
+        window, window_shown = stream_window(self.tokens, shown)
+        new = new_text(self.tokenizer, window, window_shown)
+        self.text += new
+        return new
+
+    def flush(self) -> str:
+        """At the end: whatever is still held back (an incomplete final character comes out as U+FFFD)."""
+        full = decode(self.tokenizer, self.tokens)
+        new = full[len(self.text):] if full.startswith(self.text) else ""
+        self.text += new
+        return new

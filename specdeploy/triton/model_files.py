@@ -1,0 +1,28 @@
+"""What a Triton Python model finds on disk: the files its parameters name, relative to its version directory.
+
+A repository written by `specdeploy package` keeps each model's files inside the model (`speculative/1/engine/`,
+`preprocessing/1/tokenizer/`, ...) and names them by relative paths, so it serves from wherever it is copied or
+mounted. An absolute path in a parameter (an engine on another volume) is used as it is.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ENGINE_PARAMETER = "engine_dir"
+TOKENIZER_PARAMETER = "tokenizer_dir"
+
+
+def parameter_path(args: dict, name: str) -> Path:
+    """The path parameter `name` of the model whose initialize() received `args`. Triton passes the model's
+    directory as `model_repository` and its version as `model_version`."""
+    parameters = json.loads(args["model_config"])["parameters"]
+    path = Path(parameters[name]["string_value"])
+    return path if path.is_absolute() else Path(args["model_repository"]) / args["model_version"] / path
+
+
+def load_tokenizer(args: dict):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(parameter_path(args, TOKENIZER_PARAMETER))

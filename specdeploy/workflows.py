@@ -1,0 +1,121 @@
+"""The CLI's verbs as library functions. Each one builds what it needs, runs, and returns a report (a dict) for
+the CLI to print; generated text arrives through an `on_text` callback, so a caller can stream it.
+
+Request fields a user leaves unset (None) take the pipeline's values: in-process the engine's pipeline, over gRPC
+the served pipeline (the field is simply not sent).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdeploy.builders.torch import BuildResult, build
+from specdeploy.layout import MODEL_REPOSITORIES_DIR
+from specdeploy.pipeline import load_pipeline
+from specdeploy.request import GenerationRequest
+from specdeploy.runtime.engine import Engine
+from specdeploy.text import IncrementalDetokenizer
+
+TextCallback = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class RequestOptions:
+    """A generation's fields as the user gave them; None: the pipeline's value."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    num_draft_tokens: int | None = None
+
+    def request(self, engine: Engine, prompt_ids: list[int]) -> GenerationRequest:
+        sampling = engine.pipeline.sampling
+        params = sampling.params(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.seed)
+        max_tokens = sampling.max_tokens if self.max_tokens is None else self.max_tokens
+        return GenerationRequest(prompt_ids, max_tokens, params, self.num_draft_tokens)
+
+    def grpc_fields(self) -> dict:
+        """The ensemble's input names (tensorrtllm_backend's) for the fields that are set."""
+        return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
+                "top_p": self.top_p, "repetition_penalty": self.repetition_penalty, "random_seed": self.seed,
+                "num_draft_tokens": self.num_draft_tokens}
+
+
+def prepare_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False) -> BuildResult:
+    """Build the pipeline's engine if it is missing or stale."""
+    return build(load_pipeline(pipeline_path), engines_dir, quiet=quiet)
+
+
+def load_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False) -> Engine:
+    return Engine(prepare_engine(pipeline_path, engines_dir, quiet).directory)
+
+
+def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = None) -> Path:
+    """Build the pipeline's engine if needed and write its model repository (default model_repository/<name>)."""
+    from specdeploy.triton.repository import write_repository
+
+    pipeline = load_pipeline(pipeline_path)
+    engine_dir = build(pipeline, engines_dir).directory
+    return write_repository(engine_dir, output or MODEL_REPOSITORIES_DIR / pipeline.name)
+
+
+def generate_in_process(engine: Engine, prompt: str, options: RequestOptions, compare: bool,
+                        on_text: TextCallback) -> dict:
+    """One request through the engine, streamed to on_text; with compare, the same request in plain decode
+    afterwards (both paths warmed up first, so neither pays first-call costs)."""
+    prompt_ids = engine.encode_prompt(prompt)
+    request = options.request(engine, prompt_ids)
+    engine.check(request)
+    if compare:
+        for gamma in (0, request.num_draft_tokens):
+            engine.start(dataclasses.replace(request, max_tokens=min(4, request.max_tokens),
+                                             num_draft_tokens=gamma)).run()
+    generation = engine.start(request)
+    detokenizer = IncrementalDetokenizer(engine.tokenizer)
+    for emitted in generation:
+        on_text(detokenizer.add(emitted))
+    on_text(detokenizer.flush())
+    stats = generation.stats
+    report = {"text": detokenizer.text, "tokens": generation.tokens, "method": engine.method,
+              "num_draft_tokens": request.gamma(engine.pipeline), **stats.to_dict()}
+    if compare:
+        plain = engine.start(dataclasses.replace(request, num_draft_tokens=0))
+        plain.run()
+        report.update(plain_tokens_per_s=plain.stats.decode_tokens_per_s,
+                      speedup=stats.decode_tokens_per_s / plain.stats.decode_tokens_per_s)
+    return report
+
+
+def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: bool, compare: bool,
+                       on_text: TextCallback) -> dict:
+    """One request through a running server's ensemble; with compare, the same request with num_draft_tokens 0
+    afterwards. Speeds are end to end, as the client sees them."""
+    from specdeploy.triton.client import generate
+
+    def run(fields: dict, show: TextCallback | None) -> tuple[str, dict, float]:
+        started, text, statistics = time.perf_counter(), "", {}
+        max_tokens = fields.pop("max_tokens")
+        for chunk in generate(url, prompt, max_tokens, stream=stream, **fields):
+            text += chunk.text
+            statistics = chunk.statistics or statistics
+            if show is not None and chunk.text:
+                show(chunk.text)
+        return text, statistics, time.perf_counter() - started
+
+    text, statistics, seconds = run(options.grpc_fields(), on_text)
+    steps = statistics.get("verification_steps", 0)
+    report = {"text": text, **statistics, "seconds": seconds,
+              "tokens_per_s": statistics.get("generated_tokens", 0) / seconds,
+              "mean_accepted_length": (statistics.get("generated_tokens", 1) - 1) / steps if steps else 0.0}
+    if compare:
+        _, plain, plain_seconds = run({**options.grpc_fields(), "num_draft_tokens": 0}, None)
+        report["plain_tokens_per_s"] = plain.get("generated_tokens", 0) / plain_seconds
+        report["speedup"] = report["tokens_per_s"] / report["plain_tokens_per_s"]
+    return report
