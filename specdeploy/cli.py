@@ -87,17 +87,19 @@ def echo_text(text: str) -> None:
 @sampling_options
 @click.option("--num-draft-tokens", type=int, default=None, help="Override gamma for this request.")
 @click.option("--no-speculation", is_flag=True, help="Plain decode (same as --num-draft-tokens 0).")
+@click.option("--end-id", type=int, default=None, help="End on this token instead of the end-of-sequence tokens "
+              "(-1: none, generate --max-tokens).")
 @click.option("--compare", is_flag=True, help="Also run plain decode on the same prompt and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
 def generate(arguments: tuple[str, ...], url: str | None, stream: bool, engines_dir: Path, max_tokens: int | None,
              temperature: float | None, top_k: int | None, top_p: float | None,
              repetition_penalty: float | None, seed: int | None, num_draft_tokens: int | None,
-             no_speculation: bool, compare: bool, as_json: bool) -> None:
+             no_speculation: bool, end_id: int | None, compare: bool, as_json: bool) -> None:
     """Generate in-process (PIPELINE.yaml PROMPT) or over gRPC (--url HOST:PORT PROMPT), streaming the text."""
     from specdeploy.workflows import RequestOptions, generate_in_process, generate_over_grpc, load_engine
 
     options = RequestOptions(max_tokens, temperature, top_k, top_p, repetition_penalty, seed,
-                             0 if no_speculation else num_draft_tokens)
+                             0 if no_speculation else num_draft_tokens, end_id)
     show = (lambda _: None) if as_json else echo_text
     if url is not None:
         if len(arguments) != 1:

@@ -2,19 +2,20 @@
 arrive, never as broken UTF-8.
 
 Incremental detokenisation decodes a window of tokens and emits what its newest tokens add. A trailing U+FFFD
-means a multi-byte character is still incomplete, so that part is held back until a later token completes it.
-The window starts a few tokens before the first new one: decoding both the window and its already-shown part from
-the same first token cancels tokenizer effects at the window's start (a leading-space marker a decoder strips, a
-character cut in half), and covers the tokens of a held-back character. A streamed response therefore carries only
-`STREAM_CONTEXT` shown tokens plus the new ones, and the cost of a stream grows linearly with its length.
+means a multi-byte character is still incomplete, so the tokens of that character are held back until a later
+token completes it. The window starts a few tokens before the first new one: decoding both the window and its
+already-shown part from the same first token cancels tokenizer effects at the window's start (a leading-space
+marker a decoder strips), and covers the tokens of a held-back character. A streamed response therefore carries
+only `STREAM_CONTEXT` shown tokens plus the new ones, and the cost of a stream grows linearly with its length.
 """
 
 from __future__ import annotations
 
 from specdeploy.errors import RequestError
 
-# Shown tokens resent before the new ones: UTF-8 holds back at most 3 bytes (3 byte-fallback tokens) and a
-# decoder's start-of-text effects need a token or two; 8 leaves room for both.
+HELD_BACK = 4  # a UTF-8 character has at most 4 bytes, so at most 4 byte tokens await its completion
+# Shown tokens resent before the new ones: held-back tokens, then room for the decoding to start at a character
+# boundary and for a decoder's start-of-text effects.
 STREAM_CONTEXT = 8
 
 
@@ -48,15 +49,26 @@ def decode(tokenizer, ids: list[int]) -> str:
 
 
 def visible_text(tokenizer, ids: list[int]) -> str:
-    """Decoded text without a trailing incomplete character."""
-    return decode(tokenizer, ids).rstrip("\ufffd")
+    """The text of `ids` without an incomplete trailing character. A byte-fallback decoder (Llama-style <0xNN>
+    tokens) turns a whole run of byte tokens into U+FFFD when its last character is incomplete, so the tokens of
+    that character are dropped (at most HELD_BACK of them), not just the replacement characters."""
+    for end in range(len(ids), max(len(ids) - HELD_BACK, 0) - 1, -1):
+        text = decode(tokenizer, ids[:end])
+        if not text.endswith("\ufffd"):
+            return text
+    return decode(tokenizer, ids).rstrip("\ufffd")  # invalid bytes, not an incomplete character
 
 
 def new_text(tokenizer, window: list[int], shown: int) -> str:
     """The text the tokens of `window` after its first `shown` add: the stateless form, for a caller that keeps
-    only how many tokens it has shown. Text held back at the end of the shown part comes out here."""
-    before = visible_text(tokenizer, window[:shown]) if shown else ""
-    now = visible_text(tokenizer, window)
+    only how many tokens it has shown. Text held back at the end of the shown part comes out here.
+
+    Decoding starts at the window's first token that does not begin inside a character (a window may start in
+    the middle of one, whose bytes alone decode to U+FFFD), so the shown part and the whole window decode alike.
+    """
+    start = next((i for i in range(shown + 1) if not decode(tokenizer, window[i:]).startswith("\ufffd")), shown)
+    before = visible_text(tokenizer, window[start:shown])
+    now = visible_text(tokenizer, window[start:])
     return now[len(before):] if now.startswith(before) else ""
 
 

@@ -34,18 +34,19 @@ class RequestOptions:
     repetition_penalty: float | None = None
     seed: int | None = None
     num_draft_tokens: int | None = None
+    end_id: int | None = None
 
     def request(self, engine: Engine, prompt_ids: list[int]) -> GenerationRequest:
         sampling = engine.pipeline.sampling
         params = sampling.params(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.seed)
         max_tokens = sampling.max_tokens if self.max_tokens is None else self.max_tokens
-        return GenerationRequest(prompt_ids, max_tokens, params, self.num_draft_tokens)
+        return GenerationRequest(prompt_ids, max_tokens, params, self.num_draft_tokens, end_id=self.end_id)
 
     def grpc_fields(self) -> dict:
         """The ensemble's input names (tensorrtllm_backend's) for the fields that are set."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "repetition_penalty": self.repetition_penalty, "random_seed": self.seed,
-                "num_draft_tokens": self.num_draft_tokens}
+                "num_draft_tokens": self.num_draft_tokens, "end_id": self.end_id}
 
 
 def prepare_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False) -> BuildResult:

@@ -75,7 +75,7 @@ def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft
     return write_pipeline(directory / f"{name}.yaml", name=name,
                           target={"checkpoint": {"source": "hf_dir", "path": str(target)}, "dtype": dtype},
                           speculation=speculation,
-                          limits={"max_batch_size": 1, "max_input_length": 64, "max_sequence_length": 256,
+                          limits={"max_batch_size": 8, "max_input_length": 64, "max_sequence_length": 256,
                                   "max_draft_tokens": 8}, **extra)
 
 

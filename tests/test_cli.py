@@ -207,3 +207,39 @@ def test_int4_draft_needs_group_aligned_sizes(tmp_path):
     with pytest.raises(BuildError, match="hidden_size divisible by 32, got 48"):
         build(load_pipeline(path), tmp_path / "engines", quiet=True)
     assert_no_engine(tmp_path / "engines", "tiny-odd")
+
+
+def test_up_to_date_check_hashes_only_changed_sources(tmp_path, tiny_checkpoints, monkeypatch):
+    """A second build reads sizes and modification times, and hashes a source only when they changed."""
+    import os
+    import shutil
+
+    from specdeploy.builders import manifest
+
+    source = shutil.copytree(tiny_checkpoints["target"], tmp_path / "source")
+    path = tiny_pipeline(tmp_path, "tiny-hash", source, method="ngram")
+    engines = tmp_path / "engines"
+    assert build(load_pipeline(path), engines, quiet=True).built
+    hashed = []
+    original = manifest.file_sha256
+    monkeypatch.setattr(manifest, "file_sha256", lambda file: hashed.append(file.name) or original(file))
+    assert not build(load_pipeline(path), engines, quiet=True).built
+    assert hashed == []
+    weights = source / "model.safetensors"
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # touched, same bytes
+    assert not build(load_pipeline(path), engines, quiet=True).built
+    assert hashed == ["model.safetensors"]
+    config = source / "config.json"
+    config.write_text(config.read_text() + "\n")  # changed bytes: rebuilt
+    assert build(load_pipeline(path), engines, quiet=True).built
+
+
+def test_changed_serving_defaults_update_the_engine_pipeline_without_a_rebuild(tmp_path, tiny_checkpoints):
+    engines = tmp_path / "engines"
+    path = tiny_pipeline(tmp_path, "tiny-serving", tiny_checkpoints["target"], method="ngram")
+    assert build(load_pipeline(path), engines, quiet=True).built
+    path = tiny_pipeline(tmp_path, "tiny-serving", tiny_checkpoints["target"], method="ngram",
+                         sampling={"temperature": 0.5}, serving={"policy": {"full_up_to": 3, "off_above": 5}})
+    assert not build(load_pipeline(path), engines, quiet=True).built
+    saved = load_pipeline(engines / "tiny-serving" / "pipeline.json")
+    assert saved.sampling.temperature == 0.5 and saved.serving.policy.off_above == 5

@@ -15,15 +15,19 @@ import yaml
 from specdeploy.errors import PipelineError
 from specdeploy.pipeline import (
     BackendSpec,
+    CheckpointSpec,
     DraftSpec,
     LimitsSpec,
     NgramSpec,
     PipelineSpec,
+    PolicySpec,
     SamplingSpec,
     SpeculationSpec,
+    TargetSpec,
     load_pipeline,
     parse_pipeline,
 )
+from specdeploy.sampling_params import SamplingParams
 
 PIPELINES_DIR = Path(__file__).resolve().parent.parent / "pipelines"
 SHIPPED = sorted(PIPELINES_DIR.glob("*.yaml"))
@@ -491,3 +495,48 @@ def test_resolve_draft_checkpoint(tmp_path: Path):
                                "cfg/pipe.yaml"))
     assert spec.speculation.draft is not None and spec.speculation.draft.checkpoint is not None
     assert spec.resolve(spec.speculation.draft.checkpoint.path) == (tmp_path / "cfg" / "drafts" / "small").resolve()
+
+
+# ------------------------------------------------------------------------------------------ specs built in code
+
+
+def test_a_spec_built_in_code_is_validated():
+    checkpoint = CheckpointSpec(source="gguf", path="model.gguf")
+    with pytest.raises(PipelineError, match="num_draft_tokens: must be ≥ 1, got 0"):
+        SpeculationSpec(method="ngram", num_draft_tokens=0)
+    with pytest.raises(PipelineError, match=r"speculation.num_draft_tokens: 20 is above limits.max_draft_tokens"):
+        PipelineSpec(name="x", target=TargetSpec(checkpoint), speculation=SpeculationSpec("ngram", 20))
+    with pytest.raises(PipelineError, match="draft: required when method is 'draft_target'"):
+        SpeculationSpec(method="draft_target")
+    with pytest.raises(PipelineError, match="off_above: must be ≥ full_up_to"):
+        PolicySpec(full_up_to=3, off_above=2)
+    with pytest.raises(PipelineError, match="path: must not be empty"):
+        CheckpointSpec(source="gguf", path=" ")
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=[p.stem for p in SHIPPED])
+def test_round_trip_through_plain_data(path: Path):
+    spec = load_pipeline(path)
+    assert parse_pipeline(spec.to_dict()) == spec
+    assert parse_pipeline(yaml.safe_load(yaml.safe_dump(spec.to_dict()))) == spec
+
+
+def test_resolved_spec_has_absolute_checkpoint_paths(tmp_path: Path):
+    spec = load_pipeline(write(tmp_path, minimal(speculation={
+        "method": "draft_target", "draft": {"derive": "none", "checkpoint": {"source": "hf_dir", "path": "d"}}})))
+    resolved = spec.resolved()
+    assert resolved.target.checkpoint.path == str(tmp_path / "model.gguf")
+    assert resolved.speculation.draft.checkpoint.path == str(tmp_path / "d")
+    assert parse_pipeline(resolved.to_dict()) == resolved  # the copy means the same wherever it is read
+
+
+def test_sampling_section_gives_request_params():
+    sampling = SamplingSpec(temperature=0.7, top_k=40, max_tokens=64)
+    assert sampling.params() == SamplingParams(temperature=0.7, top_k=40)
+    assert sampling.params(temperature=0.0, seed=5) == SamplingParams(temperature=0.0, top_k=40, seed=5)
+
+
+def test_policy_reduces_gamma_as_the_batch_fills():
+    policy = PolicySpec(full_up_to=2, off_above=6)
+    assert [policy.gamma(8, b) for b in range(1, 9)] == [8, 8, 6, 5, 3, 2, 0, 0]
+    assert all(PolicySpec(full_up_to=1, off_above=1).gamma(5, b) == 0 for b in range(2, 10))

@@ -95,12 +95,6 @@ def test_cancel_frees_the_row_and_its_kv_reservation(batched):
         scheduler.stop()
 
 
-def test_policy_reduces_gamma_as_the_batch_fills():
-    policy = PolicySpec(full_up_to=2, off_above=6)
-    assert [policy.gamma(8, b) for b in range(1, 9)] == [8, 8, 6, 5, 3, 2, 0, 0]
-    assert all(PolicySpec(full_up_to=1, off_above=1).gamma(5, b) == 0 for b in range(2, 10))
-
-
 def test_request_over_the_kv_capacity_is_refused(batched):
     from specdeploy.errors import RequestError
 

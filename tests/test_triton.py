@@ -117,20 +117,36 @@ def test_sixteen_concurrent_streams_are_correct_and_independent(served):
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"prompt": " "}, "text_input"),
-    ({"max_tokens": -3}, "max_tokens"),
-    ({"max_tokens": 10**6}, "max_tokens"),
-    ({"top_p": 1.5}, "top_p"),
-    ({"temperature": -1.0}, "temperature"),
-    ({"num_draft_tokens": 99}, "num_draft_tokens"),
-    ({"prompt": "word " * 1500}, "prompt"),
-])
-def test_bad_requests_are_invalid_argument_and_the_server_stays_healthy(served, fields, message):
+    ({"prompt": " "}, "text_input: must not be empty"),
+    ({"prompt": "word " * 1500}, "prompt: 1531 tokens is over limits.max_input_length (1024)"),
+    ({"max_tokens": -3}, "max_tokens: must be ≥ 1, got -3"),
+    ({"max_tokens": 10**6}, "max_tokens: prompt (35 tokens) + max_tokens (1000000) is over "
+                            "limits.max_sequence_length (2048)"),
+    ({"top_p": 1.5}, "top_p: must be in (0, 1], got 1.5"),
+    ({"temperature": -1.0}, "temperature: must be ≥ 0, got -1.0"),
+    ({"top_k": -2}, "top_k: must be ≥ 0, got -2"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty: must be > 0, got 0.0"),
+    ({"num_draft_tokens": 99}, "num_draft_tokens: must be in [0, 16] (limits.max_draft_tokens), got 99"),
+    ({"num_draft_tokens": -1}, "num_draft_tokens: must be in [0, 16] (limits.max_draft_tokens), got -1"),
+    ({"end_id": 10**6}, "end_id: must be a token id in [0, 49152) or -1 (none), got 1000000"),
+    ({"end_id": -5}, "end_id: must be a token id in [0, 49152) or -1 (none), got -5"),
+], ids=lambda value: value if isinstance(value, str) else None)
+def test_bad_requests_get_one_outcome_in_process_and_over_grpc(served, fields, message):
+    """The same bad request is refused with the same text in-process (the CLI's path) and over gRPC
+    (INVALID_ARGUMENT from the ensemble), and the server stays healthy."""
+    from specdeploy.workflows import RequestOptions, generate_in_process
+
     server, engine = served
+    fields = dict(fields)
     prompt = fields.pop("prompt", PROMPTS[1])
-    max_tokens = fields.pop("max_tokens", 8)
-    with pytest.raises(RequestError, match=message):
-        list(generate(server.grpc_url, prompt, max_tokens, **fields))
+    fields.setdefault("max_tokens", 8)
+    with pytest.raises(RequestError) as in_process:
+        generate_in_process(engine, prompt, RequestOptions(**fields), False, lambda text: None)
+    assert str(in_process.value) == message
+    grpc_fields = RequestOptions(**fields).grpc_fields()
+    with pytest.raises(RequestError) as over_grpc:
+        list(generate(server.grpc_url, prompt, grpc_fields.pop("max_tokens"), **grpc_fields))
+    assert message in str(over_grpc.value)
     assert server.ready()
     assert "".join(c.text for c in generate(server.grpc_url, PROMPTS[1], 8)) == plain_text(engine, PROMPTS[1], 8)
 
@@ -250,3 +266,37 @@ def test_random_cancellations_lose_and_corrupt_nothing(served):
     assert report["finished"] + report["cancelled"] == 32
     assert report["failed"] == report["lost"] == report["corrupted"] == 0
     assert server.ready()
+
+
+def test_a_moved_repository_serves(served, tmp_path):
+    """The repository carries its engine and tokenizers and names them by relative paths: packaged in one place,
+    moved to another, it serves the same text."""
+    import shutil
+
+    _, engine = served
+    written = write_repository(engine.dir, tmp_path / "written")
+    for name in ("preprocessing", "speculative", "postprocessing", "ensemble"):
+        config = (written / name / "config.pbtxt").read_text()
+        assert str(tmp_path) not in config and str(engine.dir) not in config
+    moved = tmp_path / "elsewhere" / "repository"
+    moved.parent.mkdir()
+    shutil.move(written, moved)
+    assert not written.exists()
+    with TritonServer(moved, log_file=tmp_path / "moved.log") as server:
+        text = "".join(c.text for c in generate(server.grpc_url, PROMPTS[2], 12))
+    assert text == plain_text(engine, PROMPTS[2], 12)
+
+
+def test_long_stream_report(served):
+    """bench --url --long-stream: the same greedy generation streamed and in-process, exactly N tokens each
+    (end_id -1), with the speed figures the README reports."""
+    from specdeploy.triton.load_report import run_long_stream
+
+    server, engine = served
+    report = run_long_stream(server.grpc_url, engine, PROMPTS[0], 40)
+    for mode in ("in_process", "grpc_stream"):
+        figures = report[mode]
+        assert figures["tokens"] == 40
+        assert figures["tokens_per_s"] > 0 and figures["first_quarter_tokens_per_s"] > 0
+        assert figures["last_fifth_tokens_per_s"] > 0
+    assert report["grpc_vs_in_process"] > 0
