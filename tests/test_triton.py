@@ -294,9 +294,10 @@ def test_long_stream_report(served):
 
     server, engine = served
     report = run_long_stream(server.grpc_url, engine, PROMPTS[0], 40)
-    for mode in ("in_process", "grpc_stream"):
-        figures = report[mode]
-        assert figures["tokens"] == 40
-        assert figures["tokens_per_s"] > 0 and figures["first_quarter_tokens_per_s"] > 0
-        assert figures["last_fifth_tokens_per_s"] > 0
-    assert report["grpc_vs_in_process"] > 0
+    for mode in ("speculative", "plain"):
+        for where in ("in_process", "grpc_stream"):
+            figures = report[mode][where]
+            assert figures["tokens"] == 40
+            assert figures["tokens_per_s"] > 0 and figures["first_quarter_tokens_per_s"] > 0
+            assert figures["last_fifth_tokens_per_s"] > 0
+        assert report[mode]["grpc_vs_in_process"] > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 from rich.console import Console
@@ -103,35 +104,41 @@ def stream_figures(samples: list[tuple[float, int]]) -> dict:
 
 
 def run_long_stream(url: str, engine: Engine, prompt: str, tokens: int) -> dict:
-    """One greedy generation of exactly `tokens` tokens (end_id -1: no end token) streamed over gRPC, and the
-    same generation in-process, each as (time, tokens so far) per step: their speeds and how much each slows down
-    as the context grows (attention over a longer context costs both; the stream must not add to it)."""
+    """One greedy generation of exactly `tokens` tokens (end_id -1: no end token), speculative and plain, each
+    streamed over gRPC and run in-process, recorded as (time, tokens so far) per step: their speeds and how much
+    each slows down as the context grows (attention over a longer context costs both; the stream must not add to
+    it). `engine` is the served pipeline's engine, loaded here."""
     ids = engine.encode_prompt(prompt)
-    request = GenerationRequest(ids, tokens, engine.pipeline.sampling.params(temperature=0.0), end_id=NO_END_ID)
-    engine.start(GenerationRequest(ids, 8, request.sampling)).run()  # warm-up
-    started, in_process = time.perf_counter(), []
-    generation = engine.start(request)
-    for _ in generation:
-        in_process.append((time.perf_counter() - started, len(generation.tokens)))
-    list(generate(url, prompt, 8, temperature=0.0))  # warm-up
-    started, streamed = time.perf_counter(), []
-    for chunk in generate(url, prompt, tokens, stream=True, temperature=0.0, end_id=NO_END_ID):
-        if chunk.statistics:
-            streamed.append((time.perf_counter() - started, int(chunk.statistics["generated_tokens"])))
-    report = {"url": url, "tokens": tokens, "in_process": stream_figures(in_process),
-              "grpc_stream": stream_figures(streamed)}
-    report["grpc_vs_in_process"] = report["grpc_stream"]["tokens_per_s"] / report["in_process"]["tokens_per_s"]
+    report = {"url": url, "tokens": tokens}
+    for mode, gamma in (("speculative", None), ("plain", 0)):
+        request = GenerationRequest(ids, tokens, engine.pipeline.sampling.params(temperature=0.0), gamma,
+                                    end_id=NO_END_ID)
+        engine.start(dataclasses.replace(request, max_tokens=8)).run()  # warm-up
+        started, in_process = time.perf_counter(), []
+        generation = engine.start(request)
+        for _ in generation:
+            in_process.append((time.perf_counter() - started, len(generation.tokens)))
+        list(generate(url, prompt, 8, temperature=0.0, num_draft_tokens=gamma))  # warm-up
+        started, streamed = time.perf_counter(), []
+        for chunk in generate(url, prompt, tokens, stream=True, temperature=0.0, end_id=NO_END_ID,
+                              num_draft_tokens=gamma):
+            if chunk.statistics:
+                streamed.append((time.perf_counter() - started, int(chunk.statistics["generated_tokens"])))
+        figures = {"in_process": stream_figures(in_process), "grpc_stream": stream_figures(streamed)}
+        figures["grpc_vs_in_process"] = figures["grpc_stream"]["tokens_per_s"] / figures["in_process"]["tokens_per_s"]
+        report[mode] = figures
     return report
 
 
 def print_long_stream(report: dict, console: Console | None = None) -> None:
     table = Table(title=f"one streamed generation of {report['tokens']} tokens, {report['url']} vs in-process")
-    for column in ("", "tokens/s", "first quarter", "last fifth", "slowdown"):
+    for column in ("", "tokens/s", "vs in-process", "first quarter", "last fifth", "slowdown"):
         table.add_column(column, justify="right")
-    for name in ("in_process", "grpc_stream"):
-        row = report[name]
-        table.add_row(name.replace("_", " "), f"{row['tokens_per_s']:.1f}", f"{row['first_quarter_tokens_per_s']:.1f}",
-                      f"{row['last_fifth_tokens_per_s']:.1f}", f"{row['slowdown']:.1%}")
-    console = console or Console()
-    console.print(table)
-    console.print(f"the gRPC stream runs at {report['grpc_vs_in_process']:.2f} of in-process")
+    for mode in ("speculative", "plain"):
+        for name in ("in_process", "grpc_stream"):
+            row = report[mode][name]
+            ratio = f"{report[mode]['grpc_vs_in_process']:.2f}" if name == "grpc_stream" else ""
+            table.add_row(f"{mode}, {name.replace('_', ' ')}", f"{row['tokens_per_s']:.1f}", ratio,
+                          f"{row['first_quarter_tokens_per_s']:.1f}", f"{row['last_fifth_tokens_per_s']:.1f}",
+                          f"{row['slowdown']:.1%}")
+    (console or Console()).print(table)
