@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import string
+import threading
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,22 @@ def char_tokenizer(vocab_size: int = 128, shuffle_seed: int | None = None):
     backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
     backend.decoder = decoders.Fuse()
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+
+
+class Collector:
+    """A scheduler callback that keeps a request's tokens and how it finished."""
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []
+        self.reason: str | None = None
+        self.done = threading.Event()
+
+    def __call__(self, tokens: list[int], finished: str | None, stats=None) -> None:
+        assert not self.done.is_set(), "tokens after the final callback"
+        self.tokens.extend(tokens)
+        if finished is not None:
+            self.reason = finished
+            self.done.set()
 
 
 def save_tiny_checkpoint(directory: Path, seed: int, base: Path | None = None, noise: float = 0.0,

@@ -3,10 +3,9 @@ what was committed, stop sequences over generated text only, and what a seed rep
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
+from conftest import Collector
 
 from specdeploy.pipeline import PolicySpec, ServingSpec
 from specdeploy.request import NO_END_ID, GenerationRequest
@@ -82,19 +81,6 @@ def test_one_host_read_per_batched_step(rows, kind):
         assert reads.count == 1
     if kind != "ngram":  # a draft model proposes for every row; prompt lookup only where an n-gram recurs
         assert all(s.stats.drafted > before for s, before in zip(sequences, drafted_before))
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.reason: str | None = None
-        self.done = threading.Event()
-
-    def __call__(self, tokens: list[int], finished: str | None, stats=None) -> None:
-        self.tokens.extend(tokens)
-        if finished is not None:
-            self.reason = finished
-            self.done.set()
 
 
 @pytest.mark.parametrize("kind", ["draft_target", "int4"])

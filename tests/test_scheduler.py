@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import threading
-
 import pytest
+from conftest import Collector
 
 from specdeploy.pipeline import PolicySpec, ServingSpec
 from specdeploy.request import GenerationRequest
@@ -14,20 +13,6 @@ from specdeploy.sampling_params import SamplingParams
 
 PROMPTS = [[5, 40, 41, 42, 43, 7, 9], [70, 71, 72, 70, 71, 72, 70, 71], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20],
            [3, 4, 5, 6, 3, 4, 5], [90, 91, 92, 93, 94, 95], [20, 21, 22, 20, 21, 22, 23, 24, 25]]
-
-
-class Collector:
-    def __init__(self) -> None:
-        self.tokens: list[int] = []
-        self.reason: str | None = None
-        self.done = threading.Event()
-
-    def __call__(self, tokens: list[int], finished: str | None, stats=None) -> None:
-        assert not self.done.is_set(), "tokens after the final callback"
-        self.tokens.extend(tokens)
-        if finished is not None:
-            self.reason = finished
-            self.done.set()
 
 
 @pytest.fixture(scope="module")

@@ -107,60 +107,55 @@ class BatchDecoder:
         return emitted
 
     def verify(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
-        """One target forward over every row's pending token + drafted tokens, then the exact rule per row."""
+        """One target forward over every row's pending token + drafted tokens, then the exact rule for all rows."""
         batch, counts = len(sequences), proposal.counts
         width = max(counts) + 1
         pending = torch.tensor([[s.committed[-1]] for s in sequences], device=self.device)
         tokens = torch.cat([pending, proposal.tokens[:, :width - 1]], dim=1)  # [B, W]
         hidden = ragged_forward_all(self.target, self.cache.rows(0, batch), tokens,
                                     [s.cache_length for s in sequences])  # [B, W, H]
-        # Logits only at each row's real positions: the vocabulary projection is a fifth of a forward here.
+        # Logits only at each row's real positions (row r's are flat[offsets[r]:offsets[r + 1]]): the vocabulary
+        # projection is a fifth of a forward here.
+        offsets = [0]
+        for count in counts:
+            offsets.append(offsets[-1] + count + 1)
         rows = [r for r in range(batch) for _ in range(counts[r] + 1)]
         columns = [c for r in range(batch) for c in range(counts[r] + 1)]
-        logits = self.target.logits(hidden[rows, columns])  # [N, V] fp32
-        logits = self._penalised(sequences, proposal, logits)
-        outcome = torch.full((batch, width + 1), -1, dtype=torch.long, device=self.device)
+        logits = self._penalised(sequences, proposal, offsets, self.target.logits(hidden[rows, columns]))  # [N, V]
+        outcome = torch.full((batch, width + 1), -1, dtype=torch.long, device=self.device)  # tokens, then count
         greedy = [r for r, s in enumerate(sequences) if s.params.greedy]
         sampled = [r for r, s in enumerate(sequences) if not s.params.greedy]
         num_drafted = torch.tensor(counts, device=self.device)
         if greedy:  # the logits are final (penalties applied): each position's target token is their argmax
+            picked = [i for i, r in enumerate(rows) if sequences[r].params.greedy]
             target_tokens = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-            if sampled:
-                picked = [i for i, r in enumerate(rows) if sequences[r].params.greedy]
-                target_tokens[[rows[i] for i in picked], [columns[i] for i in picked]] = argmax(logits[picked])
-            else:
-                target_tokens[rows, columns] = argmax(logits)
+            target_tokens[[rows[i] for i in picked], [columns[i] for i in picked]] = argmax(
+                logits[picked] if sampled else logits)  # (no copy when every row is greedy)
             result = accept_greedy(tokens[greedy, 1:], target_tokens[greedy], num_drafted[greedy])
-            outcome[greedy, :width] = result.tokens
-            outcome[greedy, width] = result.num_accepted
+            outcome[greedy] = torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)
         if sampled:
             target_probs = torch.zeros(len(sampled), width, self.vocab_size, device=self.device)
-            offsets = [0]
-            for count in counts:
-                offsets.append(offsets[-1] + count + 1)
             for i, r in enumerate(sampled):
                 target_probs[i, :counts[r] + 1] = sampling_distribution(logits[offsets[r]:offsets[r + 1]],
                                                                         sequences[r].params)
             draft_probs = None if proposal.q is None else proposal.q[sampled, :width - 1]
             streams = RowStreams([sequences[r].generator for r in sampled], [counts[r] for r in sampled])
             result = accept(tokens[sampled, 1:], draft_probs, target_probs, num_drafted[sampled], streams)
-            outcome[sampled, :width] = result.tokens
-            outcome[sampled, width] = result.num_accepted
+            outcome[sampled] = torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)
         read = outcome.tolist()  # the step's one host sync
         return Verdict([row[:row[-1] + 1] for row in read], hidden)
 
-    def _penalised(self, sequences: list[Sequence], proposal: Proposal, logits: torch.Tensor) -> torch.Tensor:
+    def _penalised(self, sequences: list[Sequence], proposal: Proposal, offsets: list[int],
+                   logits: torch.Tensor) -> torch.Tensor:
         """Apply each penalised row's repetition penalty to its verified positions (each position has seen the
         context and the drafted tokens before it), so greedy and sampled rows then work on final logits."""
-        offset = 0
         for r, sequence in enumerate(sequences):
-            count = proposal.counts[r]
             if sequence.seen is not None:
-                context = seen_after_drafts(sequence.seen, proposal.tokens[r, :count])
-                logits[offset:offset + count + 1] = penalised(logits[offset:offset + count + 1], sequence.params,
+                context = seen_after_drafts(sequence.seen, proposal.tokens[r, :proposal.counts[r]])
+                logits[offsets[r]:offsets[r + 1]] = penalised(logits[offsets[r]:offsets[r + 1]], sequence.params,
                                                               context)
-            offset += count + 1
         return logits
+
 
     def commit(self, sequence: Sequence, row: int, drafted: int, verdict: Verdict) -> list[int]:
         """Append row `row`'s verified tokens; statistics count only what was committed."""
