@@ -32,7 +32,8 @@ bench: venv
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-ngram.yaml --json bench-results/ngram.json --no-transformers
 
 lint: venv
-	$(VENV)/bin/ruff check specdeploy tests
+	$(VENV)/bin/ruff check specdeploy tests model_repo
+	$(VENV)/bin/lint-imports
 
 clean-engines:
 	rm -rf engines/*/ engines/.*.partial-*

@@ -119,20 +119,26 @@ class BatchDecoder:
         offsets = [0]
         for count in counts:
             offsets.append(offsets[-1] + count + 1)
-        rows = [r for r in range(batch) for _ in range(counts[r] + 1)]
-        columns = [c for r in range(batch) for c in range(counts[r] + 1)]
-        logits = self._penalised(sequences, proposal, offsets, self.target.logits(hidden[rows, columns]))  # [N, V]
-        outcome = torch.full((batch, width + 1), -1, dtype=torch.long, device=self.device)  # tokens, then count
+        if offsets[-1] == batch * width:  # every row verifies W positions
+            real = hidden.reshape(batch * width, -1)
+        else:
+            real = hidden[[r for r in range(batch) for _ in range(counts[r] + 1)],
+                          [c for r in range(batch) for c in range(counts[r] + 1)]]
+        logits = self._penalised(sequences, proposal, offsets, self.target.logits(real))  # [N, V] fp32
+        num_drafted = torch.tensor(counts, device=self.device)
         greedy = [r for r, s in enumerate(sequences) if s.params.greedy]
         sampled = [r for r, s in enumerate(sequences) if not s.params.greedy]
-        num_drafted = torch.tensor(counts, device=self.device)
+        outcomes = []  # (rows, [len(rows), W + 1]: the emitted tokens, then the accepted count)
         if greedy:  # the logits are final (penalties applied): each position's target token is their argmax
-            picked = [i for i, r in enumerate(rows) if sequences[r].params.greedy]
-            target_tokens = torch.zeros(batch, width, dtype=torch.long, device=self.device)
-            target_tokens[[rows[i] for i in picked], [columns[i] for i in picked]] = argmax(
-                logits[picked] if sampled else logits)  # (no copy when every row is greedy)
-            result = accept_greedy(tokens[greedy, 1:], target_tokens[greedy], num_drafted[greedy])
-            outcome[greedy] = torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)
+            if len(greedy) == batch and offsets[-1] == batch * width:
+                target_tokens = argmax(logits).view(batch, width)
+            else:
+                places = [(i, c, offsets[r] + c) for i, r in enumerate(greedy) for c in range(counts[r] + 1)]
+                target_tokens = torch.zeros(len(greedy), width, dtype=torch.long, device=self.device)
+                at_row, at_column, flat = (list(column) for column in zip(*places))
+                target_tokens[at_row, at_column] = argmax(logits[flat])
+            result = accept_greedy(tokens[greedy, 1:], target_tokens, num_drafted[greedy])
+            outcomes.append((greedy, torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)))
         if sampled:
             target_probs = torch.zeros(len(sampled), width, self.vocab_size, device=self.device)
             for i, r in enumerate(sampled):
@@ -141,7 +147,13 @@ class BatchDecoder:
             draft_probs = None if proposal.q is None else proposal.q[sampled, :width - 1]
             streams = RowStreams([sequences[r].generator for r in sampled], [counts[r] for r in sampled])
             result = accept(tokens[sampled, 1:], draft_probs, target_probs, num_drafted[sampled], streams)
-            outcome[sampled] = torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)
+            outcomes.append((sampled, torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)))
+        if len(outcomes) == 1:
+            outcome = outcomes[0][1]  # one kind of row, already in row order
+        else:
+            outcome = torch.empty(batch, width + 1, dtype=torch.long, device=self.device)
+            for rows, part in outcomes:
+                outcome[rows] = part
         read = outcome.tolist()  # the step's one host sync
         return Verdict([row[:row[-1] + 1] for row in read], hidden)
 
