@@ -19,6 +19,7 @@ from rich.progress import track
 from rich.table import Table
 
 from specdeploy.errors import SpecdeployError
+from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
 from specdeploy.stats import RequestStats, decode_rate
 
@@ -128,9 +129,8 @@ def compare_greedy(engine: Engine, prompt_ids: list[int], plain: list[int], spec
 def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, temperature: float | None, seed: int,
               with_transformers: bool, quiet: bool = False) -> dict:
     """max_tokens, temperature: None for the pipeline's. The seed is the same for every prompt and mode."""
-    sampling = engine.pipeline.sampling
-    params = sampling.params(temperature=temperature, seed=seed)
-    max_tokens = sampling.max_tokens if max_tokens is None else max_tokens
+    defaults = GenerationRequest.with_defaults(engine.pipeline, [], max_tokens, temperature, seed=seed)
+    params, max_tokens = defaults.sampling, defaults.max_tokens
     encoded = [engine.encode_prompt(p["prompt"]) for p in prompts]
     engine.generate(encoded[0], params, 8).run()  # warm-up: first calls allocate and page in weights
     runs = []

@@ -29,6 +29,18 @@ class GenerationRequest:
     stop_sequences: list[list[int]] = field(default_factory=list)
     end_id: int | None = None
 
+    @classmethod
+    def with_defaults(cls, pipeline: PipelineSpec, prompt_ids: list[int], max_tokens: int | None = None,
+                      temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+                      repetition_penalty: float | None = None, seed: int | None = None,
+                      num_draft_tokens: int | None = None, stop_sequences: list[list[int]] | None = None,
+                      end_id: int | None = None) -> GenerationRequest:
+        """A request whose fields left None take the pipeline's values (its `sampling` section)."""
+        sampling = pipeline.sampling
+        return cls(prompt_ids, sampling.max_tokens if max_tokens is None else max_tokens,
+                   sampling.params(temperature, top_k, top_p, repetition_penalty, seed), num_draft_tokens,
+                   stop_sequences or [], end_id)
+
     def gamma(self, pipeline: PipelineSpec) -> int:
         """The request's proposal length: its own, else the pipeline's; 0 when the pipeline does not speculate."""
         if pipeline.speculation.method == "none":

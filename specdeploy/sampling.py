@@ -32,7 +32,8 @@ def sampling_distribution(logits: torch.Tensor, params: SamplingParams,
     logits = penalised(logits, params, seen)
     if params.greedy:
         return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
-    logits = logits / params.temperature
+    # Shifted so the largest is 0 first: a tiny temperature then gives 0 and -inf, never inf - inf (NaN).
+    logits = (logits - logits.amax(-1, keepdim=True)) / params.temperature
     if 0 < params.top_k < logits.shape[-1]:
         kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -58,7 +59,8 @@ def penalised(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor |
     if params.repetition_penalty == 1.0 or seen is None:
         return logits
     scaled = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-    return torch.where(seen, scaled, logits)
+    largest = torch.finfo(torch.float32).max  # a tiny penalty must not overflow a logit to inf
+    return torch.where(seen, scaled.clamp(-largest, largest), logits)
 
 
 class RowStreams:

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from specdeploy.errors import RequestError
 
+SEED_LIMIT = 2**64
+
 
 def sampling_problems(temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> list[tuple[str, str]]:
     """(field, problem) for every value outside its range; the one place these ranges are defined."""
@@ -43,6 +45,8 @@ class SamplingParams:
     def __post_init__(self) -> None:
         for key, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
             raise RequestError(f"{key}: {problem}")
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:  # tensorrtllm_backend's random_seed: UINT64
+            raise RequestError(f"random_seed: must be in [0, 2**64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -63,13 +63,21 @@ def new_text(tokenizer, window: list[int], shown: int) -> str:
     """The text the tokens of `window` after its first `shown` add: the stateless form, for a caller that keeps
     only how many tokens it has shown. Text held back at the end of the shown part comes out here.
 
-    Decoding starts at the window's first token that does not begin inside a character (a window may start in
-    the middle of one, whose bytes alone decode to U+FFFD), so the shown part and the whole window decode alike.
+    Decoding starts at the window's first token that begins a character (a window may start in the middle of
+    one, whose bytes alone decode to U+FFFD), so the shown part and the whole window decode alike.
     """
-    start = next((i for i in range(shown + 1) if not decode(tokenizer, window[i:]).startswith("\ufffd")), shown)
+    start = next((i for i in range(shown + 1) if begins_character(tokenizer, window, i)), shown)
     before = visible_text(tokenizer, window[start:shown])
     now = visible_text(tokenizer, window[start:])
     return now[len(before):] if now.startswith(before) else ""
+
+
+def begins_character(tokenizer, ids: list[int], index: int) -> bool:
+    """Whether ids[index] starts a character: some prefix of at most HELD_BACK tokens from it decodes to text that
+    does not start with U+FFFD. (The whole rest is not decoded: a byte-fallback decoder turns a run of byte tokens
+    ending in an incomplete character entirely into U+FFFD.)"""
+    return any(not decode(tokenizer, ids[index:end]).startswith("\ufffd")
+               for end in range(index + 1, min(index + HELD_BACK, len(ids)) + 1))
 
 
 def stream_window(ids: list[int], shown: int) -> tuple[list[int], int]:

@@ -37,10 +37,7 @@ class RequestOptions:
     end_id: int | None = None
 
     def request(self, engine: Engine, prompt_ids: list[int]) -> GenerationRequest:
-        sampling = engine.pipeline.sampling
-        params = sampling.params(self.temperature, self.top_k, self.top_p, self.repetition_penalty, self.seed)
-        max_tokens = sampling.max_tokens if self.max_tokens is None else self.max_tokens
-        return GenerationRequest(prompt_ids, max_tokens, params, self.num_draft_tokens, end_id=self.end_id)
+        return GenerationRequest.with_defaults(engine.pipeline, prompt_ids, **dataclasses.asdict(self))
 
     def grpc_fields(self) -> dict:
         """The ensemble's input names (tensorrtllm_backend's) for the fields that are set."""

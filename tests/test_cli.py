@@ -229,6 +229,8 @@ def test_up_to_date_check_hashes_only_changed_sources(tmp_path, tiny_checkpoints
     os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))  # touched, same bytes
     assert not build(load_pipeline(path), engines, quiet=True).built
     assert hashed == ["model.safetensors"]
+    assert not build(load_pipeline(path), engines, quiet=True).built  # its new time was recorded
+    assert hashed == ["model.safetensors"]
     config = source / "config.json"
     config.write_text(config.read_text() + "\n")  # changed bytes: rebuilt
     assert build(load_pipeline(path), engines, quiet=True).built

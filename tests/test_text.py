@@ -76,6 +76,12 @@ def test_byte_fallback_characters_split_across_responses():
     check_streams(tokenizer, TEXT)
 
 
+def test_byte_runs_longer_than_the_window():
+    """Eight CJK characters are 24 byte tokens in a row: a response's window starts inside the run."""
+    tokenizer = byte_fallback_tokenizer()
+    assert check_streams(tokenizer, "ok 日本語のテキスト ok 你好世界你好世界") > 3 * STREAM_CONTEXT
+
+
 def test_a_character_is_held_back_until_its_last_byte_arrives():
     tokenizer = byte_fallback_tokenizer()
     ids = tokenizer("a🎉b", add_special_tokens=False)["input_ids"]  # a, ▁? and four byte tokens, b

@@ -58,6 +58,24 @@ def test_bad_sampling_params_name_the_field(kwargs, field):
         SamplingParams(**kwargs)
 
 
+def test_extreme_values_give_valid_distributions():
+    """Allowed but extreme temperatures and penalties: probabilities stay finite and sum to one."""
+    logits = torch.randn(3, 40) * 5
+    seen = torch.rand(3, 40) < 0.5
+    for params in (SamplingParams(temperature=1e-40), SamplingParams(temperature=1e4),
+                   SamplingParams(temperature=1.0, repetition_penalty=1e-40),
+                   SamplingParams(temperature=1e-40, repetition_penalty=1e30, top_k=3, top_p=0.5)):
+        probs = sampling_distribution(logits, params, seen)
+        assert torch.isfinite(probs).all() and torch.allclose(probs.sum(-1), torch.ones(3)), params
+
+
+def test_seed_must_fit_the_request_field():
+    assert SamplingParams(seed=2**64 - 1).seed == 2**64 - 1
+    for seed in (-1, 2**64):
+        with pytest.raises(RequestError, match=r"random_seed: must be in \[0, 2\*\*64\)"):
+            SamplingParams(seed=seed)
+
+
 def test_ngram_prefers_the_longest_most_recent_match():
     proposer = NgramProposer(min_n=1, max_n=3)
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]

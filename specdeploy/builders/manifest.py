@@ -12,7 +12,7 @@ import hashlib
 import json
 from pathlib import Path
 
-from specdeploy.layout import MANIFEST_FILE
+from specdeploy.layout import MANIFEST_FILE, write_json
 from specdeploy.pipeline import PipelineSpec
 
 ENGINE_SECTIONS = ("name", "target", "speculation", "limits", "backend")  # a change in these rebuilds the engine
@@ -62,3 +62,11 @@ def up_to_date(engine_dir: Path, inputs: dict) -> bool:
     """Whether the engine at `engine_dir` was built from exactly these inputs (a fingerprint())."""
     recorded = read_manifest(engine_dir)
     return recorded is not None and all(recorded.get(k) == inputs[k] for k in FINGERPRINT_KEYS)
+
+
+def record_sources(engine_dir: Path, inputs: dict) -> None:
+    """For an up-to-date engine: save its sources' current sizes and times (a touched but unchanged file), so the
+    next check does not hash them again."""
+    recorded = read_manifest(engine_dir)
+    if recorded.get("sources") != inputs["sources"]:
+        write_json(Path(engine_dir) / MANIFEST_FILE, {**recorded, "sources": inputs["sources"]})

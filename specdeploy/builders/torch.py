@@ -25,7 +25,7 @@ from safetensors.torch import save_file
 
 import specdeploy
 from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, source_files
-from specdeploy.builders.manifest import fingerprint, up_to_date
+from specdeploy.builders.manifest import fingerprint, record_sources, up_to_date
 from specdeploy.errors import BuildError
 from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
@@ -120,6 +120,7 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
     final = engine_path(engines_root, pipeline)
     inputs = build_inputs(pipeline, final)
     if not force and up_to_date(final, inputs):
+        record_sources(final, inputs)
         if load_pipeline(final / PIPELINE_FILE) != pipeline.resolved():
             save_engine_pipeline(final, pipeline)  # serving or sampling defaults changed: no new weights needed
         return BuildResult(final, False)

@@ -29,7 +29,7 @@ from specdeploy.stats import RequestStats
 TokenCallback = Callable[[list[int], str | None, RequestStats], None]
 
 
-@dataclass
+@dataclass(eq=False)  # a request is itself: rows are found by identity
 class Request:
     sequence: Sequence
     on_tokens: TokenCallback
@@ -137,6 +137,8 @@ class Scheduler:
             try:
                 self._drop_cancelled()
                 for request in joining:
+                    if request not in self.active:
+                        continue  # cancelled between admission and prefill
                     row = self.active.index(request)
                     self._deliver(request, self.engine.decoder.prefill(request.sequence, row))
                 if self.active:

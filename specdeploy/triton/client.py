@@ -42,7 +42,12 @@ def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) ->
             allowed = ", ".join(["stop_words", *SCALAR_INPUTS])
             raise RequestError(f"{name}: not an input of the ensemble (allowed: {allowed})")
         kind = SCALAR_INPUTS[name].removeprefix("TYPE_")
-        inputs.append(make(name, kind, np.array([[value]], dtype=triton_to_np_dtype(kind))))
+        dtype = np.dtype(triton_to_np_dtype(kind))
+        if dtype.kind in "iu" and not np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
+            # numpy would wrap it silently into another, valid-looking value
+            raise RequestError(f"{name}: {value} does not fit the input's type {kind} "
+                               f"([{np.iinfo(dtype).min}, {np.iinfo(dtype).max}])")
+        inputs.append(make(name, kind, np.array([[value]], dtype=dtype)))
     return inputs
 
 

@@ -17,8 +17,8 @@ from specdeploy.triton.load import run_level
 def in_process_tokens_per_s(engine: Engine, prompts: list[str], max_tokens: int | None) -> float:
     """End-to-end tokens/s (prefill included, as a client sees it) of the engine itself, one stream, over the
     prompts in the order a concurrency-1 level sends them, with the pipeline's sampling defaults."""
-    params = engine.pipeline.sampling.params()
-    max_tokens = engine.pipeline.sampling.max_tokens if max_tokens is None else max_tokens
+    defaults = GenerationRequest.with_defaults(engine.pipeline, [], max_tokens)
+    params, max_tokens = defaults.sampling, defaults.max_tokens
     engine.generate(engine.encode_prompt(prompts[0]), params, 8).run()
     tokens = seconds = 0.0
     for prompt in prompts:

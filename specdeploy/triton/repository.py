@@ -2,11 +2,11 @@
 
 ensemble (tensorrtllm_backend's request/response names) = preprocessing → speculative (decoupled, Python backend,
 owns draft + target) → postprocessing. Each model carries its files in its version directory, named by paths
-relative to it (model_files.py): the engine in `speculative/1/engine/` (hard links to the built engine where the
-file system allows, else a copy), the tokenizer in `preprocessing/1/tokenizer/` and `postprocessing/1/tokenizer/`.
-The repository therefore serves from wherever it is copied or mounted. Every config.pbtxt is built as Triton's
-ModelConfig protobuf message and written with protobuf's text format; the Python model files come from
-model_repo/ (thin wrappers importing specdeploy).
+relative to it (model_files.py): the engine in `speculative/1/engine/` (its weights hard-linked to the built
+engine's where the file system allows, everything else copied), the tokenizer in `preprocessing/1/tokenizer/`
+and `postprocessing/1/tokenizer/`. The repository therefore serves from wherever it is copied or mounted. Every
+config.pbtxt is built as Triton's ModelConfig protobuf message and written with protobuf's text format; the
+Python model files come from model_repo/ (thin wrappers importing specdeploy).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
 MODEL_CODE = Path(specdeploy.__file__).resolve().parent.parent / "model_repo"
 VERSION = "1"
 ENGINE_FOLDER, TOKENIZER_FOLDER = "engine", "tokenizer"
-WEIGHT_FILES = {"model.safetensors", "config.json"}  # a component's files that are not its tokenizer's
+WEIGHTS = "model.safetensors"
+MODEL_FILES = {WEIGHTS, "config.json"}  # a component's files that are not its tokenizer's
 
 
 def add_tensor(tensors, name: str, kind: str, dims: list[int], optional: bool = False) -> None:
@@ -98,11 +99,16 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
 
 
 def link_or_copy(source: str, destination: str) -> None:
-    """A hard link (no second copy of the weights on disk) where the file system allows it, else a copy."""
-    try:
-        os.link(source, destination)
-    except OSError:
-        shutil.copy2(source, destination)
+    """Weights as a hard link (no second copy on disk; a build never rewrites a file in place, it renames a new
+    engine over the old one) where the file system allows it; every other file as a copy, so editing the
+    repository's pipeline.json cannot change the engine's."""
+    if Path(source).name == WEIGHTS:
+        try:
+            os.link(source, destination)
+            return
+        except OSError:
+            pass
+    shutil.copy2(source, destination)
 
 
 def write_repository(engine_dir: Path, output: Path) -> Path:
@@ -121,7 +127,7 @@ def write_repository(engine_dir: Path, output: Path) -> Path:
             shutil.copy2(MODEL_CODE / name / "model.py", version / "model.py")
         if TOKENIZER_PARAMETER in config.parameters:
             shutil.copytree(engine_dir / "target", version / TOKENIZER_FOLDER,
-                            ignore=lambda _, names: [n for n in names if n in WEIGHT_FILES])
+                            ignore=lambda _, names: [n for n in names if n in MODEL_FILES])
         if ENGINE_PARAMETER in config.parameters:
             shutil.copytree(engine_dir, version / ENGINE_FOLDER, copy_function=link_or_copy)
     return output

@@ -81,18 +81,15 @@ def scalar(inputs: dict[str, np.ndarray], name: str):
 
 def generation_request(inputs: dict[str, np.ndarray], pipeline: PipelineSpec) -> GenerationRequest:
     """A GenerationRequest from the speculative model's input tensors; unset fields take the pipeline's values."""
-    seed, gamma, end_id = scalar(inputs, "random_seed"), scalar(inputs, "num_draft_tokens"), scalar(inputs, "end_id")
-    max_tokens = scalar(inputs, "max_tokens")
-    temperature, top_p = scalar(inputs, "temperature"), scalar(inputs, "top_p")
-    top_k, penalty = scalar(inputs, "top_k"), scalar(inputs, "repetition_penalty")
-    sampling = pipeline.sampling.params(
-        temperature=None if temperature is None else float(temperature), top_k=None if top_k is None else int(top_k),
-        top_p=None if top_p is None else float(top_p),
-        repetition_penalty=None if penalty is None else float(penalty), seed=None if seed is None else int(seed))
+
+    def value(name: str, kind: type):
+        item = scalar(inputs, name)
+        return None if item is None else kind(item)
+
     stops = inputs.get("stop_words_ids")
-    return GenerationRequest(
-        prompt_ids=inputs["input_ids"].reshape(-1).tolist(),
-        max_tokens=pipeline.sampling.max_tokens if max_tokens is None else int(max_tokens),
-        sampling=sampling, num_draft_tokens=None if gamma is None else int(gamma),
-        stop_sequences=[] if stops is None else split_stop_ids(stops.reshape(-1).tolist()),
-        end_id=None if end_id is None else int(end_id))
+    return GenerationRequest.with_defaults(
+        pipeline, inputs["input_ids"].reshape(-1).tolist(), max_tokens=value("max_tokens", int),
+        temperature=value("temperature", float), top_k=value("top_k", int), top_p=value("top_p", float),
+        repetition_penalty=value("repetition_penalty", float), seed=value("random_seed", int),
+        num_draft_tokens=value("num_draft_tokens", int), end_id=value("end_id", int),
+        stop_sequences=None if stops is None else split_stop_ids(stops.reshape(-1).tolist()))
