@@ -138,7 +138,8 @@ def print_generation(report: dict, url: str | None) -> None:
 @click.option("--url", default=None, help="Benchmark a running server (HOST:PORT) with concurrent gRPC streams.")
 @click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="With --url: concurrency levels.")
 @click.option("--requests", "requests_per_level", type=int, default=None,
-              help="With --url: requests per level and mode (default: 2 x concurrency, at least 4).")
+              help="With --url: requests per level and mode (default: 2 x concurrency, at least 4); with "
+                   "--long-stream: generations per mode and place (default 3).")
 @click.option("--stress", type=int, default=None, metavar="N",
               help="With --url: N requests at the highest --concurrency, some cancelled at random (--cancel-"
                    "fraction); counts lost and corrupted responses.")
@@ -183,7 +184,7 @@ def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurr
         if long_stream is not None:
             if engine is None:
                 raise click.UsageError("--long-stream compares with the pipeline in-process: give PIPELINE.yaml")
-            report = load_report.run_long_stream(url, engine, texts[0], long_stream)
+            report = load_report.run_long_stream(url, engine, texts[0], long_stream, requests_per_level or 3)
             load_report.print_long_stream(report)
         elif stress is not None:
             report = load_report.run_stress(url, texts, stress, max(levels), max_tokens, cancel_fraction, seed)

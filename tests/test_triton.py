@@ -293,7 +293,7 @@ def test_long_stream_report(served):
     from specdeploy.triton.load_report import run_long_stream
 
     server, engine = served
-    report = run_long_stream(server.grpc_url, engine, PROMPTS[0], 40)
+    report = run_long_stream(server.grpc_url, engine, PROMPTS[0], 40, repeats=1)
     for mode in ("speculative", "plain"):
         for where in ("in_process", "grpc_stream"):
             figures = report[mode][where]

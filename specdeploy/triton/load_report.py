@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import statistics
 import time
 
 from rich.console import Console
@@ -103,35 +104,45 @@ def stream_figures(samples: list[tuple[float, int]]) -> dict:
             "slowdown": 1 - last / first if first else 0.0}
 
 
-def run_long_stream(url: str, engine: Engine, prompt: str, tokens: int) -> dict:
+def run_long_stream(url: str, engine: Engine, prompt: str, tokens: int, repeats: int = 3) -> dict:
     """One greedy generation of exactly `tokens` tokens (end_id -1: no end token), speculative and plain, each
     streamed over gRPC and run in-process, recorded as (time, tokens so far) per step: their speeds and how much
     each slows down as the context grows (attention over a longer context costs both; the stream must not add to
-    it). `engine` is the served pipeline's engine, loaded here."""
+    it). The two run alternately `repeats` times and each figure is the median, since one 30 s run on a shared
+    machine moves by several percent. `engine` is the served pipeline's engine, loaded here."""
     ids = engine.encode_prompt(prompt)
-    report = {"url": url, "tokens": tokens}
+    report = {"url": url, "tokens": tokens, "repeats": repeats}
     for mode, gamma in (("speculative", None), ("plain", 0)):
         request = GenerationRequest(ids, tokens, engine.pipeline.sampling.params(temperature=0.0), gamma,
                                     end_id=NO_END_ID)
         engine.start(dataclasses.replace(request, max_tokens=8)).run()  # warm-up
-        started, in_process = time.perf_counter(), []
-        generation = engine.start(request)
-        for _ in generation:
-            in_process.append((time.perf_counter() - started, len(generation.tokens)))
-        list(generate(url, prompt, 8, temperature=0.0, num_draft_tokens=gamma))  # warm-up
-        started, streamed = time.perf_counter(), []
-        for chunk in generate(url, prompt, tokens, stream=True, temperature=0.0, end_id=NO_END_ID,
-                              num_draft_tokens=gamma):
-            if chunk.statistics:
-                streamed.append((time.perf_counter() - started, int(chunk.statistics["generated_tokens"])))
-        figures = {"in_process": stream_figures(in_process), "grpc_stream": stream_figures(streamed)}
-        figures["grpc_vs_in_process"] = figures["grpc_stream"]["tokens_per_s"] / figures["in_process"]["tokens_per_s"]
+        list(generate(url, prompt, 8, temperature=0.0, num_draft_tokens=gamma))
+        runs: dict[str, list[dict]] = {"in_process": [], "grpc_stream": []}
+        for _ in range(repeats):
+            started, samples = time.perf_counter(), []
+            generation = engine.start(request)
+            for _ in generation:
+                samples.append((time.perf_counter() - started, len(generation.tokens)))
+            runs["in_process"].append(stream_figures(samples))
+            started, samples = time.perf_counter(), []
+            for chunk in generate(url, prompt, tokens, stream=True, temperature=0.0, end_id=NO_END_ID,
+                                  num_draft_tokens=gamma):
+                if chunk.statistics:
+                    samples.append((time.perf_counter() - started, int(chunk.statistics["generated_tokens"])))
+            runs["grpc_stream"].append(stream_figures(samples))
+        figures = {where: {key: statistics.median(run[key] for run in found) for key in found[0]}
+                   for where, found in runs.items()}
+        figures["grpc_vs_in_process"] = statistics.median(
+            grpc["tokens_per_s"] / local["tokens_per_s"] for grpc, local in zip(runs["grpc_stream"],
+                                                                              runs["in_process"]))
+        figures["runs"] = runs
         report[mode] = figures
     return report
 
 
 def print_long_stream(report: dict, console: Console | None = None) -> None:
-    table = Table(title=f"one streamed generation of {report['tokens']} tokens, {report['url']} vs in-process")
+    table = Table(title=f"one streamed generation of {report['tokens']} tokens, {report['url']} vs in-process "
+                        f"(medians of {report['repeats']})")
     for column in ("", "tokens/s", "vs in-process", "first quarter", "last fifth", "slowdown"):
         table.add_column(column, justify="right")
     for mode in ("speculative", "plain"):

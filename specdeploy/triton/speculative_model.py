@@ -45,6 +45,7 @@ class Metrics:
                                           "active sequences", kind=family.GAUGE)
         self.batch_size = self.families["batch_size"].Metric(labels=labels)
         self.free_kv = self.families["free_kv"].Metric(labels=labels)
+        self.gauges: dict[str, int] = {}
         self.series: dict[tuple, object] = {}
         self.pushed: dict[tuple, int] = {}
         self.invalid = 0
@@ -75,8 +76,15 @@ class Metrics:
                 self._advance("per_position", total, position=str(index + 1))
             for outcome, total in counters.outcomes.items():
                 self._advance("requests", total, outcome=outcome)
-            self.batch_size.set(len(scheduler.active))
-            self.free_kv.set(scheduler.free_kv_slots)
+            self._set("batch_size", len(scheduler.active))
+            self._set("free_kv", scheduler.free_kv_slots)
+
+    def _set(self, gauge: str, value: int) -> None:
+        """Set a gauge when its value changed: each set is a round trip to the backend process, and the scheduler
+        thread updates the metrics after every step (gauges change only when requests join or leave)."""
+        if self.gauges.get(gauge) != value:
+            getattr(self, gauge).set(value)
+            self.gauges[gauge] = value
 
 
 class SpeculativeServer:
