@@ -21,7 +21,13 @@ MANIFEST_FILE = "build_manifest.json"
 
 
 def engine_path(engines_root: Path, pipeline: PipelineSpec) -> Path:
-    return Path(engines_root) / pipeline.name
+    """engines_root/<name>, refused unless it is a directory directly inside the root (not a link elsewhere): a
+    build replaces and removes this path, and must never reach anything outside the engine it builds."""
+    root = Path(engines_root)
+    path = root / pipeline.name
+    if path.resolve().parent != root.resolve():
+        raise SpecdeployError(f"{path}: an engine must be a directory directly inside {root}, not a link elsewhere")
+    return path
 
 
 def check_engine(directory: Path) -> Path:

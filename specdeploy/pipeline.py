@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import reprlib
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,41 @@ Schedule = Literal["constant", "heuristic"]  # proposal length per step: always 
 BackendKind = Literal["torch"]  # "trtllm" joins with its builder
 
 _NEUTRAL = SamplingParams()
+
+
+QUOTE_LIMIT = 60  # characters of a bad value an error message shows
+
+
+def quoted(value: object) -> str:
+    """A short repr of value: a message must stay short (and quick to write) whatever the file holds."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxdict, short.maxlist, short.maxstring = 2, 3, 3, QUOTE_LIMIT
+    text = short.repr(value)
+    return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT - 3] + "..."
+
+
+class StrictLoader(yaml.SafeLoader):
+    """YAML without aliases (a few hundred bytes of nested aliases expand to billions of nodes) and without
+    duplicate keys (where the last one would silently win)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"aliases (*{event.anchor}) are not allowed",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # the SafeLoader reports an unhashable key itself
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quoted(key)}",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
 
 
 class Problem(PipelineError):
@@ -62,7 +98,7 @@ class CheckpointSpec(Section):
         if not self.path.strip():
             raise Problem("path", "must not be empty")
         if self.source == "package" and "/" not in self.path:
-            raise Problem("path", f"package paths look like '<package>/<file>', got {self.path!r}")
+            raise Problem("path", f"package paths look like '<package>/<file>', got {quoted(self.path)}")
 
 
 @dataclass(frozen=True)
@@ -224,8 +260,10 @@ class PipelineSpec(Section):
     source_file: Path | None = field(default=None, compare=False)
 
     def check(self) -> None:
-        if not self.name or not all(ch.isalnum() or ch in "-_." for ch in self.name):
-            raise Problem("name", f"must be non-empty letters, digits, '-', '_' or '.', got {self.name!r}")
+        if not self.name or not all(ch.isalnum() or ch in "-_." for ch in self.name) or self.name.startswith("."):
+            # The name is a directory under the engines root: one path component, never '.', '..' or hidden.
+            raise Problem("name", f"must be letters, digits, '-', '_' or '.', not starting with '.', got "
+                                  f"{quoted(self.name)}")
         gamma, limit = self.speculation.num_draft_tokens, self.limits.max_draft_tokens
         if gamma > limit:
             raise Problem("speculation.num_draft_tokens", f"{gamma} is above limits.max_draft_tokens ({limit})")
@@ -271,9 +309,11 @@ def load_pipeline(path: str | Path) -> PipelineSpec:
     if not path.is_file():
         raise PipelineError(f"{path}: pipeline file not found")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
     except yaml.YAMLError as exc:
         raise PipelineError(f"{path}: malformed YAML: {exc}") from None
+    except RecursionError:
+        raise PipelineError(f"{path}: nested too deeply to be a pipeline") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise PipelineError(f"{path}: cannot be read as UTF-8 text: {exc}") from None
     return parse_pipeline(data, source=path)
@@ -303,7 +343,7 @@ def _convert(hint: object, value: object, key: str, where: str) -> object:
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:
-            raise PipelineError(f"{where}: {key}: {value!r} is not allowed (allowed: "
+            raise PipelineError(f"{where}: {key}: {quoted(value)} is not allowed (allowed: "
                                 + ", ".join(repr(v) for v in allowed) + ")")
         return value
     if dataclasses.is_dataclass(hint):
@@ -311,21 +351,21 @@ def _convert(hint: object, value: object, key: str, where: str) -> object:
     if hint is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise PipelineError(f"{where}: {key}: must be a finite number, got {value!r}")
+        raise PipelineError(f"{where}: {key}: must be a finite number, got {quoted(value)}")
     if hint in (int, float, str, bool) and (type(value) is not hint):
-        raise PipelineError(f"{where}: {key}: expected {_describe(hint)}, got {value!r}")
+        raise PipelineError(f"{where}: {key}: expected {_describe(hint)}, got {quoted(value)}")
     return value
 
 
 def _build(cls: type, data: object, prefix: str, where: str):
     label = prefix or "top level"
     if not isinstance(data, dict):
-        raise PipelineError(f"{where}: {label}: expected a mapping, got {data!r}")
+        raise PipelineError(f"{where}: {label}: expected a mapping, got {quoted(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_file"}
     unknown = sorted(set(data) - set(fields), key=str)
     if unknown:
-        raise PipelineError(f"{where}: {label}: unknown key {unknown[0]!r} (allowed: {', '.join(fields)})")
+        raise PipelineError(f"{where}: {label}: unknown key {quoted(unknown[0])} (allowed: {', '.join(fields)})")
     values = {}
     for name, f in fields.items():
         key = f"{prefix}.{name}" if prefix else name

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from conftest import REPO, tiny_pipeline, write_pipeline
 
@@ -214,7 +215,7 @@ def test_up_to_date_check_hashes_only_changed_sources(tmp_path, tiny_checkpoints
     import os
     import shutil
 
-    from specdeploy.builders import manifest
+    from specdeploy import manifest
 
     source = shutil.copytree(tiny_checkpoints["target"], tmp_path / "source")
     path = tiny_pipeline(tmp_path, "tiny-hash", source, method="ngram")
@@ -245,3 +246,82 @@ def test_changed_serving_defaults_update_the_engine_pipeline_without_a_rebuild(t
     assert not build(load_pipeline(path), engines, quiet=True).built
     saved = load_pipeline(engines / "tiny-serving" / "pipeline.json")
     assert saved.sampling.temperature == 0.5 and saved.serving.policy.off_above == 5
+
+
+def test_a_pipeline_named_dot_cannot_remove_the_engines_directory(tmp_path, tiny_checkpoints):
+    engines = tmp_path / "engines"
+    engines.mkdir()
+    (engines / "keep.txt").write_text("another engine's file")
+    path = tiny_pipeline(tmp_path, "dot", tiny_checkpoints["target"], method="ngram")
+    path.write_text(path.read_text().replace("name: dot", "name: ."))
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 2 and "name" in result.stderr and "not starting with '.'" in result.stderr
+    assert (engines / "keep.txt").read_text() == "another engine's file"
+
+
+def test_an_engine_linked_outside_the_engines_directory_is_refused(tmp_path, tiny_checkpoints):
+    from specdeploy.errors import SpecdeployError
+
+    engines, elsewhere = tmp_path / "engines", tmp_path / "elsewhere"
+    engines.mkdir()
+    elsewhere.mkdir()
+    (elsewhere / "precious.txt").write_text("not an engine")
+    (engines / "linked").symlink_to(elsewhere)
+    with pytest.raises(SpecdeployError, match="directly inside"):
+        build(load_pipeline(tiny_pipeline(tmp_path, "linked", tiny_checkpoints["target"], method="ngram")),
+              engines, quiet=True)
+    assert (elsewhere / "precious.txt").read_text() == "not an engine"
+
+
+@pytest.fixture
+def built_ngram(tmp_path, tiny_checkpoints):
+    path = tiny_pipeline(tmp_path, "tiny-checked", tiny_checkpoints["target"], method="ngram")
+    directory = build(load_pipeline(path), tmp_path / "engines", quiet=True).directory
+    return path, directory
+
+
+def test_a_truncated_engine_is_rebuilt_and_refused_at_load(tmp_path, built_ngram):
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.runtime.engine import Engine
+
+    path, directory = built_ngram
+    weights = directory / "target" / "model.safetensors"
+    size = weights.stat().st_size
+    with weights.open("r+b") as handle:
+        handle.truncate(size // 2)
+    with pytest.raises(SpecdeployError, match=r"target/model.safetensors: \d+ bytes, the build wrote \d+"):
+        Engine(directory)
+    assert build(load_pipeline(path), tmp_path / "engines", quiet=True).built  # not "up to date"
+    assert weights.stat().st_size == size
+    Engine(directory)
+
+
+def test_weights_overwritten_with_nan_are_an_error_not_empty_text(tmp_path, built_ngram):
+    """Same size, changed bytes: refused by the manifest's checksum; and a model whose logits are not finite is
+    refused at load even without a manifest to compare with."""
+    from safetensors.torch import load_file, save_file
+
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.models.registry import load_component
+    from specdeploy.runtime.engine import Engine
+
+    _, directory = built_ngram
+    weights = directory / "target" / "model.safetensors"
+    state = load_file(str(weights))
+    state["model.norm.weight"] = torch.full_like(state["model.norm.weight"], float("nan"))
+    save_file(state, str(weights))
+    with pytest.raises(SpecdeployError, match="contents changed since the build"):
+        Engine(directory)
+    with pytest.raises(SpecdeployError, match="logits are not finite"):
+        load_component(directory / "target")
+
+
+def test_non_finite_logits_during_generation_are_an_error(tiny_engines, monkeypatch):
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.sampling_params import SamplingParams
+
+    engine = tiny_engines["ngram"]
+    original = engine.target.logits
+    monkeypatch.setattr(engine.target, "logits", lambda hidden: original(hidden) * float("nan"))
+    with pytest.raises(SpecdeployError, match="logits are not finite"):
+        engine.generate([5, 6, 7], SamplingParams(), 8).run()

@@ -540,3 +540,37 @@ def test_policy_reduces_gamma_as_the_batch_fills():
     policy = PolicySpec(full_up_to=2, off_above=6)
     assert [policy.gamma(8, b) for b in range(1, 9)] == [8, 8, 6, 5, 3, 2, 0, 0]
     assert all(PolicySpec(full_up_to=1, off_above=1).gamma(5, b) == 0 for b in range(2, 10))
+
+
+# --------------------------------------------------------------------------------------------- hostile files
+
+
+@pytest.mark.parametrize("name", [".", "..", ".hidden"])
+def test_name_is_one_visible_path_component(tmp_path: Path, name: str):
+    load_error(write(tmp_path, minimal(name=name)), "name", "not starting with '.'")
+
+
+def test_aliases_are_refused(tmp_path: Path):
+    """A 'billion laughs' value: nine levels of nine aliases expand to 9^9 nodes, which an error message quoting
+    the value used to spend forever writing."""
+    levels = ["&a0 [x, x, x, x, x, x, x, x, x]"]
+    levels += [f"&a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, 10)]
+    path = write(tmp_path, "name: bomb\ntarget:\n  checkpoint: {source: gguf, path: m.gguf}\n"
+                           f"  dtype: [{', '.join(levels)}]\n")
+    load_error(path, "malformed YAML", "aliases (*a0) are not allowed")
+
+
+def test_duplicate_keys_are_refused(tmp_path: Path):
+    path = write(tmp_path, "name: a\nname: b\ntarget: {checkpoint: {source: gguf, path: m.gguf}}\n")
+    load_error(path, "malformed YAML", "duplicate key 'name'")
+
+
+def test_deep_nesting_is_an_error(tmp_path: Path):
+    path = write(tmp_path, "name: deep\ntarget: " + "[" * 20000 + "]" * 20000 + "\n")
+    load_error(path, "nested too deeply")
+
+
+def test_messages_quote_large_values_briefly(tmp_path: Path):
+    message = load_error(write(tmp_path, minimal(target={"checkpoint": MINIMAL["target"]["checkpoint"],
+                                                         "dtype": "x" * 10_000})), "target.dtype")
+    assert len(message) < 300

@@ -25,14 +25,14 @@ from safetensors.torch import save_file
 
 import specdeploy
 from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, source_files
-from specdeploy.builders.manifest import fingerprint, record_sources, up_to_date
 from specdeploy.errors import BuildError
 from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline
+from specdeploy.manifest import fingerprint, output_records, record_sources, up_to_date
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 from specdeploy.models.registry import DTYPES
 from specdeploy.pipeline import PipelineSpec, load_pipeline
 
-ENGINE_FORMAT = 5  # bump whenever what a build writes changes, so existing engines are rebuilt
+ENGINE_FORMAT = 6  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -151,7 +151,8 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                 write_component(staging / "draft", draft, {k: v.to(draft_dtype) for k, v in draft.state.items()},
                                 draft_spec.dtype, pipeline)
         manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        components=sorted(p.name for p in staging.iterdir() if p.is_dir()))
+                        components=sorted(p.name for p in staging.iterdir() if p.is_dir()),
+                        outputs=output_records(staging))
         (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")
     return BuildResult(final, True)

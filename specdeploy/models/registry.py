@@ -34,7 +34,15 @@ def component_config(directory: Path) -> tuple[ModelConfig, str]:
 
 
 def load_component(directory: Path, device: str = "cpu") -> LlamaModel:
-    """A model from `<engine>/<component>/` (config.json + model.safetensors)."""
+    """A model from `<engine>/<component>/` (config.json + model.safetensors), checked on one token: weights that
+    hold NaN or inf are an error here, not empty text later."""
     config, dtype = component_config(directory)
     state = load_file(str(Path(directory) / "model.safetensors"), device=device)
-    return model_class(config.architecture)(config, state, DTYPES[dtype]).to(device).eval()
+    model = model_class(config.architecture)(config, state, DTYPES[dtype]).to(device).eval()
+    with torch.inference_mode():
+        token = torch.zeros(1, 1, dtype=torch.long, device=device)
+        logits = model.logits(model(token, token, model.new_cache(1, 1)))
+    if not torch.isfinite(logits).all():
+        raise SpecdeployError(f"{directory}: the model's logits are not finite (its weights hold NaN or inf); "
+                              f"rebuild the engine (specdeploy build --force)")
+    return model

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from specdeploy.errors import SpecdeployError
 from specdeploy.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel, ragged_forward_all
 from specdeploy.pipeline import Schedule
@@ -35,6 +36,20 @@ from specdeploy.speculative.acceptance import accept, accept_greedy
 from specdeploy.speculative.proposer import Proposal, Proposer
 from specdeploy.speculative.schedule import ProposalLength
 from specdeploy.stats import RequestStats
+
+
+def read_checked(values: torch.Tensor, logits: torch.Tensor) -> list:
+    """values ([N] or [B, W]) as lists, read in the same host sync as a check that `logits` are finite: a target
+    whose logits turn NaN or inf (corrupted weights, an overflow) raises instead of sampling garbage or nothing."""
+    finite = torch.isfinite(logits).all().to(values.dtype).view(1)
+    *flat, ok = torch.cat([values.flatten(), finite]).tolist()
+    if not ok:
+        raise SpecdeployError("the target's logits are not finite: its weights may be corrupted (rebuild the "
+                              "engine with specdeploy build --force)")
+    if values.dim() == 1:
+        return flat
+    width = values.shape[1]
+    return [flat[i:i + width] for i in range(0, len(flat), width)]
 
 
 @dataclass
@@ -79,9 +94,10 @@ class BatchDecoder:
             view.lengths[0] = 0
             hidden = self.target(torch.tensor([prompt], device=self.device),
                                  torch.arange(len(prompt), device=self.device)[None], view)[0]  # [T, H]
-            probs = sampling_distribution(self.target.logits(hidden[-1:]), sequence.params,
+            logits = self.target.logits(hidden[-1:])
+            probs = sampling_distribution(logits, sequence.params,
                                           None if sequence.seen is None else sequence.seen[None])
-            first = sample(probs, sequence.generator).tolist()
+            first = read_checked(sample(probs, sequence.generator), logits)
             emitted = self._append(sequence, row, first)
             if sequence.finish_reason is None:
                 self.proposer.prefill(row, sequence, hidden)
@@ -154,7 +170,7 @@ class BatchDecoder:
             outcome = torch.empty(batch, width + 1, dtype=torch.long, device=self.device)
             for rows, part in outcomes:
                 outcome[rows] = part
-        read = outcome.tolist()  # the step's one host sync
+        read = read_checked(outcome, logits)  # the step's one host sync
         return Verdict([row[:row[-1] + 1] for row in read], hidden)
 
     def _penalised(self, sequences: list[Sequence], proposal: Proposal, offsets: list[int],

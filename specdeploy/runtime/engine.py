@@ -17,6 +17,7 @@ from pathlib import Path
 from specdeploy import text
 from specdeploy.errors import SpecdeployError
 from specdeploy.layout import engine_pipeline
+from specdeploy.manifest import check_outputs
 from specdeploy.models.registry import load_component
 from specdeploy.pipeline import Method, PipelineSpec
 from specdeploy.request import GenerationRequest, check_request
@@ -67,6 +68,7 @@ class Engine:
         self.dir = Path(engine_dir)
         pipeline = engine_pipeline(self.dir)
         self.pipeline = pipeline if method is None else with_method(pipeline, method)
+        check_outputs(self.dir, ["target", "draft"] if self.method == "draft_target" else ["target"])
         self.device = device
         self.target = load_component(self.dir / "target", device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
