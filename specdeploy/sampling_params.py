@@ -6,6 +6,7 @@ import graph. The distribution these parameters produce is built in `sampling.py
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from specdeploy.errors import RequestError
@@ -16,14 +17,14 @@ SEED_LIMIT = 2**64
 def sampling_problems(temperature: float, top_k: int, top_p: float, repetition_penalty: float) -> list[tuple[str, str]]:
     """(field, problem) for every value outside its range; the one place these ranges are defined."""
     problems = []
-    if not temperature >= 0:  # written so that NaN fails too
-        problems.append(("temperature", f"must be ≥ 0, got {temperature}"))
+    if not 0 <= temperature < math.inf:  # written so that NaN fails too
+        problems.append(("temperature", f"must be ≥ 0 and finite, got {temperature}"))
     if top_k < 0:
         problems.append(("top_k", f"must be ≥ 0, got {top_k}"))
     if not 0 < top_p <= 1:
         problems.append(("top_p", f"must be in (0, 1], got {top_p}"))
-    if not repetition_penalty > 0:
-        problems.append(("repetition_penalty", f"must be > 0, got {repetition_penalty}"))
+    if not 0 < repetition_penalty < math.inf:
+        problems.append(("repetition_penalty", f"must be > 0 and finite, got {repetition_penalty}"))
     return problems
 
 

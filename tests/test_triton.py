@@ -65,18 +65,23 @@ def test_generated_configs_parse_as_triton_model_configs(served):
         assert read_config(server.model_repository / name / "config.pbtxt").name == name
 
 
-def test_streaming_and_non_streaming_equal_plain_greedy(served):
+@pytest.mark.parametrize("model", ["speculative", "ensemble"])
+def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
+    """Both entry points: the speculative model called with text, and tensorrtllm_backend's ensemble."""
     server, engine = served
     expected = plain_text(engine, PROMPTS[0])
-    chunks = list(generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stream=True, temperature=0.0))
+    chunks = list(generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stream=True, temperature=0.0, model=model))
     assert len(chunks) > 2 and chunks[-1].final
     assert "".join(c.text for c in chunks) == expected
-    single = list(generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stream=False))
+    single = list(generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stream=False, model=model))
     assert len(single) == 1 and single[0].text == expected
     stats = single[0].statistics
     assert 0 < stats["total_accepted_draft_tokens"] <= stats["total_draft_tokens"]
     assert stats["acceptance_rate"] == pytest.approx(stats["total_accepted_draft_tokens"]
                                                      / stats["total_draft_tokens"], rel=1e-6)
+    stopped = "".join(c.text for c in generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, model=model,
+                                               stop_words=["\n"]))
+    assert stopped == expected[:expected.index("\n") + 1]
 
 
 def test_sixteen_concurrent_streams_are_correct_and_independent(served):
@@ -123,17 +128,18 @@ def test_sixteen_concurrent_streams_are_correct_and_independent(served):
     ({"max_tokens": 10**6}, "max_tokens: prompt (35 tokens) + max_tokens (1000000) is over "
                             "limits.max_sequence_length (2048)"),
     ({"top_p": 1.5}, "top_p: must be in (0, 1], got 1.5"),
-    ({"temperature": -1.0}, "temperature: must be ≥ 0, got -1.0"),
+    ({"temperature": -1.0}, "temperature: must be ≥ 0 and finite, got -1.0"),
+    ({"temperature": float("inf")}, "temperature: must be ≥ 0 and finite, got inf"),
     ({"top_k": -2}, "top_k: must be ≥ 0, got -2"),
-    ({"repetition_penalty": 0.0}, "repetition_penalty: must be > 0, got 0.0"),
+    ({"repetition_penalty": 0.0}, "repetition_penalty: must be > 0 and finite, got 0.0"),
     ({"num_draft_tokens": 99}, "num_draft_tokens: must be in [0, 16] (limits.max_draft_tokens), got 99"),
     ({"num_draft_tokens": -1}, "num_draft_tokens: must be in [0, 16] (limits.max_draft_tokens), got -1"),
     ({"end_id": 10**6}, "end_id: must be a token id in [0, 49152) or -1 (none), got 1000000"),
     ({"end_id": -5}, "end_id: must be a token id in [0, 49152) or -1 (none), got -5"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_requests_get_one_outcome_in_process_and_over_grpc(served, fields, message):
-    """The same bad request is refused with the same text in-process (the CLI's path) and over gRPC
-    (INVALID_ARGUMENT from the ensemble), and the server stays healthy."""
+    """The same bad request is refused with the same text in-process (the CLI's path) and over gRPC through both
+    entry points (INVALID_ARGUMENT), and the server stays healthy."""
     from specdeploy.workflows import RequestOptions, generate_in_process
 
     server, engine = served
@@ -144,9 +150,11 @@ def test_bad_requests_get_one_outcome_in_process_and_over_grpc(served, fields, m
         generate_in_process(engine, prompt, RequestOptions(**fields), False, lambda text: None)
     assert str(in_process.value) == message
     grpc_fields = RequestOptions(**fields).grpc_fields()
-    with pytest.raises(RequestError) as over_grpc:
-        list(generate(server.grpc_url, prompt, grpc_fields.pop("max_tokens"), **grpc_fields))
-    assert message in str(over_grpc.value)
+    max_tokens = grpc_fields.pop("max_tokens")
+    for model in ("speculative", "ensemble"):
+        with pytest.raises(RequestError) as over_grpc:
+            list(generate(server.grpc_url, prompt, max_tokens, model=model, **grpc_fields))
+        assert message in str(over_grpc.value)
     assert server.ready()
     assert "".join(c.text for c in generate(server.grpc_url, PROMPTS[1], 8)) == plain_text(engine, PROMPTS[1], 8)
 
@@ -176,40 +184,99 @@ def test_wrong_dtype_and_unknown_input_are_rejected_by_name(served):
     assert server.ready()
 
 
-def test_cancelled_stream_frees_its_kv_slots(served):
-    """A gRPC cancel of a stream to the decoupled `speculative` model frees its row and KV reservation at once.
-    (Triton 2.51 propagates an ensemble's cancellation only to steps it has not started yet, so a cancel sent to
-    the ensemble does not reach the running speculative step: core PR #263, server issue #6739.)"""
-    import tritonclient.grpc as grpcclient
+def wait_for_idle(server, capacity: float, seconds: float) -> None:
+    """Until the scheduler's KV slots are all free and its batch is empty (AssertionError after `seconds`)."""
+    labels = {"model": "speculative", "method": "draft_target"}
+    deadline = time.monotonic() + seconds
+    while (metric(metrics(server), "specdeploy_free_kv_slots", **labels) != capacity
+           or metric(metrics(server), "specdeploy_batch_size", **labels) != 0):
+        assert time.monotonic() < deadline, "the request still holds its row"
+        time.sleep(0.1)
 
-    server, engine = served
+
+LONG = "Write a very long story about a dragon and a knight."
+
+
+def test_a_cancelled_stream_frees_its_row_at_once(served):
+    """Through the default entry point (the speculative model, with text), a client that stops reading cancels
+    its stream, and the row and KV reservation are freed within a step, counted as cancelled. (Triton 2.51 passes
+    an ensemble's cancellation only to steps it has not started yet, core PR #263, server issue #6739, which is
+    why clients call the speculative model.)"""
+    server, _ = served
     labels = {"model": "speculative", "method": "draft_target"}
     capacity = metric(metrics(server), "specdeploy_free_kv_slots", **labels)
     assert capacity == 8 * 2048  # limits.max_batch_size rows at max_sequence_length, all free
-    ids = engine.encode_prompt("Write a very long story about a dragon and a knight.")
-    inputs = []
-    for name, kind, value in (("input_ids", "INT32", np.array([ids], dtype=np.int32)),
-                              ("max_tokens", "INT32", np.array([[1500]], dtype=np.int32)),
-                              ("stream", "BOOL", np.array([[True]]))):
-        inputs.append(grpcclient.InferInput(name, list(value.shape), kind))
-        inputs[-1].set_data_from_numpy(value)
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    received = []
-    client.start_stream(callback=lambda result, error: received.append((result, error)))
-    client.async_stream_infer("speculative", inputs)
-    deadline = time.monotonic() + 60
-    while len(received) < 3:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    assert all(error is None for _, error in received)
+    cancelled_before = metric(metrics(server), "specdeploy_requests_total", outcome="cancelled")
+    stream = generate(server.grpc_url, LONG, 1500, end_id=-1)
+    for _ in range(3):
+        next(stream)
     assert metric(metrics(server), "specdeploy_free_kv_slots", **labels) < capacity
-    client.stop_stream(cancel_requests=True)
-    client.close()
-    while metric(metrics(server), "specdeploy_free_kv_slots", **labels) != capacity:
-        assert time.monotonic() < deadline
-        time.sleep(0.1)
-    assert metric(metrics(server), "specdeploy_requests_total", outcome="cancelled") >= 1
-    assert metric(metrics(server), "specdeploy_batch_size", **labels) == 0
+    stream.close()  # stops the stream, cancelling its request
+    wait_for_idle(server, capacity, 5)
+    assert metric(metrics(server), "specdeploy_requests_total", outcome="cancelled") == cancelled_before + 1
+
+
+def test_a_disconnected_client_frees_its_row(served, tmp_path):
+    """A client process killed mid-stream (no cancel sent, the connection just drops)."""
+    import signal
+    import subprocess
+    import sys
+
+    server, _ = served
+    capacity = metric(metrics(server), "specdeploy_free_kv_slots", model="speculative", method="draft_target")
+    script = tmp_path / "client.py"
+    script.write_text("import sys\nfrom specdeploy.triton.client import generate\n"
+                      f"for chunk in generate({server.grpc_url!r}, {LONG!r}, 1500, end_id=-1):\n"
+                      "    print('chunk', flush=True)\n")
+    client = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True, cwd=REPO)
+    try:
+        for _ in range(3):
+            assert client.stdout.readline().startswith("chunk")
+    finally:
+        client.send_signal(signal.SIGKILL)
+        client.wait()
+    wait_for_idle(server, capacity, 10)
+
+
+def test_missing_or_misshapen_inputs_are_errors_naming_them(served):
+    """Each entry point refuses a request without its required input, a batch of prompts in one request, or
+    an input of the wrong shape, with INVALID_ARGUMENT naming the input and no traceback."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    server, engine = served
+
+    def tensor(name: str, kind: str, value: np.ndarray):
+        item = grpcclient.InferInput(name, list(value.shape), kind)
+        item.set_data_from_numpy(value)
+        return item
+
+    ids = np.array([engine.encode_prompt("Hi")], dtype=np.int32)
+    cases = [
+        ("ensemble", [tensor("max_tokens", "INT32", np.array([[4]], dtype=np.int32))], "text_input: required"),
+        ("speculative", [tensor("max_tokens", "INT32", np.array([[4]], dtype=np.int32))], "text_input: required"),
+        ("preprocessing", [tensor("stop_words", "BYTES", np.array([[b"x"]], dtype=object))], "text_input: required"),
+        ("speculative", [tensor("input_ids", "INT32", np.concatenate([ids, ids]))],
+         "input_ids: expected one row per request"),
+        ("speculative", [tensor("input_ids", "INT32", ids), tensor("text_input", "BYTES", np.array([[b"Hi"]],
+                                                                                                    dtype=object))],
+         "not both"),
+        ("postprocessing", [tensor("output_ids", "INT32", ids)], "'previous_length'"),  # Triton names it itself
+    ]
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    for model, inputs, message in cases:
+        errors: list = []
+        client.start_stream(callback=lambda result, error, errors=errors: errors.append((result, error)))
+        client.async_stream_infer(model, inputs)
+        deadline = time.monotonic() + 30
+        while not errors:
+            assert time.monotonic() < deadline, model
+            time.sleep(0.05)
+        client.stop_stream()
+        result, error = errors[0]
+        assert isinstance(error, InferenceServerException), (model, message, result)
+        assert message in error.message() and "Traceback" not in error.message(), (model, error.message())
+    assert server.ready()
 
 
 def test_model_configs_use_tensorrtllm_backend_names(served):
@@ -256,15 +323,21 @@ def test_generate_url_and_bench_url_commands(served, tmp_path):
 
 
 def test_random_cancellations_lose_and_corrupt_nothing(served):
-    """Concurrent streams, a third dropped at random mid-stream: every other response arrives complete and equal to
-    its prompt served alone (fp32, so batching changes no argmax)."""
+    """Concurrent streams through the default entry point, a third dropped at random mid-stream: every other
+    response arrives complete and equal to its prompt served alone (fp32, so batching changes no argmax), the
+    server counts the dropped ones as cancelled (those it had not finished already), and it is idle at once."""
     from specdeploy.triton.load_report import run_stress
 
     server, _ = served
-    report = run_stress(server.grpc_url, PROMPTS, requests=32, concurrency=8, max_tokens=16, cancel_fraction=0.3)
+    capacity = metric(metrics(server), "specdeploy_free_kv_slots", model="speculative", method="draft_target")
+    cancelled_before = metric(metrics(server), "specdeploy_requests_total", outcome="cancelled")
+    report = run_stress(server.grpc_url, PROMPTS, requests=32, concurrency=8, max_tokens=48, cancel_fraction=0.3)
     assert report["cancelled"] > 0 and report["finished"] > 0
     assert report["finished"] + report["cancelled"] == 32
     assert report["failed"] == report["lost"] == report["corrupted"] == 0
+    wait_for_idle(server, capacity, 1)
+    counted = metric(metrics(server), "specdeploy_requests_total", outcome="cancelled") - cancelled_before
+    assert 0 < counted <= report["cancelled"]
     assert server.ready()
 
 

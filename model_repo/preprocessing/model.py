@@ -3,9 +3,8 @@
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from specdeploy.errors import RequestError
 from specdeploy.triton.model_files import load_tokenizer
-from specdeploy.triton.requests import encode_request
+from specdeploy.triton.requests import encode_request, error_response
 
 
 class TritonPythonModel:
@@ -16,14 +15,14 @@ class TritonPythonModel:
         responses = []
         for request in requests:
             try:
-                text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy()
+                text = pb_utils.get_input_tensor_by_name(request, "text_input")
                 stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
-                ids, stop_ids = encode_request(self.tokenizer, text, None if stop is None else stop.as_numpy())
+                ids, stop_ids = encode_request(self.tokenizer, None if text is None else text.as_numpy(),
+                                               None if stop is None else stop.as_numpy())
                 responses.append(pb_utils.InferenceResponse([
                     pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
                     pb_utils.Tensor("stop_words_ids", np.array([stop_ids], dtype=np.int32)),
                 ]))
-            except RequestError as exc:
-                responses.append(pb_utils.InferenceResponse(
-                    error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG)))
+            except Exception as exc:  # one error response per bad request, never a traceback
+                responses.append(error_response(pb_utils, exc))
         return responses

@@ -1,4 +1,4 @@
-"""gRPC client for the ensemble, through tritonclient's streaming API (the speculative model is decoupled, so
+"""gRPC client for the served models, through tritonclient's streaming API (the speculative model is decoupled, so
 even a non-streaming request travels on a stream and comes back as one response)."""
 
 from __future__ import annotations
@@ -11,6 +11,11 @@ import numpy as np
 
 from specdeploy.errors import RequestError
 from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
+
+# The model clients call: `speculative` takes text directly, and a cancelled or dropped stream frees its row at once.
+# The `ensemble` (tensorrtllm_backend's layout) answers the same inputs, but Triton 2.51 does not pass a client's
+# cancellation into a running ensemble step, so such a request runs to its end.
+ENTRY_MODEL = "speculative"
 
 
 @dataclass
@@ -51,7 +56,7 @@ def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) ->
     return inputs
 
 
-def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True, model: str = "ensemble",
+def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True, model: str = ENTRY_MODEL,
              timeout: float = 600.0, **fields) -> Iterator[Chunk]:
     """Yield the text as the server sends it. RequestError carries the server's message for a bad request."""
     import tritonclient.grpc as grpcclient

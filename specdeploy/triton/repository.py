@@ -53,20 +53,31 @@ def python_model(name: str, pipeline: PipelineSpec, **parameters: str) -> pb.Mod
 
 def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     """The four models' configs."""
+    # text_input is required, but declared optional so that its absence reaches preprocessing, which answers with an
+    # error naming it (Triton 2.51's ensemble answers a missing required input with an empty, successful response).
+    # Preprocessing also receives the scalar inputs, unused, so a request with any input reaches it at all (the
+    # Python backend refuses a request with no inputs before the model sees it).
     preprocessing = python_model("preprocessing", pipeline, **{TOKENIZER_PARAMETER: TOKENIZER_FOLDER})
-    add_tensor(preprocessing.input, "text_input", "TYPE_STRING", [1])
+    add_tensor(preprocessing.input, "text_input", "TYPE_STRING", [1], optional=True)
     add_tensor(preprocessing.input, "stop_words", "TYPE_STRING", [-1], optional=True)
+    for name, kind in SCALAR_INPUTS.items():
+        add_tensor(preprocessing.input, name, kind, [1], optional=True)
     add_tensor(preprocessing.output, "input_ids", "TYPE_INT32", [-1])
     add_tensor(preprocessing.output, "stop_words_ids", "TYPE_INT32", [-1])
 
     speculative = python_model("speculative", pipeline, **{ENGINE_PARAMETER: ENGINE_FOLDER})
     speculative.model_transaction_policy.decoupled = True
-    add_tensor(speculative.input, "input_ids", "TYPE_INT32", [-1])
+    # Token ids from the ensemble's preprocessing, or text from a client calling it directly: the entry point
+    # whose cancellation reaches the scheduler (Triton 2.51 does not pass it into a running ensemble step).
+    add_tensor(speculative.input, "input_ids", "TYPE_INT32", [-1], optional=True)
     add_tensor(speculative.input, "stop_words_ids", "TYPE_INT32", [-1], optional=True)
+    add_tensor(speculative.input, "text_input", "TYPE_STRING", [1], optional=True)
+    add_tensor(speculative.input, "stop_words", "TYPE_STRING", [-1], optional=True)
     for name, kind in SCALAR_INPUTS.items():
         add_tensor(speculative.input, name, kind, [1], optional=True)
     add_tensor(speculative.output, "output_ids", "TYPE_INT32", [-1])
     add_tensor(speculative.output, "previous_length", "TYPE_INT32", [1])
+    add_tensor(speculative.output, "text_output", "TYPE_STRING", [-1])
     add_statistics(speculative.output)
 
     postprocessing = python_model("postprocessing", pipeline, **{TOKENIZER_PARAMETER: TOKENIZER_FOLDER})
@@ -77,7 +88,7 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     add_statistics(postprocessing.output)
 
     ensemble = pb.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=pipeline.limits.max_batch_size)
-    add_tensor(ensemble.input, "text_input", "TYPE_STRING", [1])
+    add_tensor(ensemble.input, "text_input", "TYPE_STRING", [1], optional=True)
     add_tensor(ensemble.input, "stop_words", "TYPE_STRING", [-1], optional=True)
     for name, kind in SCALAR_INPUTS.items():
         add_tensor(ensemble.input, name, kind, [1], optional=True)
@@ -86,7 +97,8 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     statistics = {name: f"_{name}" for name, *_ in STATISTICS}
     steps = ensemble.ensemble_scheduling.step
     steps.add(model_name="preprocessing", model_version=-1,
-              input_map={"text_input": "text_input", "stop_words": "stop_words"},
+              input_map={"text_input": "text_input", "stop_words": "stop_words",
+                         **{name: name for name in SCALAR_INPUTS}},
               output_map={"input_ids": "_input_ids", "stop_words_ids": "_stop_words_ids"})
     steps.add(model_name="speculative", model_version=-1,
               input_map={"input_ids": "_input_ids", "stop_words_ids": "_stop_words_ids",

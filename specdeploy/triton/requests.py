@@ -4,6 +4,8 @@ request's tensors into a GenerationRequest. Pure functions over numpy arrays, so
 
 from __future__ import annotations
 
+import traceback
+
 import numpy as np
 
 from specdeploy.errors import RequestError
@@ -26,6 +28,30 @@ SCALAR_INPUTS = {
 }
 
 
+def required(value: np.ndarray | None, name: str) -> np.ndarray:
+    if value is None:
+        raise RequestError(f"{name}: required input is missing")
+    return value
+
+
+def one_row(value: np.ndarray, name: str) -> list:
+    """A request's 1-D input as a list: [1, N] (one request's row) or [N]. A [B, N] tensor holds B requests'
+    rows, which must not be joined into one."""
+    if value.ndim > 2 or (value.ndim == 2 and value.shape[0] != 1):
+        raise RequestError(f"{name}: expected one row per request ([1, N]), got shape {list(value.shape)}")
+    return value.reshape(-1).tolist()
+
+
+def error_response(pb_utils, exc: Exception):
+    """The response for a failed request: a RequestError's message as INVALID_ARG; anything else as an internal
+    error naming only its type (the traceback, with its file paths, goes to the server's log)."""
+    if isinstance(exc, RequestError):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+    pb_utils.Logger.log_error(traceback.format_exc())
+    return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+        f"internal error ({type(exc).__name__}); the server's log has the details", pb_utils.TritonError.INTERNAL))
+
+
 def text_of(value: np.ndarray, name: str) -> str:
     """One string input ([1, 1] or [1] bytes) as text; RequestError names the field."""
     if value.size != 1:
@@ -41,13 +67,15 @@ def words_of(value: np.ndarray | None) -> list[str]:
     """stop_words [1, N] bytes → the words."""
     if value is None:
         return []
-    return [w.decode("utf-8", errors="replace") if isinstance(w, bytes) else str(w) for w in value.reshape(-1)]
+    return [w.decode("utf-8", errors="replace") if isinstance(w, bytes) else str(w)
+            for w in one_row(value, "stop_words")]
 
 
-def encode_request(tokenizer, text_input: np.ndarray, stop_words: np.ndarray | None) -> tuple[list[int], list[int]]:
+def encode_request(tokenizer, text_input: np.ndarray | None,
+                   stop_words: np.ndarray | None) -> tuple[list[int], list[int]]:
     """The preprocessing model: text_input → prompt ids (chat template included), stop_words → their ids joined
     by -1. RequestError names the bad field."""
-    prompt = encode_prompt(tokenizer, text_of(text_input, "text_input"))
+    prompt = encode_prompt(tokenizer, text_of(required(text_input, "text_input"), "text_input"))
     return prompt, join_stop_ids(encode_stop_words(tokenizer, words_of(stop_words)))
 
 
@@ -87,9 +115,10 @@ def generation_request(inputs: dict[str, np.ndarray], pipeline: PipelineSpec) ->
         return None if item is None else kind(item)
 
     stops = inputs.get("stop_words_ids")
+    prompt = one_row(required(inputs.get("input_ids"), "input_ids"), "input_ids")
     return GenerationRequest.with_defaults(
-        pipeline, inputs["input_ids"].reshape(-1).tolist(), max_tokens=value("max_tokens", int),
+        pipeline, prompt, max_tokens=value("max_tokens", int),
         temperature=value("temperature", float), top_k=value("top_k", int), top_p=value("top_p", float),
         repetition_penalty=value("repetition_penalty", float), seed=value("random_seed", int),
         num_draft_tokens=value("num_draft_tokens", int), end_id=value("end_id", int),
-        stop_sequences=None if stops is None else split_stop_ids(stops.reshape(-1).tolist()))
+        stop_sequences=None if stops is None else split_stop_ids(one_row(stops, "stop_words_ids")))

@@ -9,13 +9,23 @@ import threading
 from pathlib import Path
 
 import numpy as np
+from transformers import AutoTokenizer
 
 from specdeploy.errors import RequestError
 from specdeploy.layout import engine_pipeline
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
-from specdeploy.text import stream_window
-from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS, generation_request, scalar
+from specdeploy.text import IncrementalDetokenizer, stream_window
+from specdeploy.triton.requests import (
+    SCALAR_INPUTS,
+    STATISTICS,
+    encode_request,
+    error_response,
+    generation_request,
+    scalar,
+)
+
+INPUTS = ("input_ids", "stop_words_ids", "text_input", "stop_words", *SCALAR_INPUTS)
 
 
 class Metrics:
@@ -96,6 +106,8 @@ class SpeculativeServer:
         # The engine is loaded on the scheduler's thread, which runs all its forwards (see Scheduler).
         self.scheduler = Scheduler(lambda: Engine(engine_dir, batch_size=rows), on_step=self._on_step)
         self.engine = self.scheduler.engine
+        # Text requests are tokenised on Triton's thread; the engine's tokenizer detokenises on the scheduler's.
+        self.encoder = AutoTokenizer.from_pretrained(Path(engine_dir) / "target")
         self.metrics = Metrics(pb_utils, {"model": model_name, "method": self.engine.method})
         self.metrics.update(self.scheduler)  # the gauges start at their idle values, not at 0
         import torch
@@ -111,26 +123,42 @@ class SpeculativeServer:
     def stop(self) -> None:
         self.scheduler.stop()
 
-    def _error(self, sender, message: str) -> None:
-        self.metrics.count_invalid()
-        sender.send(self.pb.InferenceResponse(error=self.pb.TritonError(message, self.pb.TritonError.INVALID_ARG)),
-                    flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-
     def submit(self, request) -> None:
+        """Queue one request: token ids (from the ensemble's preprocessing) or text (the direct entry point, where
+        a client's cancellation or disconnection reaches the scheduler)."""
+        pb = self.pb
         sender = request.get_response_sender()
         try:
-            inputs = {name: tensor.as_numpy() for name in ("input_ids", "stop_words_ids", *SCALAR_INPUTS)
-                      if (tensor := self.pb.get_input_tensor_by_name(request, name)) is not None}
-            stream = bool(scalar(inputs, "stream"))
-            self.scheduler.submit(generation_request(inputs, self.engine.pipeline), Responder(self, sender, stream),
-                                  is_cancelled=sender.is_cancelled)
-        except RequestError as exc:
-            self._error(sender, str(exc))
+            inputs = {name: tensor.as_numpy() for name in INPUTS
+                      if (tensor := pb.get_input_tensor_by_name(request, name)) is not None}
+            text_input, stop_words = inputs.pop("text_input", None), inputs.pop("stop_words", None)
+            if text_input is not None:
+                if "input_ids" in inputs or "stop_words_ids" in inputs:
+                    raise RequestError("text_input: give text_input (and stop_words) or input_ids (and "
+                                       "stop_words_ids), not both")
+                prompt, stops = encode_request(self.encoder, text_input, stop_words)
+                inputs.update(input_ids=np.array([prompt], dtype=np.int32),
+                              stop_words_ids=np.array([stops], dtype=np.int32))
+            elif "input_ids" not in inputs:
+                raise RequestError("text_input: required input is missing (or input_ids, as the ensemble sends)")
+            elif stop_words is not None:
+                raise RequestError("stop_words: only with text_input (with input_ids, send stop_words_ids)")
+            generation = generation_request(inputs, self.engine.pipeline)
+            responder = Responder(self, sender, bool(scalar(inputs, "stream")), text=text_input is not None)
+            self.scheduler.submit(generation, responder, is_cancelled=sender.is_cancelled)
+        except Exception as exc:  # a bad request, or a bug: either way one error response, never a traceback
+            if isinstance(exc, RequestError):
+                self.metrics.count_invalid()
+            sender.send(error_response(pb, exc), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def response(self, window: list[int], shown: int, stats) -> object:
+    def response(self, stats, window: list[int] | None = None, shown: int = 0, text: str | None = None) -> object:
+        """Token ids (window, and how many of them were sent before) for postprocessing, or text for a client."""
         pb = self.pb
-        outputs = [pb.Tensor("output_ids", np.array([window], dtype=np.int32)),
-                   pb.Tensor("previous_length", np.array([[shown]], dtype=np.int32))]
+        if text is None:
+            outputs = [pb.Tensor("output_ids", np.array([window], dtype=np.int32)),
+                       pb.Tensor("previous_length", np.array([[shown]], dtype=np.int32))]
+        else:
+            outputs = [pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
         for name, kind, field_name in STATISTICS:
             dtype = np.int32 if kind == "TYPE_INT32" else np.float32
             outputs.append(pb.Tensor(name, np.array([[getattr(stats, field_name)]], dtype=dtype)))
@@ -138,11 +166,13 @@ class SpeculativeServer:
 
 
 class Responder:
-    """The scheduler's callback for one request: streamed, each step's tokens go out in a bounded window (the few
-    tokens detokenisation needs, then the new ones); otherwise every token goes out once at the end."""
+    """The scheduler's callback for one request. Streamed, each step's tokens go out as they come: for
+    postprocessing in a bounded window (the few tokens detokenisation needs, then the new ones), for a text
+    client as the text they complete. Otherwise everything goes out once at the end."""
 
-    def __init__(self, server: SpeculativeServer, sender, stream: bool) -> None:
+    def __init__(self, server: SpeculativeServer, sender, stream: bool, text: bool) -> None:
         self.server, self.sender, self.stream = server, sender, stream
+        self.detokenizer = IncrementalDetokenizer(server.engine.tokenizer) if text else None
         self.ids: list[int] = []
         self.sent = 0
 
@@ -158,7 +188,11 @@ class Responder:
             return
         if not self.stream and finished is None:
             return
-        window, shown = stream_window(self.ids, self.sent) if self.stream else (self.ids, 0)
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
-        self.sender.send(self.server.response(window, shown, stats), flags=flags)
+        if self.detokenizer is not None:
+            response = self.server.response(stats, text=self.detokenizer.add(self.ids[self.sent:]))
+        else:
+            window, shown = stream_window(self.ids, self.sent) if self.stream else (self.ids, 0)
+            response = self.server.response(stats, window, shown)
+        self.sender.send(response, flags=flags)
         self.sent = len(self.ids)
