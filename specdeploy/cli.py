@@ -6,6 +6,7 @@ Options that a pipeline also sets default to "the pipeline's value" (None here),
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import click
@@ -205,7 +206,7 @@ def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurr
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Model repository directory (default: model_repository/<name>).")
 def package(pipeline_path: str, engines_dir: Path, output: Path | None) -> None:
-    """Write a Triton model repository (ensemble: preprocessing → speculative → postprocessing)."""
+    """Write a Triton model repository (speculative, and the ensemble preprocessing → speculative)."""
     from specdeploy.workflows import package as package_pipeline
 
     click.echo(f"wrote {package_pipeline(pipeline_path, engines_dir, output)}")
@@ -220,25 +221,35 @@ def package(pipeline_path: str, engines_dir: Path, output: Path | None) -> None:
 @click.option("--http-port", type=int, default=8000, show_default=True)
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
 @click.option("--address", default="127.0.0.1", show_default=True, help="Interface to bind (0.0.0.0: all).")
+@click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
+              help="Seconds running requests get to finish after SIGTERM or Ctrl-C (default: 30).")
 def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path | None, grpc_port: int,
-          http_port: int, metrics_port: int, address: str) -> None:
-    """Run tritonserver on the pipeline's model repository until interrupted."""
+          http_port: int, metrics_port: int, address: str, drain_timeout: float | None) -> None:
+    """Run tritonserver on the pipeline's model repository until SIGTERM or Ctrl-C, then drain and exit."""
     import signal
 
-    from specdeploy.triton.server import TritonServer
+    from specdeploy.triton.server import DRAIN_TIMEOUT, TritonServer
     from specdeploy.workflows import package as package_pipeline
 
     if model_repository is None:
         if pipeline_path is None:
             raise click.UsageError("give PIPELINE.yaml or --model-repository")
         model_repository = package_pipeline(pipeline_path, engines_dir)
-    server = TritonServer(model_repository, grpc_port, http_port, metrics_port, address)
-    server.start()
-    click.echo(f"tritonserver ready: gRPC {server.grpc_url}, metrics {server.metrics_url} (Ctrl-C stops it)")
+    server = TritonServer(model_repository, grpc_port, http_port, metrics_port, address,
+                          drain_timeout=DRAIN_TIMEOUT if drain_timeout is None else drain_timeout)
+    # The handlers only start the drain (a second signal kills): the main thread is the one waiting on the server.
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: server.stop())
-    server.process.wait()
-    server.stop()
+        signal.signal(signum, lambda *_: server.drain())
+    server.start()
+    click.echo(f"tritonserver ready: gRPC {server.grpc_url}, metrics {server.metrics_url}; SIGTERM or Ctrl-C "
+               f"drains and stops it", err=True)
+    if not os.environ.get("SPECDEPLOY_ADMIN_KEY"):
+        click.echo(f"admin endpoints (logging, shared memory, model repository, trace) need the header "
+                   f"specdeploy-admin-key: {server.admin_key} (set SPECDEPLOY_ADMIN_KEY to choose it)", err=True)
+    status = server.process.wait()
+    server.cleanup()
+    click.echo(f"tritonserver exited with status {status}", err=True)
+    raise SystemExit(status)
 
 
 @cli.command()

@@ -15,3 +15,8 @@ class BuildError(SpecdeployError):
 
 class RequestError(SpecdeployError):
     """A generation request is invalid (the message names the request field)."""
+
+
+class ShuttingDown(SpecdeployError):
+    """The server is draining: it takes no new requests (Triton's UNAVAILABLE), and ends what is still running at
+    the drain's deadline."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 from specdeploy.errors import SpecdeployError
@@ -53,3 +55,21 @@ def write_json(path: Path, data: object) -> None:
 def save_engine_pipeline(directory: Path, pipeline: PipelineSpec) -> None:
     """Save the pipeline with absolute checkpoint paths, so the copy means the same wherever it is read."""
     write_json(Path(directory) / PIPELINE_FILE, pipeline.resolved().to_dict())
+
+
+@contextmanager
+def staging_dir(final: Path):
+    """A hidden directory beside `final` that replaces it on success and disappears on failure."""
+    staging = final.parent / f".{final.name}.partial-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    try:
+        yield staging
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    old = final.parent / f".{final.name}.old-{os.getpid()}"
+    if final.exists():
+        final.rename(old)
+    staging.rename(final)
+    shutil.rmtree(old, ignore_errors=True)

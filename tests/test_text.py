@@ -1,8 +1,8 @@
 """Streamed text: a bounded window of tokens per response, and never broken UTF-8, whatever the chunking.
 
-The speculative model sends each streamed response `stream_window(ids, shown)` and the stateless postprocessing
-model turns it into text with `new_text(window, shown)`; these tests drive exactly that pair over every way of
-cutting a token sequence into responses, with a byte-fallback tokenizer (characters spelled as UTF-8 byte tokens,
+Each streamed response's text is `new_text(window, shown)` of `stream_window(ids, shown)` (what the speculative
+model's detokeniser and `specdeploy generate` do); these tests drive exactly that pair over every way of cutting a
+token sequence into responses, with a byte-fallback tokenizer (characters spelled as UTF-8 byte tokens,
 split across responses) and with SmolLM2's byte-level BPE.
 """
 
@@ -37,8 +37,7 @@ def byte_fallback_tokenizer():
 
 
 def stream(tokenizer, ids: list[int], cuts: list[int]) -> list[str]:
-    """The text of each response when the generated ids arrive in pieces ending at `cuts`, as the speculative
-    and postprocessing models produce it."""
+    """The text of each response when the generated ids arrive in pieces ending at `cuts`."""
     pieces, shown = [], 0
     for cut in cuts:
         window, window_shown = stream_window(ids[:cut], shown)

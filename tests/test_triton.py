@@ -61,7 +61,7 @@ def metric(values: dict[str, float], prefix: str, **labels: str) -> float:
 
 def test_generated_configs_parse_as_triton_model_configs(served):
     server, _ = served
-    for name in ("preprocessing", "speculative", "postprocessing", "ensemble"):
+    for name in ("preprocessing", "speculative", "ensemble"):
         assert read_config(server.model_repository / name / "config.pbtxt").name == name
 
 
@@ -261,7 +261,8 @@ def test_missing_or_misshapen_inputs_are_errors_naming_them(served):
         ("speculative", [tensor("input_ids", "INT32", ids), tensor("text_input", "BYTES", np.array([[b"Hi"]],
                                                                                                     dtype=object))],
          "not both"),
-        ("postprocessing", [tensor("output_ids", "INT32", ids)], "'previous_length'"),  # Triton names it itself
+        ("preprocessing", [tensor("text_input", "BYTES", np.array([[b"a"], [b"b"]], dtype=object))],
+         "text_input: expected one string per request"),
     ]
     client = grpcclient.InferenceServerClient(server.grpc_url)
     for model, inputs, message in cases:
@@ -348,7 +349,7 @@ def test_a_moved_repository_serves(served, tmp_path):
 
     _, engine = served
     written = write_repository(engine.dir, tmp_path / "written")
-    for name in ("preprocessing", "speculative", "postprocessing", "ensemble"):
+    for name in ("preprocessing", "speculative", "ensemble"):
         config = (written / name / "config.pbtxt").read_text()
         assert str(tmp_path) not in config and str(engine.dir) not in config
     moved = tmp_path / "elsewhere" / "repository"
@@ -374,3 +375,40 @@ def test_long_stream_report(served):
             assert figures["tokens_per_s"] > 0 and figures["first_quarter_tokens_per_s"] > 0
             assert figures["last_fifth_tokens_per_s"] > 0
         assert report[mode]["grpc_vs_in_process"] > 0
+
+
+def test_admin_endpoints_need_the_key_and_the_data_plane_does_not(served):
+    """Logging, shared memory, model repository and trace need the server's admin key (HTTP header, gRPC
+    metadata); inference, health, metadata and model config stay open, and the config names no absolute path."""
+    import json
+
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    server, engine = served
+    base = f"http://{server.address}:{server.http_port}"
+
+    def http(path: str, key: str | None = None, body: dict | None = None) -> tuple[int, str]:
+        request = urllib.request.Request(base + path, data=None if body is None else json.dumps(body).encode(),
+                                         headers={} if key is None else {"specdeploy-admin-key": key})
+        try:
+            with urllib.request.urlopen(request, timeout=30) as reply:
+                return reply.status, reply.read().decode()
+        except urllib.error.HTTPError as error:
+            return error.code, error.read().decode()
+
+    for path, body in (("/v2/logging", {"log_verbose_level": 1}), ("/v2/systemsharedmemory/status", None),
+                       ("/v2/repository/index", {}), ("/v2/trace/setting", None)):
+        status, text = http(path, body=body)
+        assert status == 403 and "specdeploy-admin-key" in text, (path, status, text)
+        assert http(path, "wrong", body)[0] == 403
+    assert http("/v2/logging", server.admin_key)[0] == 200
+    assert http("/v2/health/ready")[0] == 200
+    status, config = http("/v2/models/speculative/config")
+    assert status == 200 and '"engine"' in config and str(engine.dir) not in config
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    with pytest.raises(InferenceServerException, match="UNAVAILABLE|restricted"):
+        client.get_log_settings()
+    metadata = {"triton-grpc-protocol-specdeploy-admin-key": server.admin_key}
+    assert "log_verbose_level" in client.get_log_settings(headers=metadata, as_json=True)["settings"]
+    assert client.is_server_ready()

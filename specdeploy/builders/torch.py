@@ -12,10 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import shutil
 import time
-from contextlib import contextmanager
 from pathlib import Path
 from typing import NamedTuple
 
@@ -26,7 +23,7 @@ from safetensors.torch import save_file
 import specdeploy
 from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, source_files
 from specdeploy.errors import BuildError
-from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline
+from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline, staging_dir
 from specdeploy.manifest import fingerprint, output_records, record_sources, up_to_date
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 from specdeploy.models.registry import DTYPES
@@ -84,24 +81,6 @@ def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, to
     (directory / "config.json").write_text(json.dumps({"model": config.to_dict(), "dtype": dtype}, indent=2))
     save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
     checkpoint.tokenizer.save_pretrained(directory)
-
-
-@contextmanager
-def staging_dir(final: Path):
-    """A hidden directory beside `final` that replaces it on success and disappears on failure."""
-    staging = final.parent / f".{final.name}.partial-{os.getpid()}"
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    try:
-        yield staging
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    old = final.parent / f".{final.name}.old-{os.getpid()}"
-    if final.exists():
-        final.rename(old)
-    staging.rename(final)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:

@@ -18,6 +18,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdeploy.errors import ShuttingDown
 from specdeploy.pipeline import ServingSpec
 from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
@@ -70,6 +71,7 @@ class Scheduler:
         self.counters = SchedulerCounters()
         self._lock = threading.Condition()
         self._stopped = False
+        self._drain_deadline: float | None = None  # time.time() at which running requests are ended
         self._loaded = threading.Event()
         self._load_error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, args=(engine, serving),
@@ -98,13 +100,23 @@ class Scheduler:
     # ---- requests -------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, on_tokens: TokenCallback,
                is_cancelled: Callable[[], bool] = lambda: False) -> Request:
-        """Queue a request (RequestError if it is invalid or can never fit the KV budget)."""
+        """Queue a request (RequestError if it is invalid or can never fit the KV budget, ShuttingDown while the
+        scheduler drains)."""
+        if self._drain_deadline is not None:
+            raise ShuttingDown("server is shutting down: not accepting new requests")
         sequence = self.engine.new_sequence(request, self.kv_capacity)
         queued = Request(sequence, on_tokens, is_cancelled, reserved=request.kv_slots(self.engine.pipeline))
         with self._lock:
             self.waiting.append(queued)
             self._lock.notify()
         return queued
+
+    def drain(self, deadline: float) -> None:
+        """Take no new requests, end the queued ones now and the running ones at `deadline` (time.time()) if they
+        have not finished by then; each ends with finish reason "shutdown: ..."."""
+        with self._lock:
+            self._drain_deadline = deadline
+            self._lock.notify()
 
     def cancel(self, request: Request) -> None:
         with self._lock:
@@ -133,6 +145,8 @@ class Scheduler:
                     self._lock.wait()
                 if self._stopped:
                     break
+                if self._drain_deadline is not None:
+                    self._end_for_shutdown()
                 joining = self._admit()
             try:
                 self._drop_cancelled()
@@ -153,6 +167,19 @@ class Scheduler:
         for request in list(self.active) + list(self.waiting):
             request.sequence.finish_reason = "cancelled"
             request.on_tokens([], "cancelled", request.sequence.stats)
+
+    def _end_for_shutdown(self) -> None:
+        """While draining: queued requests end now, running ones once the deadline has passed."""
+        while self.waiting:
+            request = self.waiting.popleft()
+            request.sequence.finish_reason = "shutdown: the server is shutting down before this request started"
+            self._count_outcome("shutdown")
+            request.on_tokens([], request.sequence.finish_reason, request.sequence.stats)
+        if time.time() >= self._drain_deadline:
+            for request in list(self.active):
+                request.sequence.finish_reason = ("shutdown: the server is shutting down and this request did not "
+                                                  "finish within the drain timeout")
+                self._finish(request)
 
     def _admit(self) -> list[Request]:
         """Move waiting requests into free rows while the KV budget allows (FIFO: no overtaking)."""

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+DRAIN_FILE_VARIABLE = "SPECDEPLOY_DRAIN_FILE"  # set by the launcher: where a shutdown's deadline is written
 ENGINE_PARAMETER = "engine_dir"
 TOKENIZER_PARAMETER = "tokenizer_dir"
 

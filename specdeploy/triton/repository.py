@@ -1,12 +1,12 @@
 """`specdeploy package`: a self-contained, relocatable Triton model repository for a pipeline's engine.
 
 ensemble (tensorrtllm_backend's request/response names) = preprocessing → speculative (decoupled, Python backend,
-owns draft + target) → postprocessing. Each model carries its files in its version directory, named by paths
-relative to it (model_files.py): the engine in `speculative/1/engine/` (its weights hard-linked to the built
-engine's where the file system allows, everything else copied), the tokenizer in `preprocessing/1/tokenizer/`
-and `postprocessing/1/tokenizer/`. The repository therefore serves from wherever it is copied or mounted. Every
-config.pbtxt is built as Triton's ModelConfig protobuf message and written with protobuf's text format; the
-Python model files come from model_repo/ (thin wrappers importing specdeploy).
+owns draft + target, detokenises). Each model carries its files in its version directory, named by paths relative
+to it (model_files.py): the engine in `speculative/1/engine/` (its weights hard-linked to the built engine's where
+the file system allows, everything else copied), the tokenizer in `preprocessing/1/tokenizer/`. The repository
+therefore serves from wherever it is copied or mounted. Every config.pbtxt is built as Triton's ModelConfig
+protobuf message and written with protobuf's text format; the Python model files come from model_repo/ (thin
+wrappers importing specdeploy).
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 import specdeploy
-from specdeploy.layout import engine_pipeline
+from specdeploy.errors import SpecdeployError
+from specdeploy.layout import engine_pipeline, staging_dir
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.triton.model_files import ENGINE_PARAMETER, TOKENIZER_PARAMETER
 from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
@@ -52,7 +53,7 @@ def python_model(name: str, pipeline: PipelineSpec, **parameters: str) -> pb.Mod
 
 
 def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
-    """The four models' configs."""
+    """The three models' configs."""
     # text_input is required, but declared optional so that its absence reaches preprocessing, which answers with an
     # error naming it (Triton 2.51's ensemble answers a missing required input with an empty, successful response).
     # Preprocessing also receives the scalar inputs, unused, so a request with any input reaches it at all (the
@@ -65,27 +66,22 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     add_tensor(preprocessing.output, "input_ids", "TYPE_INT32", [-1])
     add_tensor(preprocessing.output, "stop_words_ids", "TYPE_INT32", [-1])
 
+    # The speculative model takes token ids (from the ensemble's preprocessing) or text (a client calling it
+    # directly: the entry point whose cancellation reaches the scheduler, which Triton 2.51 does not pass into a
+    # running ensemble step), and answers text, or token ids when a client asks for output_ids instead.
+    # Detokenising here rather than in a postprocessing step means a stream makes no new request per response,
+    # so it keeps running while Triton shuts down (a stopping server refuses new requests to every model).
     speculative = python_model("speculative", pipeline, **{ENGINE_PARAMETER: ENGINE_FOLDER})
     speculative.model_transaction_policy.decoupled = True
-    # Token ids from the ensemble's preprocessing, or text from a client calling it directly: the entry point
-    # whose cancellation reaches the scheduler (Triton 2.51 does not pass it into a running ensemble step).
     add_tensor(speculative.input, "input_ids", "TYPE_INT32", [-1], optional=True)
     add_tensor(speculative.input, "stop_words_ids", "TYPE_INT32", [-1], optional=True)
     add_tensor(speculative.input, "text_input", "TYPE_STRING", [1], optional=True)
     add_tensor(speculative.input, "stop_words", "TYPE_STRING", [-1], optional=True)
     for name, kind in SCALAR_INPUTS.items():
         add_tensor(speculative.input, name, kind, [1], optional=True)
-    add_tensor(speculative.output, "output_ids", "TYPE_INT32", [-1])
-    add_tensor(speculative.output, "previous_length", "TYPE_INT32", [1])
     add_tensor(speculative.output, "text_output", "TYPE_STRING", [-1])
+    add_tensor(speculative.output, "output_ids", "TYPE_INT32", [-1])
     add_statistics(speculative.output)
-
-    postprocessing = python_model("postprocessing", pipeline, **{TOKENIZER_PARAMETER: TOKENIZER_FOLDER})
-    add_tensor(postprocessing.input, "output_ids", "TYPE_INT32", [-1])
-    add_tensor(postprocessing.input, "previous_length", "TYPE_INT32", [1])
-    add_statistics(postprocessing.input)
-    add_tensor(postprocessing.output, "text_output", "TYPE_STRING", [-1])
-    add_statistics(postprocessing.output)
 
     ensemble = pb.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=pipeline.limits.max_batch_size)
     add_tensor(ensemble.input, "text_input", "TYPE_STRING", [1], optional=True)
@@ -94,7 +90,7 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
         add_tensor(ensemble.input, name, kind, [1], optional=True)
     add_tensor(ensemble.output, "text_output", "TYPE_STRING", [-1])
     add_statistics(ensemble.output)
-    statistics = {name: f"_{name}" for name, *_ in STATISTICS}
+    outputs = {name: name for name in ("text_output", *(name for name, *_ in STATISTICS))}
     steps = ensemble.ensemble_scheduling.step
     steps.add(model_name="preprocessing", model_version=-1,
               input_map={"text_input": "text_input", "stop_words": "stop_words",
@@ -103,11 +99,8 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     steps.add(model_name="speculative", model_version=-1,
               input_map={"input_ids": "_input_ids", "stop_words_ids": "_stop_words_ids",
                          **{name: name for name in SCALAR_INPUTS}},
-              output_map={"output_ids": "_output_ids", "previous_length": "_previous_length", **statistics})
-    steps.add(model_name="postprocessing", model_version=-1,
-              input_map={"output_ids": "_output_ids", "previous_length": "_previous_length", **statistics},
-              output_map={"text_output": "text_output", **{name: name for name in statistics}})
-    return {config.name: config for config in (preprocessing, speculative, postprocessing, ensemble)}
+              output_map=outputs)
+    return {config.name: config for config in (preprocessing, speculative, ensemble)}
 
 
 def link_or_copy(source: str, destination: str) -> None:
@@ -124,22 +117,23 @@ def link_or_copy(source: str, destination: str) -> None:
 
 
 def write_repository(engine_dir: Path, output: Path) -> Path:
-    """Write (or replace) the model repository at `output` for the engine at `engine_dir`. Returns it."""
-    engine_dir = Path(engine_dir)
+    """Write the model repository at `output` for the engine at `engine_dir`, replacing one written before as a
+    whole (no model of an older layout lingers). A directory there that is neither empty nor a model repository is
+    refused, never removed. Returns `output`."""
+    engine_dir, output = Path(engine_dir), Path(output)
+    if output.exists() and any(output.iterdir()) and not (output / "ensemble" / "config.pbtxt").is_file():
+        raise SpecdeployError(f"{output}: exists and is not a model repository (choose another --output)")
     configs = model_configs(engine_pipeline(engine_dir))
-    output.mkdir(parents=True, exist_ok=True)
-    for name, config in configs.items():
-        model_dir = output / name
-        if model_dir.exists():
-            shutil.rmtree(model_dir)
-        version = model_dir / VERSION
-        version.mkdir(parents=True)
-        (model_dir / "config.pbtxt").write_text(text_format.MessageToString(config))
-        if name != "ensemble":
-            shutil.copy2(MODEL_CODE / name / "model.py", version / "model.py")
-        if TOKENIZER_PARAMETER in config.parameters:
-            shutil.copytree(engine_dir / "target", version / TOKENIZER_FOLDER,
-                            ignore=lambda _, names: [n for n in names if n in MODEL_FILES])
-        if ENGINE_PARAMETER in config.parameters:
-            shutil.copytree(engine_dir, version / ENGINE_FOLDER, copy_function=link_or_copy)
+    with staging_dir(output) as staging:
+        for name, config in configs.items():
+            version = staging / name / VERSION
+            version.mkdir(parents=True)
+            (staging / name / "config.pbtxt").write_text(text_format.MessageToString(config))
+            if name != "ensemble":
+                shutil.copy2(MODEL_CODE / name / "model.py", version / "model.py")
+            if TOKENIZER_PARAMETER in config.parameters:
+                shutil.copytree(engine_dir / "target", version / TOKENIZER_FOLDER,
+                                ignore=lambda _, names: [n for n in names if n in MODEL_FILES])
+            if ENGINE_PARAMETER in config.parameters:
+                shutil.copytree(engine_dir, version / ENGINE_FOLDER, copy_function=link_or_copy)
     return output

@@ -8,7 +8,7 @@ import traceback
 
 import numpy as np
 
-from specdeploy.errors import RequestError
+from specdeploy.errors import RequestError, ShuttingDown
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.request import GenerationRequest
 from specdeploy.text import encode_prompt, encode_stop_words
@@ -47,6 +47,8 @@ def error_response(pb_utils, exc: Exception):
     error naming only its type (the traceback, with its file paths, goes to the server's log)."""
     if isinstance(exc, RequestError):
         return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.INVALID_ARG))
+    if isinstance(exc, ShuttingDown):
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc), pb_utils.TritonError.UNAVAILABLE))
     pb_utils.Logger.log_error(traceback.format_exc())
     return pb_utils.InferenceResponse(error=pb_utils.TritonError(
         f"internal error ({type(exc).__name__}); the server's log has the details", pb_utils.TritonError.INTERNAL))

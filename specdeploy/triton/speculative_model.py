@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import os
 import threading
 from pathlib import Path
 
@@ -15,7 +16,8 @@ from specdeploy.errors import RequestError
 from specdeploy.layout import engine_pipeline
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
-from specdeploy.text import IncrementalDetokenizer, stream_window
+from specdeploy.text import IncrementalDetokenizer
+from specdeploy.triton.model_files import DRAIN_FILE_VARIABLE
 from specdeploy.triton.requests import (
     SCALAR_INPUTS,
     STATISTICS,
@@ -97,6 +99,34 @@ class Metrics:
             self.gauges[gauge] = value
 
 
+class DrainWatcher:
+    """Watches for the drain file `specdeploy serve` writes when a shutdown begins (its path is in the environment,
+    its content the deadline) and tells the scheduler. Triton gives a model no notice of its own: it unloads a
+    decoupled model only once its streams have ended, and aborts at its exit timeout while they have not."""
+
+    INTERVAL = 0.2  # seconds between looks
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.path = os.environ.get(DRAIN_FILE_VARIABLE)
+        self.scheduler = scheduler
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="specdeploy-drain-watch", daemon=True)
+        if self.path:
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.INTERVAL):
+            try:
+                deadline = float(Path(self.path).read_text())
+            except (OSError, ValueError):
+                continue  # not there (yet)
+            self.scheduler.drain(deadline)
+            return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
 class SpeculativeServer:
     def __init__(self, engine_dir: Path, model_name: str, pb_utils) -> None:
         """engine_dir: the engine this model serves; everything else (limits, defaults, policy) comes from the
@@ -110,6 +140,7 @@ class SpeculativeServer:
         self.encoder = AutoTokenizer.from_pretrained(Path(engine_dir) / "target")
         self.metrics = Metrics(pb_utils, {"model": model_name, "method": self.engine.method})
         self.metrics.update(self.scheduler)  # the gauges start at their idle values, not at 0
+        self.watcher = DrainWatcher(self.scheduler)
         import torch
 
         pb_utils.Logger.log_info(f"specdeploy: {engine_dir} ({self.engine.method}, gamma "
@@ -121,11 +152,13 @@ class SpeculativeServer:
             self.metrics.update(scheduler)
 
     def stop(self) -> None:
+        self.watcher.stop()
         self.scheduler.stop()
 
     def submit(self, request) -> None:
-        """Queue one request: token ids (from the ensemble's preprocessing) or text (the direct entry point, where
-        a client's cancellation or disconnection reaches the scheduler)."""
+        """Queue one request: token ids (from the ensemble's preprocessing) or text (a client calling directly, whose
+        cancellation or disconnection then reaches the scheduler). It is answered in text, or in token ids when it
+        asks for output_ids and not text_output."""
         pb = self.pb
         sender = request.get_response_sender()
         try:
@@ -144,21 +177,21 @@ class SpeculativeServer:
             elif stop_words is not None:
                 raise RequestError("stop_words: only with text_input (with input_ids, send stop_words_ids)")
             generation = generation_request(inputs, self.engine.pipeline)
-            responder = Responder(self, sender, bool(scalar(inputs, "stream")), text=text_input is not None)
+            wanted = set(request.requested_output_names())
+            as_ids = "output_ids" in wanted and "text_output" not in wanted
+            responder = Responder(self, sender, bool(scalar(inputs, "stream")), as_ids)
             self.scheduler.submit(generation, responder, is_cancelled=sender.is_cancelled)
         except Exception as exc:  # a bad request, or a bug: either way one error response, never a traceback
             if isinstance(exc, RequestError):
                 self.metrics.count_invalid()
             sender.send(error_response(pb, exc), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
-    def response(self, stats, window: list[int] | None = None, shown: int = 0, text: str | None = None) -> object:
-        """Token ids (window, and how many of them were sent before) for postprocessing, or text for a client."""
+    def response(self, stats, text: str | None = None, ids: list[int] | None = None) -> object:
         pb = self.pb
-        if text is None:
-            outputs = [pb.Tensor("output_ids", np.array([window], dtype=np.int32)),
-                       pb.Tensor("previous_length", np.array([[shown]], dtype=np.int32))]
-        else:
+        if text is not None:
             outputs = [pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
+        else:
+            outputs = [pb.Tensor("output_ids", np.array([ids], dtype=np.int32))]
         for name, kind, field_name in STATISTICS:
             dtype = np.int32 if kind == "TYPE_INT32" else np.float32
             outputs.append(pb.Tensor(name, np.array([[getattr(stats, field_name)]], dtype=dtype)))
@@ -166,13 +199,12 @@ class SpeculativeServer:
 
 
 class Responder:
-    """The scheduler's callback for one request. Streamed, each step's tokens go out as they come: for
-    postprocessing in a bounded window (the few tokens detokenisation needs, then the new ones), for a text
-    client as the text they complete. Otherwise everything goes out once at the end."""
+    """The scheduler's callback for one request: streamed, each step's tokens go out as the text they complete
+    (never broken UTF-8) or as token ids; otherwise everything goes out once at the end."""
 
-    def __init__(self, server: SpeculativeServer, sender, stream: bool, text: bool) -> None:
+    def __init__(self, server: SpeculativeServer, sender, stream: bool, as_ids: bool) -> None:
         self.server, self.sender, self.stream = server, sender, stream
-        self.detokenizer = IncrementalDetokenizer(server.engine.tokenizer) if text else None
+        self.detokenizer = None if as_ids else IncrementalDetokenizer(server.engine.tokenizer)
         self.ids: list[int] = []
         self.sent = 0
 
@@ -182,17 +214,18 @@ class Responder:
         if finished == "cancelled":
             self.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
-        if finished is not None and finished.startswith("error"):
-            self.sender.send(pb.InferenceResponse(error=pb.TritonError(finished)),
+        if finished is not None and finished.startswith(("error", "shutdown")):
+            code = pb.TritonError.UNAVAILABLE if finished.startswith("shutdown") else pb.TritonError.INTERNAL
+            self.sender.send(pb.InferenceResponse(error=pb.TritonError(finished, code)),
                              flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
             return
         if not self.stream and finished is None:
             return
-        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
+        new = self.ids[self.sent:]
         if self.detokenizer is not None:
-            response = self.server.response(stats, text=self.detokenizer.add(self.ids[self.sent:]))
+            response = self.server.response(stats, text=self.detokenizer.add(new))
         else:
-            window, shown = stream_window(self.ids, self.sent) if self.stream else (self.ids, 0)
-            response = self.server.response(stats, window, shown)
+            response = self.server.response(stats, ids=new)
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
         self.sender.send(response, flags=flags)
         self.sent = len(self.ids)
