@@ -145,6 +145,8 @@ def print_generation(report: dict, url: str | None) -> None:
               help="With --url: N requests at the highest --concurrency, some cancelled at random (--cancel-"
                    "fraction); counts lost and corrupted responses.")
 @click.option("--cancel-fraction", type=click.FloatRange(0, 1), default=0.2, show_default=True)
+@click.option("--metrics-url", default=None, help="With --stress: the server's metrics endpoint, to report how many "
+              "requests it counted as cancelled and how soon it was idle.")
 @click.option("--long-stream", type=int, default=None, metavar="N",
               help="With --url: one streamed generation of N tokens (end of sequence ignored), its tokens/s in the "
                    "first quarter and the last fifth, against the same generation in-process (needs PIPELINE.yaml).")
@@ -157,7 +159,8 @@ def print_generation(report: dict, url: str | None) -> None:
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
 def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurrency: str,
-          requests_per_level: int | None, stress: int | None, cancel_fraction: float, long_stream: int | None,
+          requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
+          long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
           json_out: Path | None, no_transformers: bool) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction.
@@ -188,7 +191,8 @@ def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurr
             report = load_report.run_long_stream(url, engine, texts[0], long_stream, requests_per_level or 3)
             load_report.print_long_stream(report)
         elif stress is not None:
-            report = load_report.run_stress(url, texts, stress, max(levels), max_tokens, cancel_fraction, seed)
+            report = load_report.run_stress(url, texts, stress, max(levels), max_tokens, cancel_fraction, seed,
+                                            metrics_url)
             click.echo(json.dumps(report, indent=2))
         else:
             in_process = None if engine is None else load_report.in_process_tokens_per_s(engine, texts, max_tokens)

@@ -19,7 +19,7 @@ from conftest import REPO
 from specdeploy.errors import RequestError
 from specdeploy.triton.client import generate
 from specdeploy.triton.repository import write_repository
-from specdeploy.triton.server import free_port
+from specdeploy.triton.server import TritonServer, backend_shared_memory, free_port
 
 pytestmark = pytest.mark.smollm2
 DRAIN = 4.0  # seconds: the drain timeout the tests give serve
@@ -132,7 +132,8 @@ def test_sigterm_drains_live_streams(serve, smollm2_fp32_engines):
     signalled = time.monotonic()
     serve.process.send_signal(signal.SIGTERM)
     time.sleep(1.0)
-    with pytest.raises(RequestError):  # refused: Triton stops taking requests, the model ends queued ones
+    assert not serve.ready()  # readiness goes false at once
+    with pytest.raises(RequestError, match="stopping|shutting down"):  # refused, and told why
         list(generate(serve.url, "Hello", 4, timeout=30))
     for thread in threads:
         thread.join(DRAIN + 30)
@@ -149,6 +150,19 @@ def test_sigterm_drains_live_streams(serve, smollm2_fp32_engines):
     assert serve.process.wait(DRAIN + 20) == 0
     assert not alive(serve.triton)
     assert leftovers() - serve.before == set()
+
+
+def test_an_unclean_exit_still_leaves_no_shared_memory(repository):
+    """When Triton cannot unload its models (killed here; in the wild, its exit timeout expiring), the Python
+    backends' shared memory is not removed by Triton: stop() removes the regions it noted at the drain."""
+    before = leftovers()
+    server = TritonServer(repository, drain_timeout=DRAIN).start()
+    regions = backend_shared_memory(server.process.pid)
+    assert len(regions) == 2 and all(Path("/dev/shm", region).exists() for region in regions)  # two Python models
+    server.drain()
+    server.drain()  # the second kills it at once
+    assert server.stop() == -signal.SIGKILL
+    assert leftovers() - before == set()
 
 
 def test_a_killed_supervisor_takes_the_server_down(serve):

@@ -14,6 +14,7 @@ from specdeploy.errors import RequestError
 from specdeploy.sampling_params import SamplingParams
 from specdeploy.triton.client import generate
 from specdeploy.triton.repository import model_configs, write_repository
+from specdeploy.triton.scrape import scrape, total
 from specdeploy.triton.server import TritonServer
 
 pytestmark = pytest.mark.smollm2
@@ -44,20 +45,6 @@ def plain_text(engine, prompt: str, max_tokens: int = MAX_TOKENS) -> str:
     return engine.decode(tokens)
 
 
-def metrics(server) -> dict[str, float]:
-    text = urllib.request.urlopen(server.metrics_url).read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("specdeploy_"):
-            key, value = line.rsplit(" ", 1)
-            values[key] = float(value)
-    return values
-
-
-def metric(values: dict[str, float], prefix: str, **labels: str) -> float:
-    return sum(v for k, v in values.items() if k.startswith(prefix + "{")
-               and all(f'{name}="{value}"' in k for name, value in labels.items()))
-
 
 def test_generated_configs_parse_as_triton_model_configs(served):
     server, _ = served
@@ -87,7 +74,7 @@ def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
 def test_sixteen_concurrent_streams_are_correct_and_independent(served):
     server, engine = served
     expected = {p: plain_text(engine, p) for p in PROMPTS}
-    before = metrics(server)
+    before = scrape(server.metrics_url)
     results: dict[int, tuple[str, dict]] = {}
     errors = []
 
@@ -111,13 +98,13 @@ def test_sixteen_concurrent_streams_are_correct_and_independent(served):
                       ("specdeploy_accepted_tokens_total", "total_accepted_draft_tokens")):
         deadline = time.monotonic() + 10
         seen = sum(stats[key] for _, stats in results.values())
-        while metric(metrics(server), name, **labels) - metric(before, name, **labels) != seen:
+        while total(scrape(server.metrics_url), name, **labels) - total(before, name, **labels) != seen:
             assert time.monotonic() < deadline, name
             time.sleep(0.2)
-    after = metrics(server)
-    assert metric(after, "specdeploy_requests_total", outcome="length") + metric(
-        after, "specdeploy_requests_total", outcome="stop") - metric(
-        before, "specdeploy_requests_total", outcome="length") - metric(
+    after = scrape(server.metrics_url)
+    assert total(after, "specdeploy_requests_total", outcome="length") + total(
+        after, "specdeploy_requests_total", outcome="stop") - total(
+        before, "specdeploy_requests_total", outcome="length") - total(
         before, "specdeploy_requests_total", outcome="stop") == 16
 
 
@@ -188,8 +175,8 @@ def wait_for_idle(server, capacity: float, seconds: float) -> None:
     """Until the scheduler's KV slots are all free and its batch is empty (AssertionError after `seconds`)."""
     labels = {"model": "speculative", "method": "draft_target"}
     deadline = time.monotonic() + seconds
-    while (metric(metrics(server), "specdeploy_free_kv_slots", **labels) != capacity
-           or metric(metrics(server), "specdeploy_batch_size", **labels) != 0):
+    while (total(scrape(server.metrics_url), "specdeploy_free_kv_slots", **labels) != capacity
+           or total(scrape(server.metrics_url), "specdeploy_batch_size", **labels) != 0):
         assert time.monotonic() < deadline, "the request still holds its row"
         time.sleep(0.1)
 
@@ -204,16 +191,16 @@ def test_a_cancelled_stream_frees_its_row_at_once(served):
     why clients call the speculative model.)"""
     server, _ = served
     labels = {"model": "speculative", "method": "draft_target"}
-    capacity = metric(metrics(server), "specdeploy_free_kv_slots", **labels)
+    capacity = total(scrape(server.metrics_url), "specdeploy_free_kv_slots", **labels)
     assert capacity == 8 * 2048  # limits.max_batch_size rows at max_sequence_length, all free
-    cancelled_before = metric(metrics(server), "specdeploy_requests_total", outcome="cancelled")
+    cancelled_before = total(scrape(server.metrics_url), "specdeploy_requests_total", outcome="cancelled")
     stream = generate(server.grpc_url, LONG, 1500, end_id=-1)
     for _ in range(3):
         next(stream)
-    assert metric(metrics(server), "specdeploy_free_kv_slots", **labels) < capacity
+    assert total(scrape(server.metrics_url), "specdeploy_free_kv_slots", **labels) < capacity
     stream.close()  # stops the stream, cancelling its request
     wait_for_idle(server, capacity, 5)
-    assert metric(metrics(server), "specdeploy_requests_total", outcome="cancelled") == cancelled_before + 1
+    assert total(scrape(server.metrics_url), "specdeploy_requests_total", outcome="cancelled") == cancelled_before + 1
 
 
 def test_a_disconnected_client_frees_its_row(served, tmp_path):
@@ -223,7 +210,7 @@ def test_a_disconnected_client_frees_its_row(served, tmp_path):
     import sys
 
     server, _ = served
-    capacity = metric(metrics(server), "specdeploy_free_kv_slots", model="speculative", method="draft_target")
+    capacity = total(scrape(server.metrics_url), "specdeploy_free_kv_slots", model="speculative", method="draft_target")
     script = tmp_path / "client.py"
     script.write_text("import sys\nfrom specdeploy.triton.client import generate\n"
                       f"for chunk in generate({server.grpc_url!r}, {LONG!r}, 1500, end_id=-1):\n"
@@ -330,15 +317,17 @@ def test_random_cancellations_lose_and_corrupt_nothing(served):
     from specdeploy.triton.load_report import run_stress
 
     server, _ = served
-    capacity = metric(metrics(server), "specdeploy_free_kv_slots", model="speculative", method="draft_target")
-    cancelled_before = metric(metrics(server), "specdeploy_requests_total", outcome="cancelled")
-    report = run_stress(server.grpc_url, PROMPTS, requests=32, concurrency=8, max_tokens=48, cancel_fraction=0.3)
+    capacity = total(scrape(server.metrics_url), "specdeploy_free_kv_slots", model="speculative", method="draft_target")
+    cancelled_before = total(scrape(server.metrics_url), "specdeploy_requests_total", outcome="cancelled")
+    report = run_stress(server.grpc_url, PROMPTS, requests=32, concurrency=8, max_tokens=48, cancel_fraction=0.3,
+                        metrics_url=server.metrics_url)
     assert report["cancelled"] > 0 and report["finished"] > 0
     assert report["finished"] + report["cancelled"] == 32
     assert report["failed"] == report["lost"] == report["corrupted"] == 0
+    assert report["idle_after_s"] < 1
     wait_for_idle(server, capacity, 1)
-    counted = metric(metrics(server), "specdeploy_requests_total", outcome="cancelled") - cancelled_before
-    assert 0 < counted <= report["cancelled"]
+    counted = total(scrape(server.metrics_url), "specdeploy_requests_total", outcome="cancelled") - cancelled_before
+    assert 0 < counted == report["server_cancelled"] <= report["cancelled"]
     assert server.ready()
 
 

@@ -65,12 +65,14 @@ def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True,
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    finished = False
     try:
         client.async_stream_infer(model, build_inputs(prompt, max_tokens, stream, **fields),
                                   enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=timeout)
             if error is not None:
+                finished = True  # the server ends a request with its error
                 message = error.message() if isinstance(error, InferenceServerException) else str(error)
                 raise RequestError(message)
             response = result.get_response()
@@ -82,7 +84,11 @@ def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True,
             elif final:
                 yield Chunk("", {}, True)
             if final:
+                finished = True
                 return
     finally:
-        client.stop_stream(cancel_requests=True)
+        # Cancel only an unfinished request (the caller stopped reading): cancelling one the server has ended
+        # (after its final response or its error) can leave Triton 2.51 holding the model, so it never unloads at
+        # shutdown.
+        client.stop_stream(cancel_requests=not finished)
         client.close()

@@ -13,6 +13,7 @@ from specdeploy.request import NO_END_ID, GenerationRequest
 from specdeploy.runtime.engine import Engine
 from specdeploy.triton.client import generate
 from specdeploy.triton.load import run_level
+from specdeploy.triton.scrape import scrape, total
 
 
 def in_process_tokens_per_s(engine: Engine, prompts: list[str], max_tokens: int | None) -> float:
@@ -76,16 +77,32 @@ def print_server_report(report: dict, console: Console | None = None) -> None:
 
 
 def run_stress(url: str, prompts: list[str], requests: int, concurrency: int, max_tokens: int | None,
-               cancel_fraction: float, seed: int = 0) -> dict:
+               cancel_fraction: float, seed: int = 0, metrics_url: str | None = None) -> dict:
     """Many requests at high concurrency, some cancelled at random mid-stream: every other one must come back
-    complete and equal to its prompt's reference text (the same prompt served alone)."""
+    complete and equal to its prompt's reference text (the same prompt served alone). With the server's metrics
+    URL, also how many requests the server counted as cancelled and how long after the last response its batch
+    and KV reservations were back to idle."""
     from specdeploy.triton.load import check_results, one_request
 
     expected = {i: one_request(url, prompt, i, max_tokens, None, None).text for i, prompt in enumerate(prompts)}
+    before = None if metrics_url is None else scrape(metrics_url)
     level = run_level(url, prompts, concurrency, requests, max_tokens, cancel_fraction=cancel_fraction, seed=seed)
-    counts = check_results(level, expected)
-    return {"requests": requests, "concurrency": concurrency, "cancel_fraction": cancel_fraction,
-            "seconds": level.seconds, **counts}
+    ended = time.perf_counter()
+    report = {"requests": requests, "concurrency": concurrency, "cancel_fraction": cancel_fraction,
+              "seconds": level.seconds, **check_results(level, expected)}
+    if metrics_url is not None:
+        idle = total(before, "specdeploy_free_kv_slots")
+        while True:
+            now = scrape(metrics_url)
+            if total(now, "specdeploy_batch_size") == 0 and total(now, "specdeploy_free_kv_slots") == idle:
+                break
+            if time.perf_counter() - ended > 30:
+                break
+            time.sleep(0.05)
+        report.update(idle_after_s=time.perf_counter() - ended,
+                      server_cancelled=total(now, "specdeploy_requests_total", outcome="cancelled")
+                      - total(before, "specdeploy_requests_total", outcome="cancelled"))
+    return report
 
 
 def segment_rate(samples: list[tuple[float, int]], start: float, end: float) -> float:

@@ -35,6 +35,7 @@ EXIT_MARGIN = 10  # seconds Triton's exit timeout exceeds the drain: enough to u
 ADMIN_KEY_NAME = "specdeploy-admin-key"
 ADMIN_APIS = ("logging", "shared-memory", "model-repository", "trace")  # what only the admin key may call
 PR_SET_PDEATHSIG = 1
+SHM_REGION_PREFIX = "triton_python_backend_shm_region_"
 
 
 def pytriton_dist() -> Path:
@@ -81,6 +82,21 @@ def server_environment() -> dict[str, str]:
     return env
 
 
+def backend_shared_memory(server_pid: int) -> list[str]:
+    """The shared-memory regions of the Python-backend stubs a tritonserver runs (named on their command lines)."""
+    regions = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+            if parent != server_pid:
+                continue
+            arguments = (stat.parent / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue  # a process that ended meanwhile
+        regions += [a.decode() for a in arguments if a.startswith(SHM_REGION_PREFIX.encode())]
+    return regions
+
+
 def die_with_parent() -> None:
     """In the child before exec: have the kernel send SIGTERM when the process that started it dies, so a
     supervisor killed outright (SIGKILL) does not leave a server holding its ports."""
@@ -123,6 +139,7 @@ class TritonServer:
         self.admin_key = admin_key or os.environ.get("SPECDEPLOY_ADMIN_KEY") or secrets.token_urlsafe(24)
         self.process: subprocess.Popen | None = None
         self.draining = False
+        self.shared_memory: list[str] = []  # the Python backends' regions, noted when a drain begins
         self._workdir: tempfile.TemporaryDirectory | None = None
 
     @property
@@ -163,6 +180,7 @@ class TritonServer:
                                         preexec_fn=die_with_parent)
         self.wait_ready(timeout)
         return self
+
     def ready(self) -> bool:
         try:
             with urllib.request.urlopen(f"http://{self.address}:{self.http_port}/v2/health/ready", timeout=2) as r:
@@ -195,6 +213,7 @@ class TritonServer:
             os.killpg(self.process.pid, signal.SIGKILL)
             return
         self.draining = True
+        self.shared_memory = backend_shared_memory(self.process.pid)
         partial = self.drain_file.with_suffix(".partial")
         partial.write_text(str(time.time() + self.drain_timeout))
         partial.replace(self.drain_file)
@@ -214,6 +233,10 @@ class TritonServer:
         return None if self.process is None else self.process.returncode
 
     def cleanup(self) -> None:
+        """Remove what the server leaves when it could not unload its models in time: its temporary directory, and
+        the shared-memory regions of its Python backends (Triton removes those itself on a clean exit)."""
+        for region in self.shared_memory:
+            Path("/dev/shm", region).unlink(missing_ok=True)
         if self._workdir is not None:
             self._workdir.cleanup()
             self._workdir = None
