@@ -11,7 +11,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from conftest import REPO
 from specdeploy.errors import RequestError
 from specdeploy.triton.client import generate
 from specdeploy.triton.repository import write_repository
-from specdeploy.triton.server import TritonServer, backend_shared_memory, free_port
+from specdeploy.triton.server import TritonServer, backend_shared_memory, free_port, is_ready
 
 pytestmark = pytest.mark.smollm2
 DRAIN = 4.0  # seconds: the drain timeout the tests give serve
@@ -78,11 +77,7 @@ class Serve:
         return f"127.0.0.1:{self.ports[0]}"
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.ports[1]}/v2/health/ready", timeout=2) as reply:
-                return reply.status == 200
-        except OSError:
-            return False
+        return is_ready("127.0.0.1", self.ports[1])
 
     def close(self) -> None:
         for pid in (self.process.pid, getattr(self, "triton", None)):

@@ -52,6 +52,14 @@ def python_model(name: str, pipeline: PipelineSpec, **parameters: str) -> pb.Mod
     return config
 
 
+def add_request_inputs(inputs) -> None:
+    """A client's inputs (tensorrtllm_backend's names), all optional to Triton: the model names a missing one."""
+    add_tensor(inputs, "text_input", "TYPE_STRING", [1], optional=True)
+    add_tensor(inputs, "stop_words", "TYPE_STRING", [-1], optional=True)
+    for name, kind in SCALAR_INPUTS.items():
+        add_tensor(inputs, name, kind, [1], optional=True)
+
+
 def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     """The three models' configs."""
     # text_input is required, but declared optional so that its absence reaches preprocessing, which answers with an
@@ -59,10 +67,7 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     # Preprocessing also receives the scalar inputs, unused, so a request with any input reaches it at all (the
     # Python backend refuses a request with no inputs before the model sees it).
     preprocessing = python_model("preprocessing", pipeline, **{TOKENIZER_PARAMETER: TOKENIZER_FOLDER})
-    add_tensor(preprocessing.input, "text_input", "TYPE_STRING", [1], optional=True)
-    add_tensor(preprocessing.input, "stop_words", "TYPE_STRING", [-1], optional=True)
-    for name, kind in SCALAR_INPUTS.items():
-        add_tensor(preprocessing.input, name, kind, [1], optional=True)
+    add_request_inputs(preprocessing.input)
     add_tensor(preprocessing.output, "input_ids", "TYPE_INT32", [-1])
     add_tensor(preprocessing.output, "stop_words_ids", "TYPE_INT32", [-1])
 
@@ -75,19 +80,13 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     speculative.model_transaction_policy.decoupled = True
     add_tensor(speculative.input, "input_ids", "TYPE_INT32", [-1], optional=True)
     add_tensor(speculative.input, "stop_words_ids", "TYPE_INT32", [-1], optional=True)
-    add_tensor(speculative.input, "text_input", "TYPE_STRING", [1], optional=True)
-    add_tensor(speculative.input, "stop_words", "TYPE_STRING", [-1], optional=True)
-    for name, kind in SCALAR_INPUTS.items():
-        add_tensor(speculative.input, name, kind, [1], optional=True)
+    add_request_inputs(speculative.input)
     add_tensor(speculative.output, "text_output", "TYPE_STRING", [-1])
     add_tensor(speculative.output, "output_ids", "TYPE_INT32", [-1])
     add_statistics(speculative.output)
 
     ensemble = pb.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=pipeline.limits.max_batch_size)
-    add_tensor(ensemble.input, "text_input", "TYPE_STRING", [1], optional=True)
-    add_tensor(ensemble.input, "stop_words", "TYPE_STRING", [-1], optional=True)
-    for name, kind in SCALAR_INPUTS.items():
-        add_tensor(ensemble.input, name, kind, [1], optional=True)
+    add_request_inputs(ensemble.input)
     add_tensor(ensemble.output, "text_output", "TYPE_STRING", [-1])
     add_statistics(ensemble.output)
     outputs = {name: name for name in ("text_output", *(name for name, *_ in STATISTICS))}

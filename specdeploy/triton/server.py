@@ -97,6 +97,15 @@ def backend_shared_memory(server_pid: int) -> list[str]:
     return regions
 
 
+def is_ready(address: str, http_port: int) -> bool:
+    """Whether the tritonserver on this HTTP port answers ready (false while it starts, drains or is gone)."""
+    try:
+        with urllib.request.urlopen(f"http://{address}:{http_port}/v2/health/ready", timeout=2) as reply:
+            return reply.status == 200
+    except OSError:
+        return False
+
+
 def die_with_parent() -> None:
     """In the child before exec: have the kernel send SIGTERM when the process that started it dies, so a
     supervisor killed outright (SIGKILL) does not leave a server holding its ports."""
@@ -182,11 +191,7 @@ class TritonServer:
         return self
 
     def ready(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"http://{self.address}:{self.http_port}/v2/health/ready", timeout=2) as r:
-                return r.status == 200
-        except OSError:
-            return False
+        return is_ready(self.address, self.http_port)
 
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
