@@ -5,8 +5,8 @@ Incremental detokenisation decodes a window of tokens and emits what its newest 
 means a multi-byte character is still incomplete, so the tokens of that character are held back until a later
 token completes it. The window starts a few tokens before the first new one: decoding both the window and its
 already-shown part from the same first token cancels tokenizer effects at the window's start (a leading-space
-marker a decoder strips), and covers the tokens of a held-back character. A streamed response therefore carries
-only `STREAM_CONTEXT` shown tokens plus the new ones, and the cost of a stream grows linearly with its length.
+marker a decoder strips), and covers the tokens of a held-back character. Each response therefore decodes only
+`STREAM_CONTEXT` shown tokens plus the new ones, and the cost of a stream grows linearly with its length.
 """
 
 from __future__ import annotations
