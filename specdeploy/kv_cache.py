@@ -46,6 +46,16 @@ class KVCache:
         self.values[:, destination, :, :length] = self.values[:, source, :, :length]
         self.lengths[destination] = length
 
+    def move_entries(self, row: int, sources: list[int], destinations: list[int]) -> None:
+        """Copy row `row`'s entries at slots `sources` to slots `destinations` in every layer (a verified tree's
+        accepted path, moved from where its nodes were written to the positions it now holds)."""
+        if sources == destinations:
+            return
+        source = torch.tensor(sources, device=self.keys.device)
+        destination = torch.tensor(destinations, device=self.keys.device)
+        self.keys[:, row, :, destination] = self.keys[:, row, :, source]
+        self.values[:, row, :, destination] = self.values[:, row, :, source]
+
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One layer's keys and values: two [B, kv_heads, max_length, head_dim] views into the cache."""
         return self.keys[index], self.values[index]

@@ -109,9 +109,12 @@ def seen_mask(tokens: list[int] | torch.Tensor, vocab_size: int, device: torch.d
     return mask
 
 
-def seen_after_drafts(seen: torch.Tensor, drafted: torch.Tensor) -> torch.Tensor:
-    """Context masks for the gamma+1 verified positions: position i has also seen drafted[:i].
-    seen: [V] bool; drafted: [gamma] long → [gamma + 1, V] bool."""
+def seen_after_drafts(seen: torch.Tensor, drafted: torch.Tensor, ancestry: torch.Tensor | None = None) -> torch.Tensor:
+    """Context masks for the verified positions: position i has also seen drafted[:i] (a chain), or with
+    `ancestry` [G + 1, G + 1] (a tree; entry [i, j]: j is i or an ancestor of i, 0 the pending token) the drafted
+    tokens of its ancestors and itself. seen: [V] bool; drafted: [G] long → [G + 1, V] bool."""
     steps = torch.zeros(drafted.shape[0] + 1, seen.shape[0], dtype=torch.bool, device=seen.device)
     steps[torch.arange(1, drafted.shape[0] + 1, device=seen.device), drafted] = True
-    return (steps.cumsum(0) > 0) | seen
+    if ancestry is None:
+        return (steps.cumsum(0) > 0) | seen
+    return ((ancestry.float() @ steps.float()) > 0) | seen

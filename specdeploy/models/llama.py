@@ -240,3 +240,22 @@ def ragged_forward(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, star
     hidden = ragged_forward_all(model, cache, tokens, starts)
     last = torch.tensor([length - 1 for length in lengths], device=hidden.device)
     return hidden[torch.arange(len(lengths), device=hidden.device), last]
+
+
+def tree_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int], depths: list[int],
+                     ancestry: torch.Tensor) -> torch.Tensor:
+    """One forward over a token tree per row: row r feeds tokens[r] [B, W] (the pending token, then the tree's nodes)
+    into cache slots starts[r].. in order, at positions starts[r] + depth; each attends to the row's first starts[r]
+    entries and to its own ancestors in the tree and itself (ancestry [W, W], entry [i, j]: j is i or an ancestor).
+    A row with fewer real nodes than W-1 pads at its end, as in `ragged_forward_all`. Returns [B, W, hidden]."""
+    batch, width = tokens.shape
+    device = tokens.device
+    start = torch.tensor(starts, device=device)[:, None]  # [B, 1]
+    positions = start + torch.tensor(depths[:width], device=device)[None, :]
+    slots = start + torch.arange(width, device=device)[None, :]
+    relative = torch.arange(max(starts) + width, device=device)[None, :] - start  # [B, S]: key slot - start
+    in_tree = (relative >= 0) & (relative < width)
+    tree_part = ancestry[:width, :width][:, relative.clamp(0, width - 1)].permute(1, 0, 2)  # [B, W, S]
+    mask = (relative < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)
+    cache.lengths = list(starts)
+    return model(tokens, positions, cache, attention_mask=mask, cache_slots=slots)

@@ -18,7 +18,7 @@ import torch
 
 from specdeploy.errors import SpecdeployError
 from specdeploy.kv_cache import KVCache
-from specdeploy.models.llama import LlamaModel, ragged_forward_all
+from specdeploy.models.llama import LlamaModel, ragged_forward_all, tree_forward_all
 from specdeploy.pipeline import Schedule
 from specdeploy.reductions import argmax
 from specdeploy.request import NO_END_ID, GenerationRequest
@@ -32,10 +32,20 @@ from specdeploy.sampling import (
     seen_mask,
 )
 from specdeploy.sequence import Sequence
-from specdeploy.speculative.acceptance import accept, accept_greedy
+from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_greedy
 from specdeploy.speculative.proposer import Proposal, Proposer
 from specdeploy.speculative.schedule import ProposalLength
+from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_greedy
 from specdeploy.stats import RequestStats
+
+
+def outcome_rows(result: AcceptanceResult) -> torch.Tensor:
+    """One row per sequence for the step's host read: the accepted count, the emitted tokens (-1 after), and for a
+    tree the accepted path's verify indices: [B, 1 + D + 1 (+ D)]."""
+    parts = [result.num_accepted[:, None], result.tokens]
+    if isinstance(result, TreeAcceptance):
+        parts.append(result.path)
+    return torch.cat(parts, dim=1)
 
 
 def read_checked(values: torch.Tensor, logits: torch.Tensor) -> list:
@@ -55,10 +65,16 @@ def read_checked(values: torch.Tensor, logits: torch.Tensor) -> list:
 @dataclass
 class Verdict:
     """A verified step, read to the host: per row the accepted drafted tokens then the recovered or bonus token,
-    and the target's hidden states of the verified positions [B, W, H] (row r's first len(tokens[r]) are kept)."""
+    and the target's hidden states of the verified positions [B, W, H]. A chain keeps row r's first
+    len(tokens[r]) positions; a tree keeps the verify indices in paths[r] (the root, then the accepted nodes)."""
 
     tokens: list[list[int]]
     hidden: torch.Tensor
+    paths: list[list[int]] | None = None
+
+    def kept(self, row: int) -> list[int]:
+        """The verify indices of row `row` whose tokens were committed (in order)."""
+        return list(range(len(self.tokens[row]))) if self.paths is None else self.paths[row]
 
 
 class BatchDecoder:
@@ -123,13 +139,19 @@ class BatchDecoder:
         return emitted
 
     def verify(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
-        """One target forward over every row's pending token + drafted tokens, then the exact rule for all rows."""
-        batch, counts = len(sequences), proposal.counts
+        """One target forward over every row's pending token + drafted tokens (a chain, or a tree under a tree
+        attention mask), then the exact rule for all rows."""
+        batch, counts, tree = len(sequences), proposal.counts, proposal.tree
         width = max(counts) + 1
         pending = torch.tensor([[s.committed[-1]] for s in sequences], device=self.device)
         tokens = torch.cat([pending, proposal.tokens[:, :width - 1]], dim=1)  # [B, W]
-        hidden = ragged_forward_all(self.target, self.cache.rows(0, batch), tokens,
-                                    [s.cache_length for s in sequences])  # [B, W, H]
+        starts = [s.cache_length for s in sequences]
+        ancestry = None if tree is None else tree.ancestry(self.device)[:width, :width]
+        if tree is None:
+            hidden = ragged_forward_all(self.target, self.cache.rows(0, batch), tokens, starts)  # [B, W, H]
+        else:
+            hidden = tree_forward_all(self.target, self.cache.rows(0, batch), tokens, starts, tree.depths(),
+                                      ancestry)
         # Logits only at each row's real positions (row r's are flat[offsets[r]:offsets[r + 1]]): the vocabulary
         # projection is a fifth of a forward here.
         offsets = [0]
@@ -140,7 +162,7 @@ class BatchDecoder:
         else:
             real = hidden[[r for r in range(batch) for _ in range(counts[r] + 1)],
                           [c for r in range(batch) for c in range(counts[r] + 1)]]
-        logits = self._penalised(sequences, proposal, offsets, self.target.logits(real))  # [N, V] fp32
+        logits = self._penalised(sequences, proposal, offsets, self.target.logits(real), ancestry)  # [N, V] fp32
         num_drafted = torch.tensor(counts, device=self.device)
         greedy = [r for r, s in enumerate(sequences) if s.params.greedy]
         sampled = [r for r, s in enumerate(sequences) if not s.params.greedy]
@@ -153,8 +175,11 @@ class BatchDecoder:
                 target_tokens = torch.zeros(len(greedy), width, dtype=torch.long, device=self.device)
                 at_row, at_column, flat = (list(column) for column in zip(*places))
                 target_tokens[at_row, at_column] = argmax(logits[flat])
-            result = accept_greedy(tokens[greedy, 1:], target_tokens, num_drafted[greedy])
-            outcomes.append((greedy, torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)))
+            if tree is None:
+                result = accept_greedy(tokens[greedy, 1:], target_tokens, num_drafted[greedy])
+            else:
+                result = accept_tree_greedy(tree, tokens[greedy, 1:], target_tokens, num_drafted[greedy])
+            outcomes.append((greedy, outcome_rows(result)))
         if sampled:
             target_probs = torch.zeros(len(sampled), width, self.vocab_size, device=self.device)
             for i, r in enumerate(sampled):
@@ -162,38 +187,50 @@ class BatchDecoder:
                                                                         sequences[r].params)
             draft_probs = None if proposal.q is None else proposal.q[sampled, :width - 1]
             streams = RowStreams([sequences[r].generator for r in sampled], [counts[r] for r in sampled])
-            result = accept(tokens[sampled, 1:], draft_probs, target_probs, num_drafted[sampled], streams)
-            outcomes.append((sampled, torch.cat([result.tokens, result.num_accepted[:, None]], dim=1)))
+            if tree is None:
+                result = accept(tokens[sampled, 1:], draft_probs, target_probs, num_drafted[sampled], streams)
+            else:
+                result = accept_tree(tree, tokens[sampled, 1:], target_probs, num_drafted[sampled], streams)
+            outcomes.append((sampled, outcome_rows(result)))
         if len(outcomes) == 1:
             outcome = outcomes[0][1]  # one kind of row, already in row order
         else:
-            outcome = torch.empty(batch, width + 1, dtype=torch.long, device=self.device)
+            outcome = torch.empty(batch, outcomes[0][1].shape[1], dtype=torch.long, device=self.device)
             for rows, part in outcomes:
                 outcome[rows] = part
         read = read_checked(outcome, logits)  # the step's one host sync
-        return Verdict([row[:row[-1] + 1] for row in read], hidden)
+        if tree is None:
+            return Verdict([row[1:row[0] + 2] for row in read], hidden)
+        depth = (len(read[0]) - 2) // 2
+        return Verdict([row[1:row[0] + 2] for row in read], hidden,
+                       [[0] + row[depth + 2:depth + 2 + row[0]] for row in read])
 
     def _penalised(self, sequences: list[Sequence], proposal: Proposal, offsets: list[int],
-                   logits: torch.Tensor) -> torch.Tensor:
+                   logits: torch.Tensor, ancestry: torch.Tensor | None) -> torch.Tensor:
         """Apply each penalised row's repetition penalty to its verified positions (each position has seen the
-        context and the drafted tokens before it), so greedy and sampled rows then work on final logits."""
+        context and the drafted tokens before it: in a tree, its ancestors'), so greedy and sampled rows then work
+        on final logits."""
         for r, sequence in enumerate(sequences):
             if sequence.seen is not None:
-                context = seen_after_drafts(sequence.seen, proposal.tokens[r, :proposal.counts[r]])
+                count = proposal.counts[r]
+                context = seen_after_drafts(sequence.seen, proposal.tokens[r, :count],
+                                            None if ancestry is None else ancestry[:count + 1, :count + 1])
                 logits[offsets[r]:offsets[r + 1]] = penalised(logits[offsets[r]:offsets[r + 1]], sequence.params,
                                                               context)
         return logits
 
-
     def commit(self, sequence: Sequence, row: int, drafted: int, verdict: Verdict) -> list[int]:
         """Append row `row`'s verified tokens; statistics count only what was committed."""
-        tokens = verdict.tokens[row]
+        tokens, kept = verdict.tokens[row], verdict.kept(row)
+        start = sequence.cache_length
+        # A tree's accepted nodes were written at their node's slot: move them to the positions they now hold.
+        self.cache.move_entries(row, [start + index for index in kept], list(range(start, start + len(kept))))
         emitted = self._append(sequence, row, tokens)
         accepted = min(len(tokens) - 1, len(emitted))  # drafted tokens accepted *and* committed
         sequence.stats.record_step(drafted, accepted)
         sequence.proposal.update(drafted, len(tokens) - 1)
         if sequence.finish_reason is None:
-            self.proposer.on_commit(row, sequence, verdict.hidden[row, :len(emitted)])
+            self.proposer.on_commit(row, sequence, verdict.hidden[row, kept[:len(emitted)]])
         return emitted
 
     def move_row(self, source: int, destination: int) -> None:

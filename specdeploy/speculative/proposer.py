@@ -24,6 +24,7 @@ import torch
 from specdeploy.kv_cache import KVCache
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.sequence import Sequence
+from specdeploy.speculative.tree import TokenTree
 
 if TYPE_CHECKING:
     from specdeploy.models.llama import LlamaModel
@@ -31,9 +32,13 @@ if TYPE_CHECKING:
 
 @dataclass
 class Proposal:
+    """Drafted tokens: a chain per row (each token follows the one before), or with `tree` the nodes of a token
+    tree per row (row r proposes the tree's first counts[r] nodes, each following its parent)."""
+
     tokens: torch.Tensor  # [B, G] long: row r's drafted tokens in tokens[r, :counts[r]], scratch after them
     q: torch.Tensor | None  # [B, G, V] the distributions they were sampled from; None: point masses on `tokens`
     counts: list[int]  # [B] tokens drafted per row
+    tree: TokenTree | None = None  # the shape of tree proposals (q is then None)
 
     @staticmethod
     def empty(batch: int, device: torch.device | str) -> Proposal:

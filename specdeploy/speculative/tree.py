@@ -1,0 +1,180 @@
+"""Token trees (Medusa): their shape, and the exact acceptance rule for a tree of one-hot proposals.
+
+A tree hangs below the pending token (the root, verify index 0). Node i (verify index i + 1) is named by its path
+of top-k indices, TensorRT-LLM's `medusa_choices` format: [0] is the first head's best token, [0, 1] the second
+head's second-best token below it. Nodes are ordered by depth, then path, so ancestors come before descendants,
+and the nodes of depth <= d are a prefix: a row whose proposal is capped at depth d verifies the first
+`nodes_up_to(d)` nodes.
+
+Acceptance, exact at any temperature (`accept_tree`): at a node with target distribution p, its children are tried
+in order, each as a one-hot proposal: child c is accepted with probability p'(c), where p' is p with the already
+rejected siblings removed and renormalised; an accepted child is descended into; when every child is rejected the
+token is sampled from p' (all children removed), and at a leaf from p. Each emitted token is therefore distributed
+exactly as the target's distribution at its position. Every uniform a row may need is drawn up front (one per
+node), so the walk runs on the device with no host sync.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdeploy.sampling import Randomness, sample, uniform
+from specdeploy.speculative.acceptance import AcceptanceResult
+
+
+@dataclass(frozen=True)
+class TokenTree:
+    paths: tuple[tuple[int, ...], ...]  # node i's path of top-k indices; depth = len(path)
+    parents: tuple[int, ...]  # node i's parent's verify index (0: the root)
+
+    @staticmethod
+    def from_choices(choices: list[list[int]]) -> TokenTree:
+        """A tree from `medusa_choices`; ValueError names a path that is empty, negative, repeated or whose parent
+        is missing."""
+        paths = sorted({tuple(path) for path in choices}, key=lambda path: (len(path), path))
+        if len(paths) != len(choices):
+            raise ValueError("medusa_choices: a path is listed twice")
+        index = {path: i for i, path in enumerate(paths)}
+        parents = []
+        for path in paths:
+            if not path or min(path) < 0:
+                raise ValueError(f"medusa_choices: {list(path)}: a path is a non-empty list of top-k indices ≥ 0")
+            if len(path) > 1 and path[:-1] not in index:
+                raise ValueError(f"medusa_choices: {list(path)} has no parent {list(path[:-1])} in the tree")
+            parents.append(0 if len(path) == 1 else index[path[:-1]] + 1)
+        return TokenTree(tuple(paths), tuple(parents))
+
+    @property
+    def size(self) -> int:
+        return len(self.paths)
+
+    @property
+    def depth(self) -> int:
+        return max((len(path) for path in self.paths), default=0)
+
+    def nodes_up_to(self, depth: int) -> int:
+        """How many nodes have depth <= depth (they are the first ones)."""
+        return sum(len(path) <= depth for path in self.paths)
+
+    def depths(self) -> list[int]:
+        """Depth of each verify index: 0 for the root, then each node's."""
+        return [0] + [len(path) for path in self.paths]
+
+    def ancestry(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        """[N + 1, N + 1] bool over verify indices: entry [i, j] is True when j is i or one of its ancestors (what
+        position i may attend to among the tree's positions)."""
+        size = self.size + 1
+        mask = torch.eye(size, dtype=torch.bool)
+        for i, parent in enumerate(self.parents, start=1):
+            mask[i] |= mask[parent]
+        return mask.to(device)
+
+
+@dataclass
+class TreeAcceptance(AcceptanceResult):
+    path: torch.Tensor  # [B, depth] long: verify indices of the accepted nodes, -1 after
+
+
+def accept_tree(tree: TokenTree, node_tokens: torch.Tensor, target_probs: torch.Tensor, counts: torch.Tensor,
+                randomness: Randomness) -> TreeAcceptance:
+    """The exact rule over a batch of trees (the module docstring).
+
+    node_tokens: [B, N] long, N <= tree.size: row r proposes node i's token node_tokens[r, i] for i < counts[r].
+    target_probs: [B, N + 1, V]: the target's sampling distribution at each verify index (root, then nodes).
+    counts: [B] long. randomness: one generator, or one stream per row drawing counts[r] uniforms and one noise row.
+    """
+    batch, width = node_tokens.shape
+    device = node_tokens.device
+    parents = torch.tensor(tree.parents[:width], dtype=torch.long, device=device)
+    valid = torch.arange(width, device=device)[None, :] < counts[:, None]  # [B, N]
+    tokens = torch.where(valid, node_tokens, 0)
+    p_parent = target_probs[:, parents]  # [B, N, V]: the distribution each node's token is judged by
+    p_of_x = p_parent.gather(-1, tokens[..., None]).squeeze(-1)  # [B, N]
+    earlier, repeated = _earlier_siblings(parents, tokens)  # [N, N], [B, N]
+    first = valid & ~repeated  # a token's first proposal among its siblings
+    removed = ((earlier[None] & first[:, None, :]) * p_of_x[:, None, :]).sum(-1)  # [B, N]: mass rejected before
+    r = uniform((batch, width), randomness, device)
+    acceptable = first & (p_of_x > 0) & (r * (1 - removed).clamp(min=0) <= p_of_x)
+    path, final_node = _walk(tree, parents, acceptable)
+    rows = torch.arange(batch, device=device)
+    final_p = target_probs[rows, final_node]  # [B, V]
+    # Every child of the final node was rejected (or it has none): sample from p with the children removed.
+    children = valid & (parents[None, :] == final_node[:, None])  # [B, N]
+    removed_tokens = torch.zeros_like(final_p).scatter_add_(-1, tokens, children.to(final_p.dtype)) > 0
+    residual = final_p.masked_fill(removed_tokens, 0.0)
+    mass = residual.sum(-1, keepdim=True)
+    residual = torch.where(mass > 0, residual / mass.clamp(min=1e-30), final_p)
+    return _result(node_tokens, path, sample(residual, randomness))
+
+
+def accept_tree_greedy(tree: TokenTree, node_tokens: torch.Tensor, target_tokens: torch.Tensor,
+                       counts: torch.Tensor) -> TreeAcceptance:
+    """`accept_tree` for point masses, from the target's token at each verify index (target_tokens [B, N + 1]):
+    walk the children equal to the target's token, then emit the target's token at the last node reached."""
+    width = node_tokens.shape[1]
+    parents = torch.tensor(tree.parents[:width], dtype=torch.long, device=node_tokens.device)
+    valid = torch.arange(width, device=node_tokens.device)[None, :] < counts[:, None]
+    acceptable = valid & (node_tokens == target_tokens[:, parents])
+    path, final_node = _walk(tree, parents, acceptable)
+    rows = torch.arange(node_tokens.shape[0], device=node_tokens.device)
+    return _result(node_tokens, path, target_tokens[rows, final_node])
+
+
+def _earlier_siblings(parents: torch.Tensor, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """earlier [N, N]: j is a sibling tried before i. repeated [B, N]: node i's token was proposed by an earlier
+    sibling (its mass is already removed, so it can only be rejected)."""
+    width = parents.shape[0]
+    order = torch.arange(width, device=parents.device)
+    earlier = (parents[:, None] == parents[None, :]) & (order[None, :] < order[:, None])
+    repeated = (earlier[None] & (tokens[:, :, None] == tokens[:, None, :])).any(-1)
+    return earlier, repeated
+
+
+def _walk(tree: TokenTree, parents: torch.Tensor, acceptable: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """From the root, descend into each node's first acceptable child. Returns the path [B, depth] (verify
+    indices, -1 after the last accepted node) and the verify index of the last node reached [B]."""
+    batch, width = acceptable.shape
+    device = acceptable.device
+    depth = max((len(path) for path in tree.paths[:width]), default=0)
+    path = torch.full((batch, depth), -1, dtype=torch.long, device=device)
+    node = torch.zeros(batch, dtype=torch.long, device=device)
+    order = torch.arange(width, 0, -1, device=device)  # argmax of candidates * order picks the first candidate
+    for level in range(depth):
+        candidates = acceptable & (parents[None, :] == node[:, None])
+        found = candidates.any(-1)
+        child = (candidates * order).argmax(-1) + 1
+        node = torch.where(found, child, node)
+        path[:, level] = torch.where(found, child, -1)
+    return path, node
+
+
+def _result(node_tokens: torch.Tensor, path: torch.Tensor, final_token: torch.Tensor) -> TreeAcceptance:
+    """tokens [B, depth + 1]: the accepted nodes' tokens, the final token, then -1."""
+    batch, depth = path.shape
+    accepted = (path >= 0).long().sum(-1)
+    padded = torch.cat([torch.zeros(batch, 1, dtype=node_tokens.dtype, device=node_tokens.device), node_tokens], 1)
+    tokens = torch.full((batch, depth + 1), -1, dtype=torch.long, device=node_tokens.device)
+    tokens[:, :depth] = torch.where(path >= 0, padded.gather(1, path.clamp(min=0)), -1)
+    tokens[torch.arange(batch, device=node_tokens.device), accepted] = final_token
+    return TreeAcceptance(tokens=tokens, num_accepted=accepted, path=path)
+
+
+def accept_tree_typical(tree: TokenTree, node_tokens: torch.Tensor, target_probs: torch.Tensor,
+                        counts: torch.Tensor, randomness: Randomness, threshold: float = 0.09,
+                        alpha: float = 0.3) -> TreeAcceptance:
+    """LOSSY: Medusa's typical acceptance, not exact. A child is accepted when the target gives its token more than
+    min(threshold, alpha * exp(-entropy of p)); the first such child is descended into, and the last node's token is
+    sampled from p. More tokens are accepted than under `accept_tree`, and the emitted text is no longer distributed
+    as the target's (a test shows it). Off unless a pipeline asks for it."""
+    width = node_tokens.shape[1]
+    parents = torch.tensor(tree.parents[:width], dtype=torch.long, device=node_tokens.device)
+    valid = torch.arange(width, device=node_tokens.device)[None, :] < counts[:, None]
+    p_parent = target_probs[:, parents]  # [B, N, V]
+    p_of_x = p_parent.gather(-1, torch.where(valid, node_tokens, 0)[..., None]).squeeze(-1)
+    entropy = -(p_parent * p_parent.clamp(min=1e-30).log()).sum(-1)
+    acceptable = valid & (p_of_x > torch.minimum(torch.full_like(entropy, threshold), alpha * torch.exp(-entropy)))
+    path, final_node = _walk(tree, parents, acceptable)
+    rows = torch.arange(node_tokens.shape[0], device=node_tokens.device)
+    return _result(node_tokens, path, sample(target_probs[rows, final_node], randomness))
