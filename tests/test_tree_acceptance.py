@@ -18,7 +18,6 @@ from test_acceptance_distribution import MIN_SAMPLES, PositionCheck, goodness_of
 
 from specdeploy.sampling import SamplingParams, sample, sampling_distribution, uniform
 from specdeploy.speculative.tree import (
-    TokenTree,
     _earlier_siblings,
     _result,
     _walk,
@@ -26,6 +25,7 @@ from specdeploy.speculative.tree import (
     accept_tree_greedy,
     accept_tree_typical,
 )
+from specdeploy.token_tree import TokenTree
 
 N_TRIALS = 100_000
 CHAIN = [[0], [0, 0], [0, 0, 0]]
@@ -209,8 +209,8 @@ def test_choices_are_validated_and_ordered():
     tree = TokenTree.from_choices([[1, 0], [0], [1], [0, 0]])
     assert tree.paths == ((0,), (1,), (0, 0), (1, 0)) and tree.parents == (0, 0, 1, 2)
     assert tree.nodes_up_to(1) == 2 and tree.depth == 2 and tree.depths() == [0, 1, 1, 2, 2]
-    ancestry = tree.ancestry()
-    assert ancestry[4].tolist() == [True, False, True, False, True]  # [1, 0] sees the root, [1] and itself
+    ancestry = tree.ancestry
+    assert ancestry[4] == (True, False, True, False, True)  # [1, 0] sees the root, [1] and itself
     for bad, message in [([[0], [0]], "twice"), ([[0, 1]], "no parent"), ([[]], "non-empty"), ([[-1]], "≥ 0")]:
         with pytest.raises(ValueError, match=message):
             TokenTree.from_choices(bad)

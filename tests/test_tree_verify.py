@@ -17,7 +17,7 @@ from specdeploy.runtime.engine import Engine
 from specdeploy.sampling_params import SamplingParams
 from specdeploy.sequence import Sequence
 from specdeploy.speculative.proposer import Proposal, Proposer
-from specdeploy.speculative.tree import TokenTree
+from specdeploy.token_tree import TokenTree
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0]]
 GREEDY = SamplingParams()
@@ -75,11 +75,11 @@ def test_tree_forward_gives_each_node_its_paths_logits(tiny_engines):
         model(torch.tensor([prefix[:-1]]), torch.arange(len(prefix) - 1)[None], view)
     tokens = torch.cat([torch.tensor([[p[-1]] for p in prefixes]), nodes], 1)
     starts = [len(p) - 1 for p in prefixes]
-    hidden = tree_forward_all(model, cache, tokens, starts, tree.depths(), tree.ancestry())
+    hidden = tree_forward_all(model, cache, tokens, starts, tree.depths(), torch.tensor(tree.ancestry))
     logits = model.logits(hidden)  # [2, N + 1, V]
     for row, prefix in enumerate(prefixes):
         for index in range(tree.size + 1):
-            path = [i for i in range(1, index + 1) if tree.ancestry()[index, i]]
+            path = [i for i in range(1, index + 1) if tree.ancestry[index][i]]
             sequence = prefix + [int(nodes[row, i - 1]) for i in path]
             sequential = model.logits(model(torch.tensor([sequence]), torch.arange(len(sequence))[None],
                                             model.new_cache(1, 64)))[0, -1]

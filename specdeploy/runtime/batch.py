@@ -146,7 +146,7 @@ class BatchDecoder:
         pending = torch.tensor([[s.committed[-1]] for s in sequences], device=self.device)
         tokens = torch.cat([pending, proposal.tokens[:, :width - 1]], dim=1)  # [B, W]
         starts = [s.cache_length for s in sequences]
-        ancestry = None if tree is None else tree.ancestry(self.device)[:width, :width]
+        ancestry = None if tree is None else torch.tensor(tree.ancestry, device=self.device)[:width, :width]
         if tree is None:
             hidden = ragged_forward_all(self.target, self.cache.rows(0, batch), tokens, starts)  # [B, W, H]
         else:

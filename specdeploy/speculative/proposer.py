@@ -24,7 +24,7 @@ import torch
 from specdeploy.kv_cache import KVCache
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.sequence import Sequence
-from specdeploy.speculative.tree import TokenTree
+from specdeploy.token_tree import TokenTree
 
 if TYPE_CHECKING:
     from specdeploy.models.llama import LlamaModel

@@ -1,10 +1,5 @@
-"""Token trees (Medusa): their shape, and the exact acceptance rule for a tree of one-hot proposals.
-
-A tree hangs below the pending token (the root, verify index 0). Node i (verify index i + 1) is named by its path
-of top-k indices, TensorRT-LLM's `medusa_choices` format: [0] is the first head's best token, [0, 1] the second
-head's second-best token below it. Nodes are ordered by depth, then path, so ancestors come before descendants,
-and the nodes of depth <= d are a prefix: a row whose proposal is capped at depth d verifies the first
-`nodes_up_to(d)` nodes.
+"""The exact acceptance rule for a token tree of one-hot proposals (Medusa); the tree's shape is
+specdeploy/token_tree.py.
 
 Acceptance, exact at any temperature (`accept_tree`): at a node with target distribution p, its children are tried
 in order, each as a one-hot proposal: child c is accepted with probability p'(c), where p' is p with the already
@@ -22,54 +17,7 @@ import torch
 
 from specdeploy.sampling import Randomness, sample, uniform
 from specdeploy.speculative.acceptance import AcceptanceResult
-
-
-@dataclass(frozen=True)
-class TokenTree:
-    paths: tuple[tuple[int, ...], ...]  # node i's path of top-k indices; depth = len(path)
-    parents: tuple[int, ...]  # node i's parent's verify index (0: the root)
-
-    @staticmethod
-    def from_choices(choices: list[list[int]]) -> TokenTree:
-        """A tree from `medusa_choices`; ValueError names a path that is empty, negative, repeated or whose parent
-        is missing."""
-        paths = sorted({tuple(path) for path in choices}, key=lambda path: (len(path), path))
-        if len(paths) != len(choices):
-            raise ValueError("medusa_choices: a path is listed twice")
-        index = {path: i for i, path in enumerate(paths)}
-        parents = []
-        for path in paths:
-            if not path or min(path) < 0:
-                raise ValueError(f"medusa_choices: {list(path)}: a path is a non-empty list of top-k indices ≥ 0")
-            if len(path) > 1 and path[:-1] not in index:
-                raise ValueError(f"medusa_choices: {list(path)} has no parent {list(path[:-1])} in the tree")
-            parents.append(0 if len(path) == 1 else index[path[:-1]] + 1)
-        return TokenTree(tuple(paths), tuple(parents))
-
-    @property
-    def size(self) -> int:
-        return len(self.paths)
-
-    @property
-    def depth(self) -> int:
-        return max((len(path) for path in self.paths), default=0)
-
-    def nodes_up_to(self, depth: int) -> int:
-        """How many nodes have depth <= depth (they are the first ones)."""
-        return sum(len(path) <= depth for path in self.paths)
-
-    def depths(self) -> list[int]:
-        """Depth of each verify index: 0 for the root, then each node's."""
-        return [0] + [len(path) for path in self.paths]
-
-    def ancestry(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        """[N + 1, N + 1] bool over verify indices: entry [i, j] is True when j is i or one of its ancestors (what
-        position i may attend to among the tree's positions)."""
-        size = self.size + 1
-        mask = torch.eye(size, dtype=torch.bool)
-        for i, parent in enumerate(self.parents, start=1):
-            mask[i] |= mask[parent]
-        return mask.to(device)
+from specdeploy.token_tree import TokenTree
 
 
 @dataclass
