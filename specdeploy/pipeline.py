@@ -21,12 +21,16 @@ import yaml
 
 from specdeploy.errors import PipelineError
 from specdeploy.sampling_params import SamplingParams, sampling_problems
+from specdeploy.token_tree import TokenTree
 
 SourceKind = Literal["package", "gguf", "hf_dir"]
 DType = Literal["float32", "bfloat16"]
 # The speculation methods: a new proposer adds its name here (and its settings section to SpeculationSpec, if it
 # has settings) and registers its class in speculative/registry.py.
-Method = Literal["draft_target", "ngram", "none"]
+Method = Literal["draft_target", "ngram", "medusa", "none"]
+# exact: every emitted token is distributed as the target's. typical: Medusa's typical acceptance, LOSSY (it accepts
+# more and changes the distribution); only for medusa, and never the default.
+Acceptance = Literal["exact", "typical"]
 Schedule = Literal["constant", "heuristic"]  # proposal length per step: always gamma, or adaptive up to gamma
 BackendKind = Literal["torch"]  # "trtllm" joins with its builder
 
@@ -140,14 +144,44 @@ class NgramSpec(Section):
             raise Problem("max_n", f"must be ≥ min_n ({self.min_n}), got {self.max_n}")
 
 
+# A small tree for a CPU, where verifying each extra position costs real time (a GPU preset of 63 nodes would not
+# pay here); `specdeploy bench` reports the tree built from measured head accuracies and verify costs.
+DEFAULT_MEDUSA_CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
+@dataclass(frozen=True)
+class MedusaSpec(Section):
+    """Medusa heads on the target's last hidden state. heads: the safetensors file `specdeploy train-medusa` writes
+    (relative to the YAML). choices: the tree of their candidates in TensorRT-LLM's medusa_choices format (paths
+    of top-k indices, [0] = the first head's best token, [0, 1] = the second head's second best below it)."""
+
+    heads: str = ""
+    num_heads: int = 4
+    num_layers: int = 1
+    choices: tuple[tuple[int, ...], ...] = DEFAULT_MEDUSA_CHOICES
+
+    def check(self) -> None:
+        if self.num_heads < 1:
+            raise Problem("num_heads", f"must be ≥ 1, got {self.num_heads}")
+        if self.num_layers < 1:
+            raise Problem("num_layers", f"must be ≥ 1, got {self.num_layers}")
+        try:
+            tree = TokenTree.from_choices([list(path) for path in self.choices])
+        except ValueError as exc:
+            raise Problem("choices", str(exc).removeprefix("medusa_choices: ")) from None
+        if tree.depth > self.num_heads:
+            raise Problem("choices", f"the tree is {tree.depth} deep but there are {self.num_heads} heads")
+
+
 @dataclass(frozen=True)
 class SpeculationSpec(Section):
     method: Method = "none"
     num_draft_tokens: int = 4
-    acceptance: Literal["exact"] = "exact"
+    acceptance: Acceptance = "exact"
     schedule: Schedule = "constant"
     draft: DraftSpec | None = None
     ngram: NgramSpec = field(default_factory=NgramSpec)
+    medusa: MedusaSpec = field(default_factory=MedusaSpec)
 
     def check(self) -> None:
         if self.num_draft_tokens <= 0:
@@ -156,6 +190,15 @@ class SpeculationSpec(Section):
             raise Problem("draft", "required when method is 'draft_target'")
         if self.method != "draft_target" and self.draft is not None:
             raise Problem("draft", f"only allowed when method is 'draft_target', not {self.method!r}")
+        if self.acceptance == "typical" and self.method != "medusa":
+            raise Problem("acceptance", f"'typical' (lossy) is only for method 'medusa', not {self.method!r}")
+        if self.method == "medusa":
+            if not self.medusa.heads:
+                raise Problem("medusa.heads", "required when method is 'medusa' (train them with "
+                                              "specdeploy train-medusa)")
+            if self.num_draft_tokens > self.medusa.num_heads:
+                raise Problem("num_draft_tokens", f"for medusa the tree depth cap, at most medusa.num_heads "
+                                                  f"({self.medusa.num_heads}), got {self.num_draft_tokens}")
 
 
 @dataclass(frozen=True)
@@ -267,6 +310,10 @@ class PipelineSpec(Section):
         gamma, limit = self.speculation.num_draft_tokens, self.limits.max_draft_tokens
         if gamma > limit:
             raise Problem("speculation.num_draft_tokens", f"{gamma} is above limits.max_draft_tokens ({limit})")
+        nodes = len(self.speculation.medusa.choices)
+        if self.speculation.method == "medusa" and nodes > limit:
+            # a tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens
+            raise Problem("speculation.medusa.choices", f"{nodes} nodes are above limits.max_draft_tokens ({limit})")
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -293,14 +340,21 @@ class PipelineSpec(Section):
         if speculation.draft is not None:
             draft = dataclasses.replace(speculation.draft, checkpoint=absolute(speculation.draft.checkpoint))
             speculation = dataclasses.replace(speculation, draft=draft)
+        if speculation.medusa.heads:
+            medusa = dataclasses.replace(speculation.medusa, heads=str(self.resolve(speculation.medusa.heads)))
+            speculation = dataclasses.replace(speculation, medusa=medusa)
         target = dataclasses.replace(self.target, checkpoint=absolute(self.target.checkpoint))
         return dataclasses.replace(self, target=target, speculation=speculation)
 
     def to_dict(self) -> dict:
-        """Plain data that parse_pipeline turns back into an equal spec."""
-        data = dataclasses.asdict(self)
+        """Plain data, as JSON holds it (lists, not tuples), that parse_pipeline turns back into an equal spec."""
+        data = dataclasses.asdict(self, dict_factory=lambda items: {k: _as_lists(v) for k, v in items})
         data.pop("source_file")
         return data
+
+
+def _as_lists(value: object) -> object:
+    return [_as_lists(item) for item in value] if isinstance(value, tuple) else value
 
 
 def load_pipeline(path: str | Path) -> PipelineSpec:
@@ -352,6 +406,11 @@ def _convert(hint: object, value: object, key: str, where: str) -> object:
         return float(value)
     if hint is float and isinstance(value, float) and not math.isfinite(value):
         raise PipelineError(f"{where}: {key}: must be a finite number, got {quoted(value)}")
+    if origin is tuple:  # tuple[X, ...]: a YAML list
+        if not isinstance(value, list | tuple):
+            raise PipelineError(f"{where}: {key}: expected a list, got {quoted(value)}")
+        item = typing.get_args(hint)[0]
+        return tuple(_convert(item, element, f"{key}[{i}]", where) for i, element in enumerate(value))
     if hint in (int, float, str, bool) and (type(value) is not hint):
         raise PipelineError(f"{where}: {key}: expected {_describe(hint)}, got {quoted(value)}")
     return value

@@ -7,6 +7,7 @@ there is one, the bad value and what is allowed.
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 
 import pytest
@@ -240,7 +241,7 @@ def test_unknown_deeply_nested_key(tmp_path: Path):
 
 def test_unknown_method(tmp_path: Path):
     load_error(write(tmp_path, minimal(speculation={"method": "medusa2"})),
-               "speculation.method", "'medusa2'", "not allowed", "'draft_target', 'ngram', 'none'")
+               "speculation.method", "'medusa2'", "not allowed", "'draft_target', 'ngram', 'medusa', 'none'")
 
 
 @pytest.mark.parametrize("key_path, data, bad, allowed", [
@@ -248,13 +249,13 @@ def test_unknown_method(tmp_path: Path):
      "'float16'", "'float32', 'bfloat16'"),
     ("target.checkpoint.source", minimal(target={"checkpoint": {"source": "s3", "path": "x"}}),
      "'s3'", "'package', 'gguf', 'hf_dir'"),
-    ("speculation.acceptance", minimal(speculation={"acceptance": "typical"}), "'typical'", "'exact'"),
+    ("speculation.acceptance", minimal(speculation={"acceptance": "lossy"}), "'lossy'", "'exact', 'typical'"),
     ("speculation.draft.derive", minimal(speculation={"method": "draft_target", "draft": {"derive": "int8"}}),
      "'int8'", "'int4', 'none'"),
     ("speculation.schedule", minimal(speculation={"schedule": "dynamic"}), "'dynamic'",
      "'constant', 'heuristic'"),
     ("backend.kind", minimal(backend={"kind": "trtllm"}), "'trtllm'", "'torch'"),
-    ("speculation.method", minimal(speculation={"method": None}), "None", "'draft_target', 'ngram', 'none'"),
+    ("speculation.method", minimal(speculation={"method": None}), "None", "'draft_target', 'ngram', 'medusa', 'none'"),
 ], ids=["dtype", "source", "acceptance", "derive", "schedule", "backend", "method-null"])
 def test_literal_not_allowed(tmp_path: Path, key_path: str, data: dict, bad: str, allowed: str):
     load_error(write(tmp_path, data), key_path, bad, "not allowed", allowed)
@@ -574,3 +575,19 @@ def test_messages_quote_large_values_briefly(tmp_path: Path):
     message = load_error(write(tmp_path, minimal(target={"checkpoint": MINIMAL["target"]["checkpoint"],
                                                          "dtype": "x" * 10_000})), "target.dtype")
     assert len(message) < 300
+
+
+def test_typical_acceptance_is_only_for_medusa(tmp_path: Path):
+    """Typical acceptance is lossy and exists only for Medusa heads."""
+    load_error(write(tmp_path, minimal(speculation={"method": "ngram", "acceptance": "typical"})),
+               "speculation.acceptance", "only for method 'medusa'")
+
+
+def test_medusa_choices_round_trip_through_the_saved_json(tmp_path: Path):
+    """Trees are tuples in the spec and lists in JSON: the saved copy parses back equal (a build's fingerprint
+    compares the two)."""
+    spec = load_pipeline(write(tmp_path, minimal(speculation={"method": "medusa", "num_draft_tokens": 2,
+                                                              "medusa": {"heads": "h.safetensors"}})))
+    data = spec.to_dict()
+    assert data["speculation"]["medusa"]["choices"][3] == [0, 0]
+    assert json.loads(json.dumps(data)) == data and parse_pipeline(data) == spec

@@ -22,12 +22,13 @@ from safetensors.torch import save_file
 
 import specdeploy
 from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, source_files
-from specdeploy.errors import BuildError
+from specdeploy.errors import BuildError, SpecdeployError
 from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline, staging_dir
 from specdeploy.manifest import fingerprint, output_records, record_sources, up_to_date
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 from specdeploy.models.registry import DTYPES
 from specdeploy.pipeline import PipelineSpec, load_pipeline
+from specdeploy.speculative.medusa import HEADS_FILE, MedusaHeads, write_heads_config
 
 ENGINE_FORMAT = 6  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -44,6 +45,12 @@ def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
     draft = pipeline.speculation.draft
     if draft is not None and draft.checkpoint is not None:
         files += source_files(draft.checkpoint, pipeline)
+    if pipeline.speculation.method == "medusa":
+        heads = pipeline.resolve(pipeline.speculation.medusa.heads)
+        if not heads.is_file():
+            raise BuildError(f"speculation.medusa.heads: {heads} not found (train them with specdeploy "
+                             "train-medusa)")
+        files.append(heads)
     versions = {"specdeploy": specdeploy.__version__, "engine_format": ENGINE_FORMAT, "torch": torch.__version__}
     return fingerprint(pipeline, files, versions, final)
 
@@ -94,6 +101,29 @@ def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> N
                              f"got {getattr(checkpoint.config, name)} (use derive: none with a draft checkpoint)")
 
 
+def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> None:
+    """The heads file (checked against the spec and the target) and its config.json, in the engine."""
+    spec = pipeline.speculation.medusa
+    source = pipeline.resolve(spec.heads)
+    try:
+        heads = MedusaHeads.load(source)
+    except SpecdeployError as exc:
+        raise BuildError(str(exc)) from None
+    found = {"num_heads": heads.num_heads, "num_layers": heads.num_layers}
+    for key, value in found.items():
+        if value != getattr(spec, key):
+            raise BuildError(f"speculation.medusa.{key} is {getattr(spec, key)} but {source} has {value}")
+    if heads.hidden_size != target.config.hidden_size:
+        raise BuildError(f"{source}: heads of hidden size {heads.hidden_size}, the target's is "
+                         f"{target.config.hidden_size}")
+    if heads.projections is not None and heads.projections.shape[1] != target.config.vocab_size:
+        raise BuildError(f"{source}: projections over {heads.projections.shape[1]} tokens, the target has "
+                         f"{target.config.vocab_size}")
+    directory.mkdir(parents=True)
+    heads.save(directory / HEADS_FILE)
+    write_heads_config(directory, heads)
+
+
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
     """Build the pipeline's engines under engines_root/<name>/, unless they are up to date."""
     final = engine_path(engines_root, pipeline)
@@ -129,6 +159,9 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                 draft_dtype = DTYPES[draft_spec.dtype]
                 write_component(staging / "draft", draft, {k: v.to(draft_dtype) for k, v in draft.state.items()},
                                 draft_spec.dtype, pipeline)
+        if speculation.method == "medusa":
+            progress.update(task, description=f"[{pipeline.name}] writing Medusa heads")
+            write_medusa(staging / "medusa", pipeline, target)
         manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
                         components=sorted(p.name for p in staging.iterdir() if p.is_dir()),
                         outputs=output_records(staging))

@@ -48,13 +48,19 @@ class Generation:
         return self.tokens
 
 
+COMPONENTS = {"draft_target": ["draft"], "medusa": ["medusa"]}  # what a method needs beside the target
+
+
 def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:
-    """The pipeline run with another speculation method; a draft engine is only needed by draft_target."""
+    """The pipeline run with another speculation method (with exact acceptance); a draft engine is only needed by
+    draft_target, heads only by medusa."""
     speculation = pipeline.speculation
     if method == "draft_target" and speculation.draft is None:
         raise SpecdeployError("method 'draft_target' needs a draft engine, and none was built")
     draft = speculation.draft if method == "draft_target" else None
-    return dataclasses.replace(pipeline, speculation=dataclasses.replace(speculation, method=method, draft=draft))
+    acceptance = speculation.acceptance if method == speculation.method else "exact"
+    return dataclasses.replace(pipeline, speculation=dataclasses.replace(speculation, method=method, draft=draft,
+                                                                         acceptance=acceptance))
 
 
 class Engine:
@@ -68,7 +74,7 @@ class Engine:
         self.dir = Path(engine_dir)
         pipeline = engine_pipeline(self.dir)
         self.pipeline = pipeline if method is None else with_method(pipeline, method)
-        check_outputs(self.dir, ["target", "draft"] if self.method == "draft_target" else ["target"])
+        check_outputs(self.dir, ["target", *COMPONENTS.get(self.method, [])])
         self.device = device
         self.target = load_component(self.dir / "target", device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from specdeploy.errors import SpecdeployError
 from specdeploy.speculative.draft_model import DraftModelProposer
+from specdeploy.speculative.medusa import MedusaProposer
 from specdeploy.speculative.ngram import NgramProposer
 from specdeploy.speculative.proposer import EngineParts, Proposer
 
@@ -14,6 +15,7 @@ PROPOSERS: dict[str, type[Proposer]] = {
     "none": Proposer,  # plain decode: nothing is ever proposed
     "draft_target": DraftModelProposer,
     "ngram": NgramProposer,
+    "medusa": MedusaProposer,
 }
 
 

@@ -1,0 +1,171 @@
+"""Medusa: K heads on the target's last hidden state guess the tokens after the pending one, and a tree of their top
+candidates is verified in one target forward (runtime/batch.py, with the exact rule of speculative/tree.py).
+
+Head k (0-based) maps the hidden state h_t, whose logits chose the pending token t+1, to a guess for token t+k+2:
+num_layers residual blocks x + SiLU(W x + b) (W starts at zero, so an untrained head repeats the target's own
+prediction), then a vocabulary projection: the target's LM head, shared (on a CPU a second 49k x 576 projection per
+head would cost almost a target forward), or the head's own.
+
+The heads file uses the keys TensorRT-LLM's Medusa converter reads from `medusa_lm_head.safetensors`:
+`{head}.{layer}.linear.weight|bias` for the blocks and `{head}.{num_layers}.weight` for a head's own projection; a
+file without the projection keys shares the target's. `export_trtllm` writes every head with its projection.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from specdeploy.errors import SpecdeployError
+from specdeploy.reductions import topk_indices
+from specdeploy.sequence import Sequence
+from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
+from specdeploy.token_tree import TokenTree
+
+HEADS_FILE = "heads.safetensors"
+CONFIG_FILE = "config.json"
+
+
+class MedusaHeads(nn.Module):
+    """blocks[k][j]: head k's j-th residual block; projections: [K, V, H] own projections, or None (shared)."""
+
+    def __init__(self, hidden_size: int, num_heads: int, num_layers: int = 1,
+                 projections: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.hidden_size, self.num_heads, self.num_layers = hidden_size, num_heads, num_layers
+        self.blocks = nn.ModuleList(
+            nn.ModuleList(nn.Linear(hidden_size, hidden_size) for _ in range(num_layers)) for _ in range(num_heads))
+        for head in self.blocks:
+            for block in head:
+                nn.init.zeros_(block.weight)
+                nn.init.zeros_(block.bias)
+        self.projections = None if projections is None else nn.Parameter(projections)
+
+    def hidden(self, h: torch.Tensor) -> torch.Tensor:
+        """h: [..., H] (the target's final hidden state, after its norm) → [..., K, H], each head's block output."""
+        outputs = []
+        for head in self.blocks:
+            x = h
+            for block in head:
+                x = x + F.silu(block(x))
+            outputs.append(x)
+        return torch.stack(outputs, dim=-2)
+
+    def logits(self, h: torch.Tensor, shared_head) -> torch.Tensor:
+        """h: [..., H] → fp32 logits [..., K, V]. shared_head: the target's projection (hidden → fp32 logits),
+        used when the heads have none of their own."""
+        x = self.hidden(h)
+        if self.projections is None:
+            return shared_head(x)
+        return torch.einsum("...kh,kvh->...kv", x, self.projections).float()
+
+    # ---- files ---------------------------------------------------------------------------------------------
+    def state(self, projection: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+        """Tensors under TensorRT-LLM's keys. projection [V, H]: write it as every head's projection (a shared head
+        exported for a converter that wants one per head)."""
+        tensors = {}
+        for k, head in enumerate(self.blocks):
+            for j, block in enumerate(head):
+                tensors[f"{k}.{j}.linear.weight"] = block.weight.detach()
+                tensors[f"{k}.{j}.linear.bias"] = block.bias.detach()
+            if self.projections is not None:
+                own = self.projections[k].detach()
+            else:  # a copy per head: safetensors stores no tensors that share memory
+                own = None if projection is None else projection.clone()
+            if own is not None:
+                tensors[f"{k}.{self.num_layers}.weight"] = own
+        return {name: tensor.contiguous() for name, tensor in tensors.items()}
+
+    def save(self, path: Path) -> None:
+        save_file(self.state(), str(path))
+
+    @staticmethod
+    def from_state(tensors: dict[str, torch.Tensor], source: str = "heads") -> MedusaHeads:
+        """Heads from tensors under TensorRT-LLM's keys; SpecdeployError names what is missing or misshapen."""
+        heads = sorted({int(name.split(".")[0]) for name in tensors if name.split(".")[0].isdigit()})
+        if not heads or heads != list(range(len(heads))):
+            raise SpecdeployError(f"{source}: no Medusa heads numbered 0..K-1 (keys like '0.0.linear.weight')")
+        layers = sorted({int(name.split(".")[1]) for name in tensors if name.endswith(".linear.weight")
+                         and name.startswith("0.")})
+        num_layers = len(layers)
+        try:
+            hidden = tensors["0.0.linear.weight"].shape[1]
+            own = [tensors.get(f"{k}.{num_layers}.weight") for k in heads]
+            if any(p is not None for p in own) and any(p is None for p in own):
+                raise SpecdeployError(f"{source}: some heads have their own projection and some do not")
+            projections = None if own[0] is None else torch.stack(own).float()
+            module = MedusaHeads(hidden, len(heads), num_layers, projections)
+            for k, head in enumerate(module.blocks):
+                for j, block in enumerate(head):
+                    block.weight.data.copy_(tensors[f"{k}.{j}.linear.weight"])
+                    block.bias.data.copy_(tensors[f"{k}.{j}.linear.bias"])
+        except (KeyError, RuntimeError) as exc:
+            raise SpecdeployError(f"{source}: not a Medusa heads file: {exc}") from None
+        return module
+
+    @staticmethod
+    def load(path: Path) -> MedusaHeads:
+        if not path.is_file():
+            raise SpecdeployError(f"{path}: Medusa heads file not found (train them with specdeploy train-medusa)")
+        return MedusaHeads.from_state(load_file(str(path)), str(path))
+
+
+def export_trtllm(heads: MedusaHeads, lm_head: torch.Tensor, path: Path, dtype: torch.dtype) -> None:
+    """`medusa_lm_head.safetensors` as TensorRT-LLM's Medusa converter reads it: every head with its projection
+    (the target's LM head [V, H] written once per head when they share it)."""
+    save_file({name: tensor.to(dtype) for name, tensor in heads.state(lm_head).items()}, str(path))
+
+
+class MedusaProposer(Proposer):
+    """Proposes the tree's nodes from each row's last hidden state: node [.., i] at depth d is head d-1's i-th most
+    likely token. A row's gamma caps the tree's depth."""
+
+    def __init__(self, heads: MedusaHeads, tree: TokenTree, shared_head, batch_size: int,
+                 device: torch.device | str) -> None:
+        if tree.depth > heads.num_heads:
+            raise SpecdeployError(f"the Medusa tree is {tree.depth} deep but there are {heads.num_heads} heads")
+        self.heads, self.tree, self.shared_head, self.device = heads, tree, shared_head, device
+        self.last = torch.zeros(batch_size, heads.hidden_size, device=device)  # [rows, H]
+        self.head_of_node = torch.tensor([len(path) - 1 for path in tree.paths], device=device)
+        self.rank_of_node = torch.tensor([path[-1] for path in tree.paths], device=device)
+        self.top = max(path[-1] for path in tree.paths) + 1
+
+    @classmethod
+    def from_engine(cls, parts: EngineParts) -> MedusaProposer:
+        directory = parts.directory / "medusa"
+        heads = MedusaHeads.load(directory / HEADS_FILE).to(parts.device)
+        target = parts.target
+        heads.to(torch.float32 if target.dtype == torch.float32 else target.dtype)
+        tree = TokenTree.from_choices([list(path) for path in parts.pipeline.speculation.medusa.choices])
+        return cls(heads, tree, target.logits, parts.cache.batch_size, parts.device)
+
+    def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
+        self.last[row] = hidden[-1]
+
+    def on_commit(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
+        self.last[row] = hidden[-1]
+
+    def move_row(self, source: int, destination: int) -> None:
+        self.last[destination] = self.last[source]
+
+    def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
+        batch = len(sequences)
+        hidden = self.last[:batch].to(self.heads.blocks[0][0].weight.dtype)
+        logits = self.heads.logits(hidden, self.shared_head).flatten(0, 1)  # [B * K, V]
+        candidates = topk_indices(logits, self.top)  # unordered
+        ranks = logits.gather(1, candidates).argsort(dim=-1, descending=True)
+        top = candidates.gather(1, ranks).view(batch, self.heads.num_heads, self.top)  # [B, K, top], best first
+        tokens = top[:, self.head_of_node, self.rank_of_node]  # [B, N]
+        counts = [self.tree.nodes_up_to(gamma) for gamma in gammas]
+        return Proposal(tokens, None, counts, self.tree)
+
+
+def write_heads_config(directory: Path, heads: MedusaHeads) -> None:
+    (directory / CONFIG_FILE).write_text(json.dumps({"num_heads": heads.num_heads, "num_layers": heads.num_layers,
+                                                     "hidden_size": heads.hidden_size,
+                                                     "own_projections": heads.projections is not None}, indent=2))
