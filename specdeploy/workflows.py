@@ -8,6 +8,7 @@ the served pipeline (the field is simply not sent).
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -117,3 +118,48 @@ def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: b
         report["plain_tokens_per_s"] = plain.get("generated_tokens", 0) / plain_seconds
         report["speedup"] = report["tokens_per_s"] / report["plain_tokens_per_s"]
     return report
+
+
+def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, work_dir: Path, prompts: int = 400,
+                 max_tokens: int = 128, epochs: int = 3, console=None) -> dict:
+    """Self-distil the pipeline's Medusa heads (speculation.medusa: num_heads, num_layers) on its frozen target and
+    write them to `output`, with a report of each head's held-out accuracy beside it (<output>.json)."""
+    from rich.console import Console
+    from safetensors.torch import load_file
+
+    from specdeploy.bench import load_prompts
+    from specdeploy.pipeline import SpeculationSpec
+    from specdeploy.speculative.medusa import MedusaHeads
+    from specdeploy.training import medusa as training
+    from specdeploy.training.prompts import training_prompts
+
+    console = console or Console()
+    started = time.perf_counter()
+    pipeline = load_pipeline(pipeline_path)
+    spec = pipeline.speculation.medusa
+    # The target alone, under its own name: the heads do not exist yet, so the Medusa engine cannot be built.
+    target_only = dataclasses.replace(pipeline, name=f"{pipeline.name}-target", speculation=SpeculationSpec())
+    engine_dir = build(target_only, engines_dir).directory
+    work_dir.mkdir(parents=True, exist_ok=True)
+    train_prompts, held_out = training_prompts(prompts, exclude=[p["prompt"] for p in load_prompts()])
+    answers = training.generate_answers(engine_dir, train_prompts + held_out, max_tokens,
+                                        work_dir / "answers.jsonl", pipeline.limits.max_batch_size, console)
+    generated = time.perf_counter()
+    engine = Engine(engine_dir, method="none")
+    train_data = training.features(engine, {p: answers[p] for p in train_prompts}, spec.num_heads, console)
+    held_data = training.features(engine, {p: answers[p] for p in held_out}, spec.num_heads, console)
+    state = load_file(str(engine_dir / "target" / "model.safetensors"))
+    lm_head = state.get("lm_head.weight", state["model.embed_tokens.weight"]).float()
+    heads = MedusaHeads(train_data.hidden.shape[1], spec.num_heads, spec.num_layers)
+    heads = training.train(heads, train_data, lm_head, epochs, work_dir, console=console)
+    report = training.accuracies(heads, held_data, lm_head)
+    training.print_accuracies(report, console)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    heads.save(output)
+    summary = {"heads": str(output), "num_heads": spec.num_heads, "num_layers": spec.num_layers,
+               "prompts": {"train": len(train_prompts), "held_out": len(held_out)},
+               "positions": {"train": len(train_data.hidden), "held_out": len(held_data.hidden)},
+               "max_tokens": max_tokens, "epochs": epochs, "held_out_accuracy": report,
+               "seconds": {"answers": round(generated - started), "total": round(time.perf_counter() - started)}}
+    output.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary

@@ -144,3 +144,26 @@ def test_build_checks_the_heads_against_the_spec_and_the_target(tiny_checkpoints
 def test_medusa_section_is_validated(tiny_checkpoints, tmp_path, medusa, message):
     with pytest.raises(PipelineError, match=message):
         load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], tmp_path / "h", **medusa))
+
+
+def test_bench_reports_the_tree_its_prediction_and_a_suggested_tree(tiny_checkpoints, tmp_path):
+    """With the heads' held-out accuracies beside them, bench predicts the speedup from the served tree and the
+    costs it measured, and suggests the tree the builder picks for this machine."""
+    import json
+
+    from specdeploy.bench import run_bench
+    from specdeploy.token_tree import TokenTree
+
+    heads = tmp_path / "heads.safetensors"
+    random_heads().save(heads)
+    accuracy = [{"by_rank": [0.5, 0.2, 0.1]}, {"by_rank": [0.3, 0.1]}, {"by_rank": [0.2]}]
+    heads.with_suffix(".json").write_text(json.dumps({"held_out_accuracy": accuracy}))
+    engine = Engine(build(load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads)),
+                          tmp_path / "engines", quiet=True).directory)
+    prompts = [{"prompt": "Say hello.", "kind": "open"}, {"prompt": "Count to five.", "kind": "open"}]
+    report = run_bench(engine, prompts, 16, 0.0, 0, with_transformers=False, quiet=True)["medusa"]
+    assert report["tree"] == [[0], [1], [0, 0], [0, 0, 0]] and report["tree_size"] == 4
+    expected = 0.5 + 0.2 + 0.5 * 0.3 + 0.5 * 0.3 * 0.2
+    assert report["expected_accepted_per_step"] == pytest.approx(expected)
+    assert report["predicted_speedup"] > 0 and len(report["verify_costs"]) == 13 and report["verify_costs"][0] == 1
+    TokenTree.from_choices(report["suggested_tree"])

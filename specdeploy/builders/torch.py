@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 import time
 from pathlib import Path
 from typing import NamedTuple
@@ -28,7 +29,7 @@ from specdeploy.manifest import fingerprint, output_records, record_sources, up_
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 from specdeploy.models.registry import DTYPES
 from specdeploy.pipeline import PipelineSpec, load_pipeline
-from specdeploy.speculative.medusa import HEADS_FILE, MedusaHeads, write_heads_config
+from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
 ENGINE_FORMAT = 6  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -122,6 +123,9 @@ def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) ->
     directory.mkdir(parents=True)
     heads.save(directory / HEADS_FILE)
     write_heads_config(directory, heads)
+    report = source.with_suffix(".json")  # what train-medusa measured: bench predicts the speedup from it
+    if report.is_file():
+        shutil.copyfile(report, directory / ACCURACY_FILE)
 
 
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:

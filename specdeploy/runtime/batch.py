@@ -131,7 +131,7 @@ class BatchDecoder:
             proposed = time.perf_counter()
             verdict = self.verify(sequences, proposal)
             verified = time.perf_counter()
-            emitted = [self.commit(sequence, row, proposal.counts[row], verdict)
+            emitted = [self.commit(sequence, row, proposal.counts[row], verdict, proposal.positions(row))
                        for row, sequence in enumerate(sequences)]
         for sequence in sequences:
             sequence.stats.draft_seconds += proposed - started
@@ -219,15 +219,17 @@ class BatchDecoder:
                                                               context)
         return logits
 
-    def commit(self, sequence: Sequence, row: int, drafted: int, verdict: Verdict) -> list[int]:
-        """Append row `row`'s verified tokens; statistics count only what was committed."""
+    def commit(self, sequence: Sequence, row: int, drafted: int, verdict: Verdict,
+               positions: int | None = None) -> list[int]:
+        """Append row `row`'s verified tokens; statistics count only what was committed. positions: how many
+        successive positions were proposed (default drafted; a tree's depth)."""
         tokens, kept = verdict.tokens[row], verdict.kept(row)
         start = sequence.cache_length
         # A tree's accepted nodes were written at their node's slot: move them to the positions they now hold.
         self.cache.move_entries(row, [start + index for index in kept], list(range(start, start + len(kept))))
         emitted = self._append(sequence, row, tokens)
         accepted = min(len(tokens) - 1, len(emitted))  # drafted tokens accepted *and* committed
-        sequence.stats.record_step(drafted, accepted)
+        sequence.stats.record_step(drafted, accepted, positions)
         sequence.proposal.update(drafted, len(tokens) - 1)
         if sequence.finish_reason is None:
             self.proposer.on_commit(row, sequence, verdict.hidden[row, kept[:len(emitted)]])

@@ -29,6 +29,7 @@ from specdeploy.token_tree import TokenTree
 
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "config.json"
+ACCURACY_FILE = "accuracy.json"  # train-medusa's held-out report, copied by the build
 
 
 class MedusaHeads(nn.Module):

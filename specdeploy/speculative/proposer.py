@@ -40,6 +40,13 @@ class Proposal:
     counts: list[int]  # [B] tokens drafted per row
     tree: TokenTree | None = None  # the shape of tree proposals (q is then None)
 
+    def positions(self, row: int) -> int:
+        """How many successive positions row `row` proposes: its drafted tokens, or its tree nodes' deepest depth."""
+        count = self.counts[row]
+        if self.tree is None or count == 0:
+            return count
+        return max(len(path) for path in self.tree.paths[:count])
+
     @staticmethod
     def empty(batch: int, device: torch.device | str) -> Proposal:
         return Proposal(torch.zeros(batch, 0, dtype=torch.long, device=device), None, [0] * batch)
