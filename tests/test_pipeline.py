@@ -37,6 +37,7 @@ SHIPPED = sorted(PIPELINES_DIR.glob("*.yaml"))
 EXPECTED = {
     "smollm2-draft-target": ("draft_target", 5, "bfloat16"),
     "smollm2-ngram": ("ngram", 12, "bfloat16"),
+    "smollm2-medusa": ("medusa", 4, "bfloat16"),
 }
 
 MINIMAL = {"name": "tiny", "target": {"checkpoint": {"source": "gguf", "path": "model.gguf"}}}
@@ -108,6 +109,13 @@ def test_shipped_ngram_details():
     assert spec.name == "smollm2-ngram"
     assert spec.speculation.ngram == NgramSpec(min_n=1, max_n=4)
     assert spec.speculation.acceptance == "exact"
+
+
+def test_shipped_medusa_details():
+    """Its heads are committed beside it (the exact command that trained them is in the YAML)."""
+    spec = load_pipeline(PIPELINES_DIR / "smollm2-medusa.yaml")
+    assert spec.speculation.acceptance == "exact" and spec.speculation.medusa.num_heads == 4
+    assert spec.resolve(spec.speculation.medusa.heads).is_file()
 
 
 # ------------------------------------------------------------------------------------------------------ defaults
