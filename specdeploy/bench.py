@@ -161,7 +161,7 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, tempe
         hf = transformers_decode_tokens_per_s(engine, encoded[0], min(max_tokens, 64))
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
     if engine.method == "medusa":
-        report["medusa"] = medusa_report(engine, runs, report, encoded[0])
+        report["medusa"] = medusa_report(engine, runs, report, encoded)
     report.update(method=engine.method, num_draft_tokens=engine.num_draft_tokens,
                   schedule=engine.pipeline.speculation.schedule, dtype=engine.dtype,
                   temperature=params.temperature, max_tokens=max_tokens, prompts=len(prompts),
@@ -234,33 +234,43 @@ def measure_verify_costs(engine: Engine, prompt_ids: list[int], max_nodes: int, 
     return [t / times[0] for t in times]
 
 
-def medusa_report(engine: Engine, runs: list[PromptRun], report: dict, prompt_ids: list[int]) -> dict:
-    """The tree served, its expected accepted length from the heads' held-out accuracies (the build copies them
-    into the engine) and the predicted speedup from it and the costs measured in this run; and the tree the
-    builder would choose from the same accuracies and verify costs measured on this machine."""
+def medusa_report(engine: Engine, runs: list[PromptRun], report: dict, encoded: list[list[int]]) -> dict:
+    """The tree served and its predicted speedup: the expected accepted tokens per step from the heads' accuracy
+    by rank, measured here on the plain greedy answers to these prompts (and, for comparison, from the held-out
+    answers train-medusa reported, which the build copies into the engine), over the head and verify costs of
+    this run; and the tree the builder picks from the same accuracies and verify costs measured on this machine."""
+    from safetensors.torch import load_file
+
     from specdeploy.speculative.medusa import ACCURACY_FILE
+    from specdeploy.speculative.medusa_accuracy import accuracies, hidden_features
     from specdeploy.speculative.tree_builder import build_tree, expected_accepted
 
-    tree = engine.proposer.tree
+    proposer = engine.proposer
+    tree, paths = proposer.tree, list(proposer.tree.paths)
     spec = [r.speculative for r in runs]
     plain_step = sum(r.plain.verify_seconds for r in runs) / max(sum(r.plain.steps for r in runs), 1)
-    speculative_steps = max(sum(s.speculative_steps for s in spec), 1)
-    head_cost = sum(s.draft_seconds for s in spec) / speculative_steps / plain_step
-    result = {"tree": [list(p) for p in tree.paths], "tree_size": tree.size, "head_cost_ratio": head_cost,
-              "realized_accepted_per_step": report["mean_accepted_length"] - 1}
-    accuracy_file = engine.dir / "medusa" / ACCURACY_FILE
-    if not accuracy_file.is_file():
-        result["note"] = "no held-out accuracy report beside the heads: no prediction"
-        return result
-    by_rank = [head["by_rank"] for head in json.loads(accuracy_file.read_text())["held_out_accuracy"]]
-    expected = expected_accepted(list(tree.paths), by_rank)
-    result.update(expected_accepted_per_step=expected,
-                  predicted_speedup=(1 + expected) / (head_cost + report["verify_cost_ratio"]))
-    costs = measure_verify_costs(engine, prompt_ids, engine.pipeline.limits.max_draft_tokens)
+    head_cost = sum(s.draft_seconds for s in spec) / max(sum(s.speculative_steps for s in spec), 1) / plain_step
+    sequences = [(ids + r.plain_tokens, len(ids) - 1) for ids, r in zip(encoded, runs)]
+    data = hidden_features(engine.target, sequences, proposer.heads.num_heads)
+    state = load_file(str(engine.dir / "target" / "model.safetensors"))
+    lm_head = state.get("lm_head.weight", state["model.embed_tokens.weight"]).float()
+    heads_here = accuracies(proposer.heads, data, lm_head)
+    by_rank = [head["by_rank"] for head in heads_here]
+    expected = expected_accepted(paths, by_rank)
+    costs = measure_verify_costs(engine, encoded[0], engine.pipeline.limits.max_draft_tokens)
     best = build_tree(by_rank, costs, head_cost)
-    result.update(verify_costs=costs, suggested_tree=best.choices, suggested_expected_accepted=best.expected_accepted,
-                  suggested_predicted_speedup=best.predicted_speedup,
-                  served_tree_predicted_speedup_at_measured_costs=(1 + expected) / (costs[tree.size] + head_cost))
+    result = {"tree": [list(p) for p in paths], "tree_size": tree.size, "head_cost_ratio": head_cost,
+              "head_top1_here": [head["top1"] for head in heads_here],
+              "realized_accepted_per_step": report["mean_accepted_length"] - 1,
+              "expected_accepted_per_step": expected,
+              "predicted_speedup": (1 + expected) / (head_cost + report["verify_cost_ratio"]),
+              "verify_costs": costs, "suggested_tree": best.choices,
+              "suggested_expected_accepted": best.expected_accepted,
+              "suggested_predicted_speedup": best.predicted_speedup}
+    held_out = engine.dir / "medusa" / ACCURACY_FILE
+    if held_out.is_file():
+        trained = [head["by_rank"] for head in json.loads(held_out.read_text())["held_out_accuracy"]]
+        result["expected_accepted_per_step_held_out"] = expected_accepted(paths, trained)
     return result
 
 

@@ -130,6 +130,7 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     from specdeploy.bench import load_prompts
     from specdeploy.pipeline import SpeculationSpec
     from specdeploy.speculative.medusa import MedusaHeads
+    from specdeploy.speculative.medusa_accuracy import accuracies
     from specdeploy.training import medusa as training
     from specdeploy.training.prompts import training_prompts
 
@@ -152,7 +153,7 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     lm_head = state.get("lm_head.weight", state["model.embed_tokens.weight"]).float()
     heads = MedusaHeads(train_data.hidden.shape[1], spec.num_heads, spec.num_layers)
     heads = training.train(heads, train_data, lm_head, epochs, work_dir, console=console)
-    report = training.accuracies(heads, held_data, lm_head)
+    report = accuracies(heads, held_data, lm_head)
     training.print_accuracies(report, console)
     output.parent.mkdir(parents=True, exist_ok=True)
     heads.save(output)

@@ -147,11 +147,13 @@ def test_medusa_section_is_validated(tiny_checkpoints, tmp_path, medusa, message
 
 
 def test_bench_reports_the_tree_its_prediction_and_a_suggested_tree(tiny_checkpoints, tmp_path):
-    """With the heads' held-out accuracies beside them, bench predicts the speedup from the served tree and the
-    costs it measured, and suggests the tree the builder picks for this machine."""
+    """Bench measures the heads' accuracy on its own prompts' answers, predicts the speedup of the served tree from
+    it and the costs it measured, compares the held-out accuracy train-medusa wrote beside the heads, and suggests
+    the tree the builder picks for this machine."""
     import json
 
     from specdeploy.bench import run_bench
+    from specdeploy.speculative.tree_builder import expected_accepted
     from specdeploy.token_tree import TokenTree
 
     heads = tmp_path / "heads.safetensors"
@@ -162,8 +164,10 @@ def test_bench_reports_the_tree_its_prediction_and_a_suggested_tree(tiny_checkpo
                           tmp_path / "engines", quiet=True).directory)
     prompts = [{"prompt": "Say hello.", "kind": "open"}, {"prompt": "Count to five.", "kind": "open"}]
     report = run_bench(engine, prompts, 16, 0.0, 0, with_transformers=False, quiet=True)["medusa"]
-    assert report["tree"] == [[0], [1], [0, 0], [0, 0, 0]] and report["tree_size"] == 4
-    expected = 0.5 + 0.2 + 0.5 * 0.3 + 0.5 * 0.3 * 0.2
-    assert report["expected_accepted_per_step"] == pytest.approx(expected)
+    paths = [(0,), (1,), (0, 0), (0, 0, 0)]
+    assert report["tree"] == [list(p) for p in paths] and report["tree_size"] == 4
+    assert report["expected_accepted_per_step_held_out"] == pytest.approx(expected_accepted(paths, [
+        a["by_rank"] for a in accuracy]))
+    assert 0 <= report["expected_accepted_per_step"] <= 4 and len(report["head_top1_here"]) == 3
     assert report["predicted_speedup"] > 0 and len(report["verify_costs"]) == 13 and report["verify_costs"][0] == 1
     TokenTree.from_choices(report["suggested_tree"])

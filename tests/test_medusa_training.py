@@ -12,6 +12,7 @@ from safetensors.torch import load_file
 from specdeploy.bench import load_prompts
 from specdeploy.runtime.engine import Engine
 from specdeploy.speculative.medusa import MedusaHeads
+from specdeploy.speculative.medusa_accuracy import IGNORE, accuracies
 from specdeploy.training import medusa as training
 from specdeploy.training.prompts import human_eval_prompts, training_prompts, written_prompts
 
@@ -69,7 +70,7 @@ def test_head_targets_are_the_tokens_each_head_predicts(tiny_engines, tiny_answe
     for i in range(len(data.hidden)):
         for k in range(3):
             t = first + i + k + 2
-            assert int(data.targets[i, k]) == (tokens[t] if t < len(tokens) else training.IGNORE)
+            assert int(data.targets[i, k]) == (tokens[t] if t < len(tokens) else IGNORE)
     # the hidden state at t is the target's: its logits choose token t + 1
     logits = engine.target.logits(data.hidden[:4])
     assert logits.argmax(-1).tolist() == tokens[first + 1:first + 5]
@@ -88,6 +89,6 @@ def test_training_lowers_the_loss_checkpoints_and_reports(tiny_engines, tiny_ans
     assert sorted(p.name for p in tmp_path.iterdir()) == [f"heads.epoch{e}.safetensors" for e in range(1, 5)]
     resumed = training.train(MedusaHeads(data.hidden.shape[1], 2), data, lm_head, epochs=4, work_dir=tmp_path)
     assert torch.equal(resumed.blocks[0][0].weight, trained.blocks[0][0].weight)  # the last checkpoint, no work
-    report = training.accuracies(trained, data, lm_head)
+    report = accuracies(trained, data, lm_head)
     assert len(report) == 2 and all(0 <= row["top1"] <= row["top3"] <= row["top5"] <= 1 for row in report)
     assert json.dumps(report)

@@ -139,11 +139,12 @@ class MedusaProposer(Proposer):
     @classmethod
     def from_engine(cls, parts: EngineParts) -> MedusaProposer:
         directory = parts.directory / "medusa"
-        heads = MedusaHeads.load(directory / HEADS_FILE).to(parts.device)
+        # The blocks run in fp32 (a few hundred thousand multiply-adds per head): in bf16 their small residual
+        # updates to a large hidden state are rounded away. The shared projection runs in the target's dtype.
+        heads = MedusaHeads.load(directory / HEADS_FILE).to(parts.device, torch.float32)
         target = parts.target
-        heads.to(torch.float32 if target.dtype == torch.float32 else target.dtype)
         tree = TokenTree.from_choices([list(path) for path in parts.pipeline.speculation.medusa.choices])
-        return cls(heads, tree, target.logits, parts.cache.batch_size, parts.device)
+        return cls(heads, tree, lambda x: target.logits(x.to(target.dtype)), parts.cache.batch_size, parts.device)
 
     def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
         self.last[row] = hidden[-1]
@@ -156,8 +157,7 @@ class MedusaProposer(Proposer):
 
     def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
         batch = len(sequences)
-        hidden = self.last[:batch].to(self.heads.blocks[0][0].weight.dtype)
-        logits = self.heads.logits(hidden, self.shared_head).flatten(0, 1)  # [B * K, V]
+        logits = self.heads.logits(self.last[:batch], self.shared_head).flatten(0, 1)  # [B * K, V]
         candidates = topk_indices(logits, self.top)  # unordered
         ranks = logits.gather(1, candidates).argsort(dim=-1, descending=True)
         top = candidates.gather(1, ranks).view(batch, self.heads.num_heads, self.top)  # [B, K, top], best first

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import math
 import queue
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,10 +27,7 @@ from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
 from specdeploy.sampling_params import SamplingParams
 from specdeploy.speculative.medusa import MedusaHeads
-
-TOP_K = (1, 3, 5)  # accuracies reported per head
-RANKS = 10  # ranks whose accuracy is recorded for the tree builder
-IGNORE = -100  # a target past the end of an answer
+from specdeploy.speculative.medusa_accuracy import IGNORE, TOP_K, Features, hidden_features
 
 
 def progress_bar(console: Console | None = None) -> Progress:
@@ -84,32 +80,16 @@ def answer_collector(index: int, finished: queue.Queue):
     return on_tokens
 
 
-@dataclass
-class Features:
-    hidden: torch.Tensor  # [N, H] fp32: the target's final hidden state at each answer position t
-    targets: torch.Tensor  # [N, K] long: the token at t + k + 2 for head k, IGNORE past the answer's end
-
-
 def features(engine: Engine, answers: dict[str, list[int]], num_heads: int, console: Console | None = None
              ) -> Features:
-    """One target forward per prompt + answer; positions from the prompt's last token to the answer's second to
-    last (each has at least the next token; heads whose target lies past the end are ignored)."""
-    hidden_rows, target_rows = [], []
-    with progress_bar(console) as progress, torch.inference_mode():
-        task = progress.add_task("hidden states", total=len(answers))
-        for prompt, answer in answers.items():
-            prompt_ids = engine.encode_prompt(prompt)
-            tokens = prompt_ids + answer
-            cache = engine.target.new_cache(1, len(tokens) + 1)
-            hidden = engine.target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0].float()
-            first = len(prompt_ids) - 1
-            positions = range(first, len(tokens) - 1)
-            padded = torch.tensor(tokens + [IGNORE] * (num_heads + 1))
-            targets = torch.stack([padded[t + 2:t + 2 + num_heads] for t in positions])
-            hidden_rows.append(hidden[first:len(tokens) - 1])
-            target_rows.append(targets)
-            progress.advance(task)
-    return Features(torch.cat(hidden_rows), torch.cat(target_rows))
+    """Hidden states and head targets over each prompt's answer (see medusa_accuracy.hidden_features)."""
+    sequences = []
+    for prompt, answer in answers.items():
+        prompt_ids = engine.encode_prompt(prompt)
+        sequences.append((prompt_ids + answer, len(prompt_ids) - 1))
+    with progress_bar(console) as progress:
+        task = progress.add_task("hidden states", total=len(sequences))
+        return hidden_features(engine.target, sequences, num_heads, lambda: progress.advance(task))
 
 
 def head_losses(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor, lm_head: torch.Tensor
@@ -150,26 +130,6 @@ def train(heads: MedusaHeads, data: Features, lm_head: torch.Tensor, epochs: int
                                                              f"{loss.item() / heads.num_heads:.3f})")
             save_file(heads.state(), str(work_dir / f"heads.epoch{epoch + 1}.safetensors"))
     return heads
-
-
-def accuracies(heads: MedusaHeads, data: Features, lm_head: torch.Tensor, batch_size: int = 512
-               ) -> list[dict]:
-    """Per head, over `data`: top-k accuracy (k in TOP_K) of its guess for the token at t + k + 2, and by_rank[i],
-    how often its i-th most likely token is that token (what the tree builder needs), for i < RANKS."""
-    hits = torch.zeros(heads.num_heads, RANKS)
-    counts = torch.zeros(heads.num_heads)
-    with torch.inference_mode():
-        for batch in torch.arange(len(data.hidden)).split(batch_size):
-            logits = F.linear(heads.hidden(data.hidden[batch]), lm_head)  # [n, K, V]
-            top = logits.topk(RANKS, dim=-1).indices  # [n, K, RANKS], best first
-            targets = data.targets[batch]
-            valid = targets != IGNORE
-            hits += ((top == targets[..., None]) & valid[..., None]).sum(0)
-            counts += valid.sum(0)
-    by_rank = hits / counts[:, None].clamp(min=1)
-    return [{f"top{k}": float(by_rank[h, :k].sum()) for k in TOP_K}
-            | {"by_rank": [round(float(x), 5) for x in by_rank[h]], "positions": int(counts[h])}
-            for h in range(heads.num_heads)]
 
 
 def print_accuracies(report: list[dict[str, float]], console: Console) -> None:
