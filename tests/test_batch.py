@@ -61,17 +61,20 @@ def test_host_read_counter_counts():
     assert torch.Tensor.tolist is torch._C.TensorBase.tolist  # restored
 
 
+def mixed_requests() -> list[GenerationRequest]:
+    """Greedy, sampled, penalised and sampled-penalised requests with proposal lengths 3, 2, 4 and 1."""
+    return [GenerationRequest(PROMPTS[0], 30, GREEDY, 3, end_id=NO_END_ID),
+            GenerationRequest(PROMPTS[1], 30, SamplingParams(temperature=0.8, top_k=20, seed=1), 2, end_id=NO_END_ID),
+            GenerationRequest(PROMPTS[2], 30, SamplingParams(repetition_penalty=1.3), 4, end_id=NO_END_ID),
+            GenerationRequest(PROMPTS[1], 30, SamplingParams(temperature=1.0, repetition_penalty=1.2, seed=2), 1,
+                              end_id=NO_END_ID)]
+
+
 @pytest.mark.parametrize("kind", ["draft_target", "int4", "ngram"])
 def test_one_host_read_per_batched_step(rows, kind):
     """Greedy, sampled and penalised rows with different proposal lengths verify with one host read per step."""
     engine = rows[kind]
-    requests = [GenerationRequest(PROMPTS[0], 30, GREEDY, 3, end_id=NO_END_ID),
-                GenerationRequest(PROMPTS[1], 30, SamplingParams(temperature=0.8, top_k=20, seed=1), 2,
-                                  end_id=NO_END_ID),
-                GenerationRequest(PROMPTS[2], 30, SamplingParams(repetition_penalty=1.3), 4, end_id=NO_END_ID),
-                GenerationRequest(PROMPTS[1], 30, SamplingParams(temperature=1.0, repetition_penalty=1.2, seed=2), 1,
-                                  end_id=NO_END_ID)]
-    sequences = [engine.new_sequence(request) for request in requests]
+    sequences = [engine.new_sequence(request) for request in mixed_requests()]
     for row, sequence in enumerate(sequences):
         engine.decoder.prefill(sequence, row)
     drafted_before = [s.stats.drafted for s in sequences]

@@ -14,7 +14,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_acceptance_distribution import MIN_SAMPLES, PositionCheck, goodness_of_fit_counts
+from test_acceptance_distribution import (  # noqa: F401 (_single_thread: an autouse fixture)
+    MIN_SAMPLES,
+    PositionCheck,
+    _single_thread,
+    goodness_of_fit_counts,
+)
 
 from specdeploy.sampling import SamplingParams, sample, sampling_distribution, uniform
 from specdeploy.speculative.tree import (
@@ -31,14 +36,6 @@ N_TRIALS = 100_000
 CHAIN = [[0], [0, 0], [0, 0, 0]]
 WIDE = [[0], [1], [2], [3]]
 MIXED = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]]
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -131,18 +131,12 @@ def test_greedy_tree_speculation_equals_plain_batched_and_the_cache_is_the_commi
 def test_mixed_rows_verify_a_tree_with_one_host_read_and_keep_their_caches(tiny_engines):
     """Greedy, sampled and penalised rows with different depth caps: one host read per step, and each row's cache
     stays the committed prefix (sampled rows accept through other branches than greedy ones)."""
-    from test_batch import HostReads
+    from test_batch import HostReads, mixed_requests
 
     plain = tiny_engines["ngram"]
     references = {len(p): plain.start(request(p, 30, 0)).run() for p in PROMPTS}
     engine = scripted_engine(tiny_engines, references, 4)
-    requests = [request(PROMPTS[0], 30, 3),
-                GenerationRequest(PROMPTS[1], 30, SamplingParams(temperature=0.8, top_k=20, seed=1), 2,
-                                  end_id=NO_END_ID),
-                GenerationRequest(PROMPTS[2], 30, SamplingParams(repetition_penalty=1.3), 4, end_id=NO_END_ID),
-                GenerationRequest(PROMPTS[1], 30, SamplingParams(temperature=1.0, repetition_penalty=1.2, seed=2), 1,
-                                  end_id=NO_END_ID)]
-    sequences = [engine.new_sequence(r) for r in requests]
+    sequences = [engine.new_sequence(r) for r in mixed_requests()]
     for row, sequence in enumerate(sequences):
         engine.decoder.prefill(sequence, row)
     for _ in range(4):
