@@ -171,3 +171,33 @@ def test_bench_reports_the_tree_its_prediction_and_a_suggested_tree(tiny_checkpo
     assert 0 <= report["expected_accepted_per_step"] <= 4 and len(report["head_top1_here"]) == 3
     assert report["predicted_speedup"] > 0 and len(report["verify_costs"]) == 13 and report["verify_costs"][0] == 1
     TokenTree.from_choices(report["suggested_tree"])
+
+
+def test_typical_acceptance_is_wired_and_accepts_more_than_the_exact_rule(tiny_checkpoints, tmp_path):
+    """acceptance: typical (lossy) makes sampled rows accept any candidate the target finds plausible; on the tiny
+    model's flat distributions that is far more than the exact rule accepts. Greedy rows stay exact."""
+    heads = tmp_path / "heads.safetensors"
+    random_heads().save(heads)
+    engines = {}
+    for acceptance in ("exact", "typical"):
+        path = medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads)
+        text = path.read_text().replace("method: medusa", f"method: medusa\n  acceptance: {acceptance}")
+        path.write_text(text.replace("name: tiny-medusa", f"name: tiny-medusa-{acceptance}"))
+        engines[acceptance] = Engine(build(load_pipeline(path), tmp_path / "engines", quiet=True).directory)
+    accepted = {}
+    for acceptance, engine in engines.items():
+        params = SamplingParams(temperature=1.0, seed=4)
+        accepted[acceptance] = sum(run_accepted(engine, p, params) for p in PROMPTS)
+    assert accepted["typical"] > 3 * max(accepted["exact"], 1)
+    greedy = [run_tokens(engines[a], PROMPTS[0]) for a in ("exact", "typical")]
+    assert greedy[0] == greedy[1]
+
+
+def run_accepted(engine: Engine, prompt: list[int], params: SamplingParams) -> int:
+    generation = engine.start(GenerationRequest(prompt, 40, params, None, end_id=NO_END_ID))
+    generation.run()
+    return generation.stats.accepted
+
+
+def run_tokens(engine: Engine, prompt: list[int]) -> list[int]:
+    return engine.start(GenerationRequest(prompt, 30, SamplingParams(), None, end_id=NO_END_ID)).run()

@@ -19,7 +19,7 @@ import torch
 from specdeploy.errors import SpecdeployError
 from specdeploy.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel, ragged_forward_all, tree_forward_all
-from specdeploy.pipeline import Schedule
+from specdeploy.pipeline import Acceptance, Schedule
 from specdeploy.reductions import argmax
 from specdeploy.request import NO_END_ID, GenerationRequest
 from specdeploy.sampling import (
@@ -35,7 +35,7 @@ from specdeploy.sequence import Sequence
 from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_greedy
 from specdeploy.speculative.proposer import Proposal, Proposer
 from specdeploy.speculative.schedule import ProposalLength
-from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_greedy
+from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_greedy, accept_tree_typical
 from specdeploy.stats import RequestStats
 
 
@@ -80,9 +80,12 @@ class Verdict:
 class BatchDecoder:
     """The target, its cache and the proposer of one engine, stepping up to the cache's rows of sequences."""
 
-    def __init__(self, target: LlamaModel, cache: KVCache, proposer: Proposer, max_length: int) -> None:
-        """max_length: the logical sequence limit (the cache has headroom past it for ragged padding)."""
+    def __init__(self, target: LlamaModel, cache: KVCache, proposer: Proposer, max_length: int,
+                 acceptance: Acceptance = "exact") -> None:
+        """max_length: the logical sequence limit (the cache has headroom past it for ragged padding).
+        acceptance: "typical" verifies sampled rows' trees with Medusa's lossy typical acceptance."""
         self.target, self.cache, self.proposer, self.max_length = target, cache, proposer, max_length
+        self.tree_rule = accept_tree_typical if acceptance == "typical" else accept_tree
         self.vocab_size = target.config.vocab_size
         self.device = target.embed.device
 
@@ -190,7 +193,7 @@ class BatchDecoder:
             if tree is None:
                 result = accept(tokens[sampled, 1:], draft_probs, target_probs, num_drafted[sampled], streams)
             else:
-                result = accept_tree(tree, tokens[sampled, 1:], target_probs, num_drafted[sampled], streams)
+                result = self.tree_rule(tree, tokens[sampled, 1:], target_probs, num_drafted[sampled], streams)
             outcomes.append((sampled, outcome_rows(result)))
         if len(outcomes) == 1:
             outcome = outcomes[0][1]  # one kind of row, already in row order

@@ -84,7 +84,8 @@ class Engine:
         self.proposer = create_proposer(self.method, EngineParts(self.dir, self.pipeline, self.target, self.cache,
                                                                  device))
         self.end_ids = text.end_of_sequence_ids(self.tokenizer, self.target.config.eos_token_ids)
-        self.decoder = BatchDecoder(self.target, self.cache, self.proposer, limits.max_sequence_length)
+        self.decoder = BatchDecoder(self.target, self.cache, self.proposer, limits.max_sequence_length,
+                                    self.pipeline.speculation.acceptance)
 
     @property
     def method(self) -> Method:
