@@ -201,3 +201,34 @@ def run_accepted(engine: Engine, prompt: list[int], params: SamplingParams) -> i
 
 def run_tokens(engine: Engine, prompt: list[int]) -> list[int]:
     return engine.start(GenerationRequest(prompt, 30, SamplingParams(), None, end_id=NO_END_ID)).run()
+
+
+@pytest.mark.smollm2
+def test_medusa_serves_through_triton_with_per_head_metrics(tmp_path):
+    """The shipped Medusa pipeline in fp32 behind the real tritonserver: greedy text over gRPC equals plain greedy
+    in-process (both entry points), and the accepted tokens are counted per head (position)."""
+    import yaml
+    from conftest import REPO
+
+    from specdeploy.triton.client import generate
+    from specdeploy.triton.repository import write_repository
+    from specdeploy.triton.scrape import scrape, total
+    from specdeploy.triton.server import TritonServer
+
+    spec = yaml.safe_load((REPO / "pipelines" / "smollm2-medusa.yaml").read_text())
+    spec["target"]["dtype"] = "float32"
+    spec["speculation"]["medusa"]["heads"] = str(REPO / "pipelines" / spec["speculation"]["medusa"]["heads"])
+    engine_dir = build(load_pipeline(write_pipeline(tmp_path / "medusa-fp32.yaml", **spec)), tmp_path / "engines",
+                       quiet=True).directory
+    engine = Engine(engine_dir)
+    prompt = "Write a Python function that returns the square of a number."
+    expected = engine.decode(engine.start(GenerationRequest(engine.encode_prompt(prompt), 40, SamplingParams(), 0))
+                             .run())
+    repository = write_repository(engine_dir, tmp_path / "repository")
+    with TritonServer(repository, log_file=tmp_path / "tritonserver.log") as server:
+        for model in ("speculative", "ensemble"):
+            chunks = list(generate(server.grpc_url, prompt, 40, model=model))
+            assert "".join(c.text for c in chunks) == expected, model
+            assert chunks[-1].statistics["total_accepted_draft_tokens"] > 0
+        values = scrape(server.metrics_url)
+        assert total(values, "specdeploy_accepted_tokens_per_position_total", position="1", method="medusa") > 0
