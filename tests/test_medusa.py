@@ -74,6 +74,14 @@ def test_export_writes_the_shared_head_once_per_head_and_reads_back(tmp_path):
     lm_head = torch.randn(VOCAB, HIDDEN)
     export_trtllm(heads, lm_head, tmp_path / "medusa_lm_head.safetensors", torch.float32)
     tensors = load_file(str(tmp_path / "medusa_lm_head.safetensors"))
+    # What TensorRT-LLM's loader reads (NVIDIA/TensorRT-LLM tensorrt_llm/models/medusa/weight.py, load_medusa_hf):
+    # for every head h and layer l < num_medusa_layers, f"{h}.{l}.linear.weight" [H, H] and f"{h}.{l}.linear.bias"
+    # [H], then f"{h}.{num_medusa_layers}.weight" [V, H], the head's LM head; nothing else is read.
+    expected = {}
+    for h in range(3):
+        expected.update({f"{h}.0.linear.weight": (HIDDEN, HIDDEN), f"{h}.0.linear.bias": (HIDDEN,),
+                         f"{h}.1.weight": (VOCAB, HIDDEN)})
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected
     for k in range(3):
         assert torch.equal(tensors[f"{k}.1.weight"], lm_head)
     exported = MedusaHeads.from_state(tensors)
