@@ -169,6 +169,11 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, tempe
     return report
 
 
+def plain_step_seconds(plain: list[RequestStats]) -> float:
+    """The mean time of one plain decode step: the unit of draft, head and verify costs."""
+    return sum(s.verify_seconds for s in plain) / max(sum(s.steps for s in plain), 1)
+
+
 def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     plain = [r.plain for r in runs]
     spec = [r.speculative for r in runs]
@@ -176,7 +181,7 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     drafted, accepted = sum(s.drafted for s in spec), sum(s.accepted for s in spec)
     steps = sum(s.steps for s in spec)
     emitted = sum(s.decode_tokens for s in spec)
-    plain_step = sum(s.verify_seconds for s in plain) / max(sum(s.steps for s in plain), 1)
+    plain_step = plain_step_seconds(plain)
     # c per draft forward for a draft model; per drafted token for a draft-free proposer (no forwards).
     draft_units = sum(s.draft_forwards for s in spec) or drafted
     draft_cost = sum(s.draft_seconds for s in spec) / max(draft_units, 1) / plain_step
@@ -239,8 +244,7 @@ def medusa_report(engine: Engine, runs: list[PromptRun], report: dict, encoded: 
     by rank, measured here on the plain greedy answers to these prompts (and, for comparison, from the held-out
     answers train-medusa reported, which the build copies into the engine), over the head and verify costs of
     this run; and the tree the builder picks from the same accuracies and verify costs measured on this machine."""
-    from safetensors.torch import load_file
-
+    from specdeploy.models.registry import load_projection
     from specdeploy.speculative.medusa import ACCURACY_FILE
     from specdeploy.speculative.medusa_accuracy import accuracies, hidden_features
     from specdeploy.speculative.tree_builder import build_tree, expected_accepted
@@ -248,13 +252,11 @@ def medusa_report(engine: Engine, runs: list[PromptRun], report: dict, encoded: 
     proposer = engine.proposer
     tree, paths = proposer.tree, list(proposer.tree.paths)
     spec = [r.speculative for r in runs]
-    plain_step = sum(r.plain.verify_seconds for r in runs) / max(sum(r.plain.steps for r in runs), 1)
-    head_cost = sum(s.draft_seconds for s in spec) / max(sum(s.speculative_steps for s in spec), 1) / plain_step
+    head_cost = (sum(s.draft_seconds for s in spec) / max(sum(s.speculative_steps for s in spec), 1)
+                 / plain_step_seconds([r.plain for r in runs]))
     sequences = [(ids + r.plain_tokens, len(ids) - 1) for ids, r in zip(encoded, runs)]
     data = hidden_features(engine.target, sequences, proposer.heads.num_heads)
-    state = load_file(str(engine.dir / "target" / "model.safetensors"))
-    lm_head = state.get("lm_head.weight", state["model.embed_tokens.weight"]).float()
-    heads_here = accuracies(proposer.heads, data, lm_head)
+    heads_here = accuracies(proposer.heads, data, load_projection(engine.dir / "target"))
     by_rank = [head["by_rank"] for head in heads_here]
     expected = expected_accepted(paths, by_rank)
     costs = measure_verify_costs(engine, encoded[0], engine.pipeline.limits.max_draft_tokens)

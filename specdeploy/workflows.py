@@ -125,9 +125,9 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     """Self-distil the pipeline's Medusa heads (speculation.medusa: num_heads, num_layers) on its frozen target and
     write them to `output`, with a report of each head's held-out accuracy beside it (<output>.json)."""
     from rich.console import Console
-    from safetensors.torch import load_file
 
     from specdeploy.bench import load_prompts
+    from specdeploy.models.registry import load_projection
     from specdeploy.pipeline import SpeculationSpec
     from specdeploy.speculative.medusa import MedusaHeads
     from specdeploy.speculative.medusa_accuracy import accuracies
@@ -149,8 +149,7 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     engine = Engine(engine_dir, method="none")
     train_data = training.features(engine, {p: answers[p] for p in train_prompts}, spec.num_heads, console)
     held_data = training.features(engine, {p: answers[p] for p in held_out}, spec.num_heads, console)
-    state = load_file(str(engine_dir / "target" / "model.safetensors"))
-    lm_head = state.get("lm_head.weight", state["model.embed_tokens.weight"]).float()
+    lm_head = load_projection(engine_dir / "target")
     heads = MedusaHeads(train_data.hidden.shape[1], spec.num_heads, spec.num_layers)
     heads = training.train(heads, train_data, lm_head, epochs, work_dir, console=console)
     report = accuracies(heads, held_data, lm_head)

@@ -27,7 +27,7 @@ from specdeploy.errors import BuildError, SpecdeployError
 from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline, staging_dir
 from specdeploy.manifest import fingerprint, output_records, record_sources, up_to_date
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
-from specdeploy.models.registry import DTYPES
+from specdeploy.models.registry import DTYPES, projection_key
 from specdeploy.pipeline import PipelineSpec, load_pipeline
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
@@ -73,7 +73,7 @@ def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             draft.update({f"{base}.{k}": v for k, v in quantize_int4(tensor).items()})
         elif name != "lm_head.weight":
             draft[name] = tensor.to(torch.bfloat16)
-    head = state.get("lm_head.weight", state["model.embed_tokens.weight"])  # tied: the draft gets its own copy
+    head = state[projection_key(state)]  # tied: the draft gets its own copy
     if head.shape[0] % INT4_KERNEL_ROWS == 0:  # otherwise the head stays int8 only
         draft.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
     draft.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})

@@ -10,6 +10,7 @@ import json
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from specdeploy.errors import SpecdeployError
@@ -46,3 +47,15 @@ def load_component(directory: Path, device: str = "cpu") -> LlamaModel:
         raise SpecdeployError(f"{directory}: the model's logits are not finite (its weights hold NaN or inf); "
                               f"rebuild the engine (specdeploy build --force)")
     return model
+
+
+def projection_key(names) -> str:
+    """The vocabulary projection's tensor among `names`: lm_head.weight, or the embedding table when they are tied."""
+    return "lm_head.weight" if "lm_head.weight" in names else "model.embed_tokens.weight"
+
+
+def load_projection(directory: Path) -> torch.Tensor:
+    """A dense component's vocabulary projection [V, H] in fp32, read alone from its model.safetensors (what Medusa
+    heads are trained and measured through)."""
+    with safe_open(str(Path(directory) / "model.safetensors"), framework="pt") as weights:
+        return weights.get_tensor(projection_key(set(weights.keys()))).float()
