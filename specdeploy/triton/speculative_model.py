@@ -41,7 +41,7 @@ class Metrics:
         "accepted": ("specdeploy_accepted_tokens_total", "Drafted tokens accepted"),
         "steps": ("specdeploy_verification_steps_total", "Target verification steps, summed over requests"),
         "per_position": ("specdeploy_accepted_tokens_per_position_total",
-                         "Accepted drafted tokens by draft position (1-based)"),
+                         "Accepted drafted tokens by draft position (1-based; Medusa: tree depth = head)"),
         "requests": ("specdeploy_requests_total", "Finished requests by outcome"),
     }
 
