@@ -30,7 +30,7 @@ test: venv
 	$(VENV)/bin/pytest -q
 
 bench: venv
-	$(VENV)/bin/specdeploy bench pipelines/smollm2-draft-target.yaml --json bench-results/draft-target.json
+	$(VENV)/bin/specdeploy bench pipelines/smollm2-draft-target.yaml pipelines/smollm2-medusa.yaml --json bench-results/draft-target-vs-medusa.json
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-ngram.yaml --json bench-results/ngram.json --no-transformers
 
 lint: venv

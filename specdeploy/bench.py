@@ -129,18 +129,36 @@ def compare_greedy(engine: Engine, prompt_ids: list[int], plain: list[int], spec
 def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, temperature: float | None, seed: int,
               with_transformers: bool, quiet: bool = False) -> dict:
     """max_tokens, temperature: None for the pipeline's. The seed is the same for every prompt and mode."""
-    defaults = GenerationRequest.with_defaults(engine.pipeline, [], max_tokens, temperature, seed=seed)
-    params, max_tokens = defaults.sampling, defaults.max_tokens
-    encoded = [engine.encode_prompt(p["prompt"]) for p in prompts]
-    engine.generate(encoded[0], params, 8).run()  # warm-up: first calls allocate and page in weights
-    runs = []
-    for item, ids in track(list(zip(prompts, encoded)), description="bench", disable=quiet):
-        plain = engine.generate(ids, params, max_tokens, num_draft_tokens=0)
-        plain_tokens = plain.run()
-        speculative = engine.generate(ids, params, max_tokens)
-        speculative_tokens = speculative.run()
-        runs.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens, speculative_tokens))
+    return run_benches([engine], prompts, max_tokens, temperature, seed, with_transformers, quiet)[0]
 
+
+def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | None, temperature: float | None,
+                seed: int, with_transformers: bool, quiet: bool = False) -> list[dict]:
+    """One report per engine, measured in one run: for each prompt in turn every engine decodes it plain and with
+    its speculation, so the machine's load drifts over all of them alike. transformers is measured once (first
+    engine)."""
+    requests = [GenerationRequest.with_defaults(e.pipeline, [], max_tokens, temperature, seed=seed) for e in engines]
+    encoded = [[e.encode_prompt(p["prompt"]) for p in prompts] for e in engines]
+    for engine, request, ids in zip(engines, requests, encoded):
+        engine.generate(ids[0], request.sampling, 8).run()  # warm-up: first calls allocate and page in weights
+    runs: list[list[PromptRun]] = [[] for _ in engines]
+    for index, item in enumerate(track(prompts, description="bench", disable=quiet)):
+        for engine, request, ids, done in zip(engines, requests, encoded, runs):
+            plain = engine.generate(ids[index], request.sampling, request.max_tokens,
+                                    num_draft_tokens=0)
+            plain_tokens = plain.run()
+            speculative = engine.generate(ids[index], request.sampling, request.max_tokens)
+            speculative_tokens = speculative.run()
+            done.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens,
+                                  speculative_tokens))
+    return [finish_report(engine, done, ids, request, with_transformers and number == 0)
+            for number, (engine, request, ids, done) in enumerate(zip(engines, requests, encoded, runs))]
+
+
+def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]], request: GenerationRequest,
+                  with_transformers: bool) -> dict:
+    """The report of one engine's runs: speeds, costs, prediction, greedy check, bandwidth ceiling."""
+    params, max_tokens = request.sampling, request.max_tokens
     report = summarize(engine, runs)
     if params.greedy:
         verdicts = [compare_greedy(engine, ids, r.plain_tokens, r.speculative_tokens)
@@ -162,9 +180,11 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, tempe
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
     if engine.method == "medusa":
         report["medusa"] = medusa_report(engine, runs, report, encoded)
-    report.update(method=engine.method, num_draft_tokens=engine.num_draft_tokens,
+        # the linear rule's formula does not describe a tree: the tree's own prediction replaces it
+        report["predicted_speedup"] = report["medusa"]["predicted_speedup"]
+    report.update(pipeline=engine.pipeline.name, method=engine.method, num_draft_tokens=engine.num_draft_tokens,
                   schedule=engine.pipeline.speculation.schedule, dtype=engine.dtype,
-                  temperature=params.temperature, max_tokens=max_tokens, prompts=len(prompts),
+                  temperature=params.temperature, max_tokens=max_tokens, prompts=len(runs),
                   threads=torch.get_num_threads())
     return report
 
@@ -207,6 +227,7 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
         "verify_cost_ratio": verify_cost,
         "predicted_speedup": predicted_speedup(alpha, formula_gamma, draft_cost, verify_cost),
         "mean_draft_tokens_per_step": mean_drafted,
+        "proposal_cost_per_step": (sum(s.draft_seconds for s in spec) / max(speculative_steps, 1) / plain_step),
         "per_position_acceptance": [a / d if d else 0.0 for d, a in zip(*per_position)],
         "by_kind": {},
     }
@@ -284,13 +305,14 @@ def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost
 
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
-    table = Table(title=f"specdeploy bench — {report['method']}, gamma={report['num_draft_tokens']} "
-                        f"({report['schedule']}), "
+    table = Table(title=f"specdeploy bench — {report['pipeline']}: {report['method']}, "
+                        f"gamma={report['num_draft_tokens']} ({report['schedule']}), "
                         f"{report['dtype']}, T={report['temperature']}, {report['prompts']} prompts")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        if key in ("by_kind", "method", "num_draft_tokens", "schedule", "dtype", "temperature", "prompts", "medusa"):
+        if key in ("by_kind", "pipeline", "method", "num_draft_tokens", "schedule", "dtype", "temperature", "prompts",
+                   "medusa"):
             continue
         if isinstance(value, float):
             value = f"{value:.3f}"

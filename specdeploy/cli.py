@@ -134,7 +134,7 @@ def print_generation(report: dict, url: str | None) -> None:
 
 
 @cli.command()
-@click.argument("pipeline_path", metavar="PIPELINE.yaml", required=False)
+@click.argument("pipeline_paths", metavar="[PIPELINE.yaml]...", nargs=-1)
 @engines_option
 @click.option("--url", default=None, help="Benchmark a running server (HOST:PORT) with concurrent gRPC streams.")
 @click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="With --url: concurrency levels.")
@@ -158,24 +158,35 @@ def print_generation(report: dict, url: str | None) -> None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
-def bench(pipeline_path: str | None, engines_dir: Path, url: str | None, concurrency: str,
+def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, concurrency: str,
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
           json_out: Path | None, no_transformers: bool) -> None:
-    """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction.
+    """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
+    pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
     from specdeploy import bench as benchmarks
     from specdeploy.workflows import load_engine
 
     prompts = benchmarks.load_prompts(prompts_path)
-    engine = load_engine(pipeline_path, engines_dir) if pipeline_path is not None else None
+    if url is not None and len(pipeline_paths) > 1:
+        raise click.UsageError("--url compares a server with one pipeline in-process: give one PIPELINE.yaml")
+    engines = [load_engine(path, engines_dir) for path in pipeline_paths]
+    engine = engines[0] if engines else None
     if url is None:
         if engine is None:
             raise click.UsageError("give PIPELINE.yaml (in-process) or --url HOST:PORT (a running server)")
-        report = benchmarks.run_bench(engine, prompts, max_tokens, temperature, seed,
-                                      with_transformers=not no_transformers)
-        benchmarks.print_report(report)
+        reports = benchmarks.run_benches(engines, prompts, max_tokens, temperature, seed,
+                                         with_transformers=not no_transformers)
+        for one in reports:
+            benchmarks.print_report(one)
+        report = reports[0]
+        if len(reports) > 1:
+            from specdeploy.bench_comparison import compare, print_comparison
+
+            report = {"comparison": compare(reports), "reports": reports}
+            print_comparison(report["comparison"])
     else:
         from specdeploy.triton import load_report
 

@@ -192,6 +192,29 @@ def test_bench_reports_every_key(tmp_path, tiny_checkpoints):
     assert set(report["by_kind"]) == {"edit", "other"}
 
 
+def test_bench_puts_pipelines_side_by_side_from_one_run(tmp_path, tiny_checkpoints):
+    ngram = tiny_pipeline(tmp_path, "tiny-ngram-side", tiny_checkpoints["target"], method="ngram")
+    dt = tiny_pipeline(tmp_path, "tiny-dt-side", tiny_checkpoints["target"], draft=tiny_checkpoints["draft"])
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text('{"prompt": "abcabcabcabc", "kind": "copy"}\n{"prompt": "hello there", "kind": "open"}\n')
+    out = tmp_path / "side.json"
+    result = run_cli("bench", str(ngram), str(dt), "--prompts", str(prompts), "--max-tokens", "12", "--json",
+                     str(out), "--no-transformers", "--engines-dir", str(tmp_path / "engines"))
+    assert result.returncode == 0, result.stderr
+    assert "side by side" in result.stdout and "tiny-ngram-side" in result.stdout
+    saved = json.loads(out.read_text())
+    comparison, reports = saved["comparison"], saved["reports"]
+    assert comparison["pipelines"] == ["tiny-ngram-side", "tiny-dt-side"]
+    assert [r["method"] for r in reports] == ["ngram", "draft_target"]
+    for report in reports:
+        assert comparison["figures"]["speedup"][report["pipeline"]] == report["speedup"]
+        assert report["greedy_match"] is True
+    for kind, row in comparison["by_kind"].items():
+        assert row["winner"] == max(row["speedup"], key=row["speedup"].get)
+        assert row["speedup"] == {r["pipeline"]: r["by_kind"][kind]["speedup"] for r in reports}
+    assert run_cli("bench", str(ngram), str(dt), "--url", "localhost:1").returncode == 2
+
+
 def test_bench_rejects_bad_prompt_file(tmp_path, tiny_dt):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('{"prompt": "fine"}\n{"text": "no prompt key"}\n')
