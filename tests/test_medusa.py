@@ -65,6 +65,8 @@ def test_heads_file_round_trips_under_trtllm_keys(tmp_path, num_layers, own):
     h = torch.randn(5, HIDDEN)
     shared = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
     torch.testing.assert_close(loaded.logits(h, shared), heads.logits(h, shared))
+    # a shallow tree asks for its first heads only: the same logits, fewer rows
+    torch.testing.assert_close(loaded.logits(h, shared, 2), heads.logits(h, shared)[:, :2])
 
 
 def test_export_writes_the_shared_head_once_per_head_and_reads_back(tmp_path):

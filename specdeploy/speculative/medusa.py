@@ -47,23 +47,24 @@ class MedusaHeads(nn.Module):
                 nn.init.zeros_(block.bias)
         self.projections = None if projections is None else nn.Parameter(projections)
 
-    def hidden(self, h: torch.Tensor) -> torch.Tensor:
-        """h: [..., H] (the target's final hidden state, after its norm) → [..., K, H], each head's block output."""
+    def hidden(self, h: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """h: [..., H] (the target's final hidden state, after its norm) → [..., K, H], each head's block output
+        (the first `count` heads' only, when given)."""
         outputs = []
-        for head in self.blocks:
+        for head in self.blocks[:count]:
             x = h
             for block in head:
                 x = x + F.silu(block(x))
             outputs.append(x)
         return torch.stack(outputs, dim=-2)
 
-    def logits(self, h: torch.Tensor, shared_head) -> torch.Tensor:
-        """h: [..., H] → fp32 logits [..., K, V]. shared_head: the target's projection (hidden → fp32 logits),
-        used when the heads have none of their own."""
-        x = self.hidden(h)
+    def logits(self, h: torch.Tensor, shared_head, count: int | None = None) -> torch.Tensor:
+        """h: [..., H] → fp32 logits [..., K, V] (K = count when given: the first heads only). shared_head: the
+        target's projection (hidden → fp32 logits), used when the heads have none of their own."""
+        x = self.hidden(h, count)
         if self.projections is None:
             return shared_head(x)
-        return torch.einsum("...kh,kvh->...kv", x, self.projections).float()
+        return torch.einsum("...kh,kvh->...kv", x, self.projections[:count]).float()
 
     # ---- files ---------------------------------------------------------------------------------------------
     def state(self, projection: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
@@ -156,11 +157,12 @@ class MedusaProposer(Proposer):
         self.last[destination] = self.last[source]
 
     def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
-        batch = len(sequences)
-        logits = self.heads.logits(self.last[:batch], self.shared_head).flatten(0, 1)  # [B * K, V]
+        batch, depth = len(sequences), self.tree.depth
+        # only the heads the tree reaches: a shallow tree pays for fewer rows of the vocabulary projection
+        logits = self.heads.logits(self.last[:batch], self.shared_head, depth).flatten(0, 1)  # [B * depth, V]
         candidates = topk_indices(logits, self.top)  # unordered
         ranks = logits.gather(1, candidates).argsort(dim=-1, descending=True)
-        top = candidates.gather(1, ranks).view(batch, self.heads.num_heads, self.top)  # [B, K, top], best first
+        top = candidates.gather(1, ranks).view(batch, depth, self.top)  # [B, depth, top], best first
         tokens = top[:, self.head_of_node, self.rank_of_node]  # [B, N]
         counts = [self.tree.nodes_up_to(gamma) for gamma in gammas]
         return Proposal(tokens, None, counts, self.tree)
