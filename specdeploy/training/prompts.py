@@ -7,14 +7,14 @@ never among them. A seeded split keeps a held-out part for the accuracy report.
 
 from __future__ import annotations
 
+import ast
 import gzip
-import importlib
 import importlib.resources
-import inspect
 import json
 import random
 
 from specdeploy.errors import SpecdeployError
+from specdeploy.training import material
 
 SUBJECTS = [
     "a lighthouse keeper", "a library book", "a mountain village", "a weather station", "an online shop",
@@ -43,18 +43,42 @@ CONCEPTS = [
     "version control", "unit testing", "a database index", "floating-point rounding", "caching", "encryption",
     "a compiler", "big-O notation", "an operating system", "a virtual machine",
 ]
-DOC_MODULES = [
-    "json", "pathlib", "itertools", "functools", "collections", "textwrap", "string", "random", "statistics",
-    "fractions", "decimal", "datetime", "calendar", "heapq", "bisect", "csv", "difflib", "shlex", "argparse",
-    "logging", "threading", "queue", "tempfile", "shutil", "glob", "fnmatch", "zipfile", "tarfile", "hashlib",
-    "base64", "uuid", "secrets", "enum", "dataclasses", "typing", "contextlib", "abc", "copy", "pprint", "re",
+CODE_EDITS = [
+    "Add type hints to this Python function. Return the complete function.\n\n{c}",
+    "Add a comment above each block of this function saying what it does, and return the full code.\n\n{c}",
+    "Rewrite this function so it is easier to read, keeping its behaviour. Return the whole function.\n\n{c}",
+    "Add a docstring to this function describing its arguments and return value. Return the function.\n\n{c}",
+    "Explain what this Python function does, step by step.\n\n{c}",
 ]
-DOC_TASKS = [
-    "Summarise this documentation in two sentences:\n\n{d}",
+RENAME = "Rename the parameter `{old}` to `{new}` throughout this function and return all of it.\n\n{c}"
+TEXT_FIXES = [
+    "Correct the spelling in this passage and give back the whole corrected passage.\n\n{d}",
+    "This text has typos. Return it with the typos fixed and nothing else changed.\n\n{d}",
+    "Proofread the following paragraph and return the corrected version.\n\n{d}",
+]
+TEXT_EDITS = [
+    "Repeat the following text exactly:\n\n{d}",
+    "Put each sentence of this text on its own line, without changing the words:\n\n{d}",
     "Rewrite this text in plain English for a beginner:\n\n{d}",
-    "Repeat the following text exactly, fixing any spelling mistakes:\n\n{d}",
+]
+SUMMARIES = [
+    "Summarise this documentation in two sentences:\n\n{d}",
+    "Give a one-sentence summary of this text:\n\n{d}",
     "Turn this text into a bulleted list of its main points:\n\n{d}",
-    "Translate this text into simple French:\n\n{d}",
+]
+RECORD_TASKS = [
+    "Turn this record into a JSON object with the keys name, age, city, job and languages (a list):\n\n{text}",
+    "Write this person's details as JSON, using snake_case keys:\n\n{text}",
+]
+JSON_EDITS = [
+    "Change every key in this JSON object to snake_case, leaving the values as they are:\n{json}",
+    "Return this JSON object with its keys sorted alphabetically:\n{json}",
+    "Add a field \"active\": true to this JSON object and return the whole object:\n{json}",
+]
+MESSAGE_EDITS = [
+    "Make this message more polite without changing what it asks for:\n\n{m}",
+    "Rewrite this note in a friendly, professional tone. Keep every request in it.\n\n{m}",
+    "Rewrite this message as a formal email with a greeting and a sign-off:\n\n{m}",
 ]
 
 
@@ -69,33 +93,61 @@ def human_eval_prompts() -> list[str]:
     return [f"Complete this Python function:\n\n{json.loads(line)['prompt']}" for line in lines if line.strip()]
 
 
-def documentation_passages(limit: int = 600) -> list[str]:
-    """The beginnings of standard-library module docstrings (at most `limit` characters, cut at a sentence end)."""
-    passages = []
-    for name in DOC_MODULES:
-        text = " ".join((inspect.getdoc(importlib.import_module(name)) or "").split())[:limit]
-        text = text[:text.rfind(". ") + 1] or text
-        if len(text) > 150:
-            passages.append(text)
-    return passages
+def first_parameter(source: str) -> str | None:
+    arguments = ast.parse(source).body[0].args
+    names = [a.arg for a in arguments.posonlyargs + arguments.args if a.arg not in ("self", "cls")]
+    return names[0] if names else None
 
 
-def written_prompts() -> list[str]:
-    prompts = [t.format(s=s) for t in OPEN_ENDED + JSON_TASKS for s in SUBJECTS]
-    prompts += [t.format(s=c) for t in EXPLAIN for c in CONCEPTS]
-    prompts += [t.format(d=d) for t in DOC_TASKS for d in documentation_passages()]
-    return list(dict.fromkeys(prompts))
+def code_edit_prompts(chooser: random.Random) -> list[str]:
+    """One edit request per small standard-library function, the edit chosen at random."""
+    prompts = []
+    for source in material.stdlib_functions():
+        parameter = first_parameter(source)
+        if parameter is not None and chooser.random() < 0.25:
+            prompts.append(RENAME.format(old=parameter, new=f"{parameter}_value", c=source))
+        else:
+            prompts.append(chooser.choice(CODE_EDITS).format(c=source))
+    return prompts
+
+
+def written_families(seed: int = 0) -> dict[str, list[str]]:
+    """Written prompts by kind, each list in a seeded random order."""
+    chooser = random.Random(seed)
+    passages = material.documentation_passages()
+    records = material.json_records(chooser, 120)
+    families = {
+        "code edit": code_edit_prompts(chooser),
+        "text fix": [chooser.choice(TEXT_FIXES).format(d=material.misspell(d, chooser)) for d in passages],
+        "text edit": [chooser.choice(TEXT_EDITS).format(d=d) for d in passages],
+        "summary": [chooser.choice(SUMMARIES).format(d=d) for d in passages],
+        "json": [t.format(s=s) for t in JSON_TASKS for s in SUBJECTS]
+                + [chooser.choice(RECORD_TASKS).format(text=text) for text, _ in records]
+                + [chooser.choice(JSON_EDITS).format(json=compact) for _, compact in records],
+        "message edit": [chooser.choice(MESSAGE_EDITS).format(m=m) for m in material.blunt_messages(chooser, 150)],
+        "open": [t.format(s=s) for t in OPEN_ENDED for s in SUBJECTS] + [t.format(s=c) for t in EXPLAIN
+                                                                          for c in CONCEPTS],
+    }
+    for prompts in families.values():
+        chooser.shuffle(prompts)
+    return {kind: list(dict.fromkeys(prompts)) for kind, prompts in families.items()}
+
+
+def written_prompts(seed: int = 0) -> list[str]:
+    """Every written prompt, the families interleaved (so a prefix of any length mixes all kinds)."""
+    families = list(written_families(seed).values())
+    interleaved = [family[i] for i in range(max(map(len, families))) for family in families if i < len(family)]
+    return list(dict.fromkeys(interleaved))
 
 
 def training_prompts(count: int, held_out: float = 0.1, seed: int = 0,
                      exclude: list[str] | None = None) -> tuple[list[str], list[str]]:
-    """`count` prompts (every HumanEval problem, the rest written ones chosen at random), split into training and
+    """`count` prompts (every HumanEval problem, then written ones of every kind in turn), split into training and
     held-out parts; prompts in `exclude` (the benchmark's) are left out."""
     chooser = random.Random(seed)
     excluded = set(exclude or [])
     code = [p for p in human_eval_prompts() if p not in excluded]
-    written = [p for p in written_prompts() if p not in excluded]
-    chooser.shuffle(written)
+    written = [p for p in written_prompts(seed) if p not in excluded]
     prompts = (code + written)[:count]
     chooser.shuffle(prompts)
     cut = max(1, round(len(prompts) * held_out))
