@@ -272,9 +272,7 @@ def medusa_report(engine: Engine, runs: list[PromptRun], report: dict, encoded: 
 
     proposer = engine.proposer
     tree, paths = proposer.tree, list(proposer.tree.paths)
-    spec = [r.speculative for r in runs]
-    head_cost = (sum(s.draft_seconds for s in spec) / max(sum(s.speculative_steps for s in spec), 1)
-                 / plain_step_seconds([r.plain for r in runs]))
+    head_cost = report["proposal_cost_per_step"]  # the heads are Medusa's proposal
     sequences = [(ids + r.plain_tokens, len(ids) - 1) for ids, r in zip(encoded, runs)]
     data = hidden_features(engine.target, sequences, proposer.heads.num_heads)
     heads_here = accuracies(proposer.heads, data, load_projection(engine.dir / "target"))
