@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
+from specdeploy import machine
 from specdeploy.errors import SpecdeployError
 from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
@@ -185,8 +186,23 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
     report.update(pipeline=engine.pipeline.name, method=engine.method, num_draft_tokens=engine.num_draft_tokens,
                   schedule=engine.pipeline.speculation.schedule, dtype=engine.dtype,
                   temperature=params.temperature, max_tokens=max_tokens, prompts=len(runs),
-                  threads=torch.get_num_threads())
+                  threads=torch.get_num_threads(), machine=machine.describe())
     return report
+
+
+def why_it_loses(report: dict) -> str | None:
+    """A sentence saying where the time went when speculation ran slower than plain decode (None when it did
+    not), naming the CPU's generic bf16 matmul when that is the cause of a costly verify."""
+    if report["speedup"] >= 1:
+        return None
+    text = (f"Speculation ran at {report['speedup']:.2f}x plain decode here: a step cost "
+            f"{report['proposal_cost_per_step']:.2f} plain steps to propose and {report['verify_cost_ratio']:.2f} to "
+            f"verify, for {report['mean_accepted_length']:.2f} tokens.")
+    if report["dtype"] == "bfloat16" and not report["machine"]["bf16_matmul"].startswith("oneDNN"):
+        text += (" This CPU has no oneDNN bf16 matmul (it needs AVX-512 or AMX), so a bf16 matmul's time grows with "
+                 "its rows and verifying n tokens costs nearly n plain steps: serve this pipeline without "
+                 "speculation here, or on a CPU with AVX-512 or AMX.")
+    return text
 
 
 def plain_step_seconds(plain: list[RequestStats]) -> float:
@@ -310,7 +326,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
     table.add_column("value", justify="right")
     for key, value in report.items():
         if key in ("by_kind", "pipeline", "method", "num_draft_tokens", "schedule", "dtype", "temperature", "prompts",
-                   "medusa"):
+                   "medusa", "machine"):
             continue
         if isinstance(value, float):
             value = f"{value:.3f}"
@@ -325,4 +341,11 @@ def print_report(report: dict, console: Console | None = None) -> None:
         elif isinstance(value, list) and value and isinstance(value[0], float):
             value = " ".join(f"{v:.2f}" for v in value)
         table.add_row(f"medusa: {key}", str(value))
+    machine_row = report["machine"]
+    table.add_row("machine", f"{machine_row['cpu']}, {machine_row['threads']} threads, "
+                             f"{' '.join(machine_row['matmul_flags']) or 'no listed flags'}; "
+                             f"bf16 matmul: {machine_row['bf16_matmul']}")
     console.print(table)
+    verdict = why_it_loses(report)
+    if verdict:
+        console.print(f"[yellow]{verdict}[/yellow]")

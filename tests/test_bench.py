@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from specdeploy.bench import run_benches
+import torch
+
+from specdeploy import machine
+from specdeploy.bench import run_benches, why_it_loses
 
 
 def test_pipelines_take_turns_prompt_by_prompt(tiny_engines, monkeypatch):
@@ -24,3 +27,27 @@ def test_pipelines_take_turns_prompt_by_prompt(tiny_engines, monkeypatch):
                         for mode in ("plain", "speculative")]
     assert [r["pipeline"] for r in reports] == [e.pipeline.name for e in engines]
     assert all(r["prompts"] == 2 and set(r["by_kind"]) == {"copy", "open"} for r in reports)
+
+
+def losing_report(dtype: str, bf16_matmul: str, speedup: float = 0.26) -> dict:
+    return {"speedup": speedup, "proposal_cost_per_step": 0.26, "verify_cost_ratio": 5.94,
+            "mean_accepted_length": 1.58, "dtype": dtype, "machine": {"bf16_matmul": bf16_matmul}}
+
+
+def test_a_loss_is_explained_and_blames_the_cpu_only_when_bf16_runs_generic():
+    generic = why_it_loses(losing_report("bfloat16", "generic (time grows with rows)"))
+    assert "0.26x" in generic and "5.94 to verify" in generic and "AVX-512 or AMX" in generic
+    assert "AVX-512" not in why_it_loses(losing_report("bfloat16", "oneDNN"))
+    assert "AVX-512" not in why_it_loses(losing_report("float32", "generic (time grows with rows)"))
+    assert why_it_loses(losing_report("bfloat16", "generic (time grows with rows)", speedup=1.2)) is None
+
+
+def test_the_machine_is_described_from_cpuinfo_and_torch():
+    described = machine.describe()
+    flags = set(machine.cpu_info().get("flags", "").split())
+    assert set(described["matmul_flags"]) == flags & set(machine.MATMUL_FLAGS)
+    assert described["bf16_matmul"].startswith("oneDNN") == machine.onednn_bf16()
+    assert described["threads"] == torch.get_num_threads() and described["cpu"]
+    # oneDNN's bf16 kernels need AVX-512 (BW) or AMX or AVX-NE-CONVERT: a CPU with none of them gets the generic one
+    if flags and not flags & {"avx512bw", "amx_bf16", "avx_ne_convert"}:
+        assert not machine.onednn_bf16()

@@ -185,8 +185,9 @@ def test_bench_reports_every_key(tmp_path, tiny_checkpoints):
     for key in ("baseline_tokens_per_s", "speculative_tokens_per_s", "speedup", "acceptance_rate",
                 "mean_accepted_length", "draft_cost_ratio", "verify_cost_ratio", "predicted_speedup",
                 "greedy_match", "per_position_acceptance", "num_draft_tokens", "method", "dtype",
-                "bandwidth_ceiling_tokens_per_s", "fraction_of_ceiling", "transformers_tokens_per_s"):
+                "bandwidth_ceiling_tokens_per_s", "fraction_of_ceiling", "transformers_tokens_per_s", "machine"):
         assert key in report, key
+    assert report["machine"]["threads"] == report["threads"] and "bf16 matmul:" in result.stdout
     assert report["greedy_match"] is True and report["method"] == "ngram" and report["dtype"] == "float32"
     assert report["speedup"] == pytest.approx(report["speculative_tokens_per_s"] / report["baseline_tokens_per_s"])
     assert set(report["by_kind"]) == {"edit", "other"}

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdeploy.kv_cache import KVCache, write_entries
+from specdeploy.machine import onednn_bf16
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.quantize import Int4Linear, Int8Linear, RescoredHead
 
@@ -26,8 +27,7 @@ from specdeploy.models.quantize import Int4Linear, Int8Linear, RescoredHead
 def packs_for_cpu(weight: torch.Tensor) -> bool:
     """bf16 mat-vecs on CPU run about 1.5x faster from oneDNN's prepacked layout than from F.linear (same
     results, measured bit-identical here), so bf16 CPU weights are packed once at load."""
-    return (weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_bf16()
 
 
 class DenseLinear(nn.Module):
