@@ -19,7 +19,9 @@ from rich.progress import track
 from rich.table import Table
 
 from specdeploy import machine
+from specdeploy.bench_moe import expert_union_curve
 from specdeploy.errors import SpecdeployError
+from specdeploy.models.moe import SparseMoE
 from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
 from specdeploy.stats import RequestStats, decode_rate
@@ -75,6 +77,8 @@ def weight_bytes_per_token(engine: Engine) -> int:
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             if tensor.dim() == 2 and name in ("weight", "packed"):
                 total += tensor.numel() * tensor.element_size()
+        if isinstance(module, SparseMoE):  # a token reads only the experts it is routed to
+            total -= (module.num_experts - module.experts_per_token) * module.expert_bytes
     return total
 
 
@@ -179,6 +183,9 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
     if with_transformers:
         hf = transformers_decode_tokens_per_s(engine, encoded[0], min(max_tokens, 64))
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
+    if engine.target.config.architecture == "mixtral":
+        answers = [(ids + r.plain_tokens, len(ids)) for ids, r in zip(encoded, runs)]
+        report["moe"] = expert_union_curve(engine, answers, engine.num_draft_tokens + 1)
     if engine.method == "medusa":
         report["medusa"] = medusa_report(engine, runs, report, encoded)
         # the linear rule's formula does not describe a tree: the tree's own prediction replaces it
@@ -326,7 +333,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
     table.add_column("value", justify="right")
     for key, value in report.items():
         if key in ("by_kind", "pipeline", "method", "num_draft_tokens", "schedule", "dtype", "temperature", "prompts",
-                   "medusa", "machine"):
+                   "medusa", "moe", "machine"):
             continue
         if isinstance(value, float):
             value = f"{value:.3f}"
@@ -335,12 +342,13 @@ def print_report(report: dict, console: Console | None = None) -> None:
         table.add_row(key, str(value))
     for kind, row in report["by_kind"].items():
         table.add_row(f"speedup ({kind})", f"{row['speedup']:.3f} ({row['prompts']} prompts)")
-    for key, value in report.get("medusa", {}).items():
-        if isinstance(value, float):
-            value = f"{value:.3f}"
-        elif isinstance(value, list) and value and isinstance(value[0], float):
-            value = " ".join(f"{v:.2f}" for v in value)
-        table.add_row(f"medusa: {key}", str(value))
+    for section in ("medusa", "moe"):
+        for key, value in report.get(section, {}).items():
+            if isinstance(value, float):
+                value = f"{value:.3f}"
+            elif isinstance(value, list) and value and isinstance(value[0], float):
+                value = " ".join(f"{v:.3g}" if v >= 1e4 else f"{v:.2f}" for v in value)
+            table.add_row(f"{section}: {key}", str(value))
     machine_row = report["machine"]
     table.add_row("machine", f"{machine_row['cpu']}, {machine_row['threads']} threads, "
                              f"{' '.join(machine_row['matmul_flags']) or 'no listed flags'}; "

@@ -106,9 +106,31 @@ class CheckpointSpec(Section):
 
 
 @dataclass(frozen=True)
+class MoESpec(Section):
+    """Derive a Mixtral-architecture MoE target from a dense checkpoint (builders/moe_derive.py): each MLP split
+    into `experts` experts, each token routed to `experts_per_token` of them."""
+
+    experts: int = 8
+    experts_per_token: int = 2
+    calibration_tokens: int = 8192  # of openly licensed text the routers are fitted on
+
+    def check(self) -> None:
+        if self.experts < 2:
+            raise Problem("experts", f"must be ≥ 2, got {self.experts}")
+        if not 1 <= self.experts_per_token <= self.experts:
+            raise Problem("experts_per_token", f"must be in [1, experts ({self.experts})], got "
+                                               f"{self.experts_per_token}")
+        if self.calibration_tokens < 256:
+            raise Problem("calibration_tokens", f"must be ≥ 256, got {self.calibration_tokens}")
+
+
+@dataclass(frozen=True)
 class TargetSpec(Section):
+    """The target model; `moe`, when given, turns a dense checkpoint into a Mixtral-architecture MoE at build."""
+
     checkpoint: CheckpointSpec
     dtype: DType = "bfloat16"
+    moe: MoESpec | None = None
 
 
 @dataclass(frozen=True)

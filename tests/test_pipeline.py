@@ -38,6 +38,7 @@ EXPECTED = {
     "smollm2-draft-target": ("draft_target", 5, "bfloat16"),
     "smollm2-ngram": ("ngram", 12, "bfloat16"),
     "smollm2-medusa": ("medusa", 4, "bfloat16"),
+    "smollm2-moe-draft-target": ("draft_target", 5, "bfloat16"),
 }
 
 MINIMAL = {"name": "tiny", "target": {"checkpoint": {"source": "gguf", "path": "model.gguf"}}}

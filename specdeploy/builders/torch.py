@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 
 import specdeploy
 from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, source_files
+from specdeploy.builders.moe_derive import derive_target
 from specdeploy.errors import BuildError, SpecdeployError
 from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline, staging_dir
 from specdeploy.manifest import fingerprint, output_records, record_sources, up_to_date
@@ -96,6 +97,9 @@ def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> N
     draft = pipeline.speculation.draft
     if draft is None or draft.derive != "int4":
         return
+    if checkpoint.config.architecture != "llama":
+        raise BuildError(f"speculation.draft.derive int4 quantizes dense llama targets, and this target is a "
+                         f"{checkpoint.config.architecture}: give the draft a checkpoint (derive: none)")
     for name in ("hidden_size", "intermediate_size"):
         if getattr(checkpoint.config, name) % GROUP_SIZE:
             raise BuildError(f"speculation.draft.derive int4 needs {name} divisible by {GROUP_SIZE}, "
@@ -141,8 +145,13 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}] loading target checkpoint", total=None)
-        target = load_checkpoint(pipeline.target.checkpoint, pipeline)
-        check_draft_quantizable(pipeline, target)
+        target = dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
+        check_draft_quantizable(pipeline, dense)
+        moe = pipeline.target.moe
+        if moe is not None:
+            progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE "
+                                              f"({moe.experts_per_token} per token) from the dense target")
+            target = derive_target(moe, dense, str(pipeline.target.checkpoint.path))
         progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
         save_engine_pipeline(staging, pipeline)
         target_dtype = DTYPES[pipeline.target.dtype]
@@ -152,9 +161,10 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
             draft_spec = speculation.draft
             if draft_spec.derive == "int4":
                 progress.update(task, description=f"[{pipeline.name}] quantizing the target into an int4 draft")
-                # Activations in the target's dtype, so the draft can share the target's KV cache.
-                draft_state = quantized_draft_state(target.state)
-                write_component(staging / "draft", target, draft_state, pipeline.target.dtype, pipeline,
+                # Activations in the target's dtype, so the draft can share the target's KV cache. A derived MoE
+                # target's draft is its dense source quantized: the same attention, reading the same cache.
+                draft_state = quantized_draft_state(dense.state)
+                write_component(staging / "draft", dense, draft_state, pipeline.target.dtype, pipeline,
                                 draft_quantization(draft_state))
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")

@@ -26,6 +26,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     architecture: str = "llama"
     quantization: dict | None = field(default=None)
+    num_experts: int = 0  # mixtral: experts per MoE layer (intermediate_size is one expert's); 0 for dense
+    experts_per_token: int = 0  # mixtral: k, the experts each token is routed to
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
@@ -35,11 +37,14 @@ class ModelConfig:
         if self.num_heads % self.num_kv_heads:
             raise SpecdeployError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.architecture == "mixtral" and not 1 <= self.experts_per_token <= self.num_experts:
+            raise SpecdeployError(f"model config: a mixtral needs 1 ≤ experts_per_token ≤ num_experts, got "
+                                  f"{self.experts_per_token} of {self.num_experts}")
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     @classmethod
     def from_hf(cls, hf_config) -> ModelConfig:
-        """From a transformers LlamaConfig (or anything with the same attribute names)."""
+        """From a transformers LlamaConfig or MixtralConfig (or anything with the same attribute names)."""
         rope = getattr(hf_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
         if rope.get("rope_type", "default") != "default":
@@ -47,6 +52,9 @@ class ModelConfig:
         eos = hf_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        window = getattr(hf_config, "sliding_window", None)
+        if window is not None and window < hf_config.max_position_embeddings:
+            raise SpecdeployError(f"sliding-window attention (sliding_window {window}) is not supported")
         return cls(
             architecture=hf_config.model_type,
             vocab_size=hf_config.vocab_size,
@@ -61,14 +69,23 @@ class ModelConfig:
             max_position_embeddings=hf_config.max_position_embeddings,
             tie_word_embeddings=bool(hf_config.tie_word_embeddings),
             eos_token_ids=tuple(eos),
+            num_experts=getattr(hf_config, "num_local_experts", 0) or 0,
+            experts_per_token=getattr(hf_config, "num_experts_per_tok", 0) or 0,
         )
 
     def to_hf(self):
-        """The equivalent transformers LlamaConfig (for parity tests and the transformers baseline)."""
-        from transformers import LlamaConfig
+        """The equivalent transformers LlamaConfig or MixtralConfig (for parity tests, the transformers baseline
+        and exports)."""
+        from transformers import LlamaConfig, MixtralConfig
 
-        return LlamaConfig(
-            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+        family = LlamaConfig
+        extra: dict = {}
+        if self.architecture == "mixtral":
+            family = MixtralConfig
+            extra = {"num_local_experts": self.num_experts, "num_experts_per_tok": self.experts_per_token,
+                     "router_jitter_noise": 0.0, "sliding_window": None, "output_router_logits": False}
+        return family(
+            **extra, vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
             num_hidden_layers=self.num_layers, num_attention_heads=self.num_heads,
             num_key_value_heads=self.num_kv_heads, head_dim=self.head_dim, rms_norm_eps=self.rms_norm_eps,
             rope_theta=self.rope_theta, max_position_embeddings=self.max_position_embeddings,

@@ -111,15 +111,28 @@ class LayerCalls(NamedTuple):
     qkv: Callable[[torch.Tensor], torch.Tensor]
     out: Callable[[torch.Tensor], torch.Tensor]
     post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
-    gate_up: Callable[[torch.Tensor], torch.Tensor]
-    down: Callable[[torch.Tensor], torch.Tensor]
+    feed_forward: Callable[[torch.Tensor], torch.Tensor]
+
+
+class GatedMLP(nn.Module):
+    """x: [..., H] → down(silu(gate x) * up x): [..., H], gate and up fused into one matmul."""
+
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.gate_up = fused_linear(state, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], dtype)
+        self.down = fused_linear(state, [f"{prefix}.down_proj"], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up.forward(x).chunk(2, dim=-1)
+        return self.down.forward(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype,
+                 feed_forward: nn.Module) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
-        attn, mlp = f"{prefix}.self_attn", f"{prefix}.mlp"
+        attn = f"{prefix}.self_attn"
         self.input_norm = RMSNorm(state[f"{prefix}.input_layernorm.weight"].to(dtype), config.rms_norm_eps)
         self.qkv = fused_linear(
             state, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], dtype,
@@ -128,10 +141,9 @@ class DecoderLayer(nn.Module):
         self.out = fused_linear(state, [f"{attn}.o_proj"], dtype)
         self.post_attention_norm = RMSNorm(state[f"{prefix}.post_attention_layernorm.weight"].to(dtype),
                                            config.rms_norm_eps)
-        self.gate_up = fused_linear(state, [f"{mlp}.gate_proj", f"{mlp}.up_proj"], dtype)
-        self.down = fused_linear(state, [f"{mlp}.down_proj"], dtype)
+        self.feed_forward = feed_forward
         self.calls = LayerCalls(self.input_norm.forward, self.qkv.forward, self.out.forward,
-                                self.post_attention_norm.forward, self.gate_up.forward, self.down.forward)
+                                self.post_attention_norm.forward, self.feed_forward.forward)
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, keys_cache: torch.Tensor, values_cache: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
@@ -152,19 +164,21 @@ class DecoderLayer(nn.Module):
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         attended = attended.view(batch, kv_heads, heads // kv_heads, length, dim).permute(0, 3, 1, 2, 4)
         x = x + calls.out(attended.reshape(batch, length, heads * dim))
-        gate, up = calls.gate_up(calls.post_attention_norm(x)).chunk(2, dim=-1)
-        return x + calls.down(F.silu(gate) * up)
+        return x + calls.feed_forward(calls.post_attention_norm(x))
 
 
 class LlamaModel(nn.Module):
-    """Decoder stack + final norm + vocabulary projection, built from canonical weights."""
+    """Decoder stack + final norm + vocabulary projection, built from canonical weights. A family that differs
+    only in its feed-forward block (models/moe.py) overrides make_feed_forward."""
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
         self.embed = nn.Parameter(state["model.embed_tokens.weight"].to(dtype), requires_grad=False)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, state, f"model.layers.{i}", dtype) for i in range(config.num_layers))
+            DecoderLayer(config, state, f"model.layers.{i}", dtype,
+                         self.make_feed_forward(config, state, f"model.layers.{i}.mlp", dtype))
+            for i in range(config.num_layers))
         self.norm = RMSNorm(state["model.norm.weight"].to(dtype), config.rms_norm_eps)
         if any(f"lm_head.{key}" in state for key in ("weight", "codes", "int8")):
             self.lm_head = fused_linear(state, ["lm_head"], dtype)
@@ -173,6 +187,11 @@ class LlamaModel(nn.Module):
         inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
         angles = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
         self.register_buffer("rotations", torch.polar(torch.ones_like(angles), angles), persistent=False)
+
+    @staticmethod
+    def make_feed_forward(config: ModelConfig, state: dict[str, torch.Tensor], prefix: str,
+                          dtype: torch.dtype) -> nn.Module:
+        return GatedMLP(state, prefix, dtype)
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         c = self.config

@@ -16,9 +16,10 @@ from safetensors.torch import load_file
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
+from specdeploy.models.moe import MixtralModel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel}
+ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, "mixtral": MixtralModel}
 
 
 def model_class(architecture: str) -> type[LlamaModel]:

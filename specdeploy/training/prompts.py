@@ -13,6 +13,7 @@ import importlib.resources
 import json
 import random
 
+from specdeploy import corpus
 from specdeploy.errors import SpecdeployError
 from specdeploy.training import material
 
@@ -102,7 +103,7 @@ def first_parameter(source: str) -> str | None:
 def code_edit_prompts(chooser: random.Random) -> list[str]:
     """One edit request per small standard-library function, the edit chosen at random."""
     prompts = []
-    for source in material.stdlib_functions():
+    for source in corpus.stdlib_functions():
         parameter = first_parameter(source)
         if parameter is not None and chooser.random() < 0.25:
             prompts.append(RENAME.format(old=parameter, new=f"{parameter}_value", c=source))
@@ -114,7 +115,7 @@ def code_edit_prompts(chooser: random.Random) -> list[str]:
 def written_families(seed: int = 0) -> dict[str, list[str]]:
     """Written prompts by kind, each list in a seeded random order."""
     chooser = random.Random(seed)
-    passages = material.documentation_passages()
+    passages = corpus.documentation_passages()
     records = material.json_records(chooser, 120)
     families = {
         "code edit": code_edit_prompts(chooser),

@@ -1,0 +1,75 @@
+"""Mixtral-architecture decoder: the Llama decoder with each MLP replaced by a sparse mixture of experts.
+
+Per layer a router (linear, no bias) scores the E experts; softmax over them in fp32, the top k kept and
+renormalised to sum to one (Mixtral's rule); expert e computes w2(silu(w1 x) * w3 x), and a token's output is the
+weighted sum of its k experts' outputs. The experts run grouped: the tokens routed to an expert are gathered and
+pass through it in one matmul per active expert, so a step costs one matmul pair per distinct expert its tokens
+touch, which is what makes verifying several tokens dearer on an MoE than on a dense model.
+
+Weights use transformers 5's packed names: `mlp.gate.weight` [E, H] (the router), `mlp.experts.gate_up_proj`
+[E, 2I, H] (w1's rows, then w3's) and `mlp.experts.down_proj` [E, H, I] (w2).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdeploy.models.config import ModelConfig
+from specdeploy.models.llama import DenseLinear, LlamaModel
+
+
+def route(router_logits: torch.Tensor, experts_per_token: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Mixtral's rule. router_logits: [N, E] → (weights [N, k] fp32 summing to 1 per token, experts [N, k] long)."""
+    probabilities = router_logits.float().softmax(dim=-1)
+    weights, experts = probabilities.topk(experts_per_token, dim=-1)
+    return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+class SparseMoE(nn.Module):
+    """x: [..., H] → [..., H]. After each call, `expert_tokens` [E] holds how many of its tokens each expert took
+    (what bench counts distinct experts and expert bytes from)."""
+
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], prefix: str, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.num_experts, self.experts_per_token = config.num_experts, config.experts_per_token
+        self.router = DenseLinear(state[f"{prefix}.gate.weight"].to(dtype))
+        gate_up, down = state[f"{prefix}.experts.gate_up_proj"], state[f"{prefix}.experts.down_proj"]
+        self.gate_up = nn.ModuleList(DenseLinear(gate_up[e].to(dtype)) for e in range(self.num_experts))
+        self.down = nn.ModuleList(DenseLinear(down[e].to(dtype)) for e in range(self.num_experts))
+        self.expert_bytes = (gate_up[0].numel() + down[0].numel()) * torch.finfo(dtype).bits // 8
+        self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.long)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [N, H]
+        weights, experts = route(self.router.forward(flat), self.experts_per_token)  # [N, k] each
+        assignments = experts.flatten()  # [N * k]: token n's j-th expert at n * k + j
+        order = assignments.argsort(stable=True)  # assignments grouped by expert
+        counts = torch.bincount(assignments, minlength=self.num_experts)
+        self.expert_tokens = counts
+        tokens_in_order = order // self.experts_per_token
+        weights_in_order = weights.flatten()[order, None]
+        out = torch.zeros_like(flat)
+        start = 0
+        for expert, count in enumerate(counts.tolist()):
+            if count == 0:
+                continue
+            rows = tokens_in_order[start:start + count]
+            gate, up = self.gate_up[expert].forward(flat[rows]).chunk(2, dim=-1)
+            expert_out = self.down[expert].forward(F.silu(gate) * up)
+            out.index_add_(0, rows, (expert_out * weights_in_order[start:start + count]).to(out.dtype))
+            start += count
+        return out.view_as(x)
+
+
+class MixtralModel(LlamaModel):
+    """LlamaModel with a SparseMoE in place of every MLP."""
+
+    @staticmethod
+    def make_feed_forward(config: ModelConfig, state: dict[str, torch.Tensor], prefix: str,
+                          dtype: torch.dtype) -> nn.Module:
+        return SparseMoE(config, state, prefix, dtype)
+
+    def moe_layers(self) -> list[SparseMoE]:
+        return [layer.feed_forward for layer in self.layers]

@@ -1,0 +1,304 @@
+"""The Mixtral-architecture target: parity with transformers in both checkpoint layouts, grouped experts against a
+per-token reference, the MoE derived from a dense model, and speculation on an MoE target."""
+
+from __future__ import annotations
+
+import json
+import types
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from conftest import TINY, Collector, char_tokenizer, save_tiny_checkpoint, tiny_pipeline
+from safetensors.torch import load_file, save_file
+from test_engine import PROMPTS
+from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
+
+from specdeploy.bench import run_benches
+from specdeploy.bench_moe import experts_touched
+from specdeploy.builders.checkpoints import load_checkpoint
+from specdeploy.builders.moe_derive import balanced_assignment, derive_moe
+from specdeploy.builders.torch import build
+from specdeploy.errors import BuildError, PipelineError
+from specdeploy.models.config import ModelConfig
+from specdeploy.models.llama import LlamaModel
+from specdeploy.models.moe import MixtralModel, SparseMoE, route
+from specdeploy.pipeline import CheckpointSpec, PipelineSpec, PolicySpec, ServingSpec, TargetSpec, load_pipeline
+from specdeploy.request import GenerationRequest
+from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.scheduler import Scheduler
+from specdeploy.sampling_params import SamplingParams
+
+MOE = dict(TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
+
+
+def save_tiny_mixtral(directory: Path, seed: int, layout: str) -> Path:
+    """A random tiny Mixtral as a Hugging Face directory, its experts per expert (`block_sparse_moe.experts.N.w1`,
+    as transformers writes them) or packed (transformers 5's `mlp.experts.gate_up_proj`)."""
+    torch.manual_seed(seed)
+    model = MixtralForCausalLM(MixtralConfig(**MOE))
+    with torch.no_grad():
+        for parameter in model.parameters():
+            if parameter.dim() >= 2:
+                parameter.mul_(4.0)
+    model.save_pretrained(directory)
+    char_tokenizer(MOE["vocab_size"]).save_pretrained(directory)
+    if layout == "packed":
+        save_file({name: tensor.contiguous() for name, tensor in model.state_dict().items()},
+                  str(directory / "model.safetensors"))
+    return directory
+
+
+@pytest.fixture(scope="module")
+def mixtral_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("mixtral")
+    return {layout: save_tiny_mixtral(root / layout, seed=0, layout=layout) for layout in ("per_expert", "packed")}
+
+
+def test_the_two_layouts_hold_the_keys_they_claim(mixtral_dirs):
+    per_expert = load_file(str(mixtral_dirs["per_expert"] / "model.safetensors"))
+    packed = load_file(str(mixtral_dirs["packed"] / "model.safetensors"))
+    assert "model.layers.0.block_sparse_moe.experts.3.w2.weight" in per_expert
+    assert "model.layers.0.block_sparse_moe.gate.weight" in per_expert
+    assert packed["model.layers.1.mlp.experts.gate_up_proj"].shape == (4, 64, 64)
+    assert not any("block_sparse_moe" in name for name in packed)
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "packed"])
+def test_mixtral_matches_transformers_in_both_layouts(mixtral_dirs, layout, tmp_path):
+    reference = MixtralForCausalLM.from_pretrained(mixtral_dirs["packed"]).eval()
+    spec = CheckpointSpec(source="hf_dir", path=str(mixtral_dirs[layout]))
+    pipeline = PipelineSpec(name="moe", target=TargetSpec(checkpoint=spec))
+    checkpoint = load_checkpoint(spec, pipeline)
+    assert checkpoint.config.architecture == "mixtral" and checkpoint.config.num_experts == 4
+    model = MixtralModel(checkpoint.config, checkpoint.state)
+    tokens = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    full = model.logits(model(tokens, torch.arange(24)[None], model.new_cache(1, 64)))
+    torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
+    cache = model.new_cache(1, 64)  # prefill then one token at a time, as decode runs
+    pieces = [model.logits(model(tokens[:, :10], torch.arange(10)[None], cache))]
+    for position in range(10, 24):
+        cache.rewind(0, position)
+        pieces.append(model.logits(model(tokens[:, position:position + 1], torch.tensor([[position]]), cache)))
+    torch.testing.assert_close(torch.cat(pieces, 1), expected, atol=1e-5, rtol=1e-5)
+    prompt = tokens[:, :8]
+    greedy = reference.generate(prompt, max_new_tokens=12, do_sample=False)[0, 8:].tolist()
+    ours, cache, ids = [], model.new_cache(1, 64), prompt[0].tolist()
+    hidden = model(prompt, torch.arange(8)[None], cache)
+    for step in range(12):
+        ours.append(int(model.logits(hidden[:, -1]).argmax()))
+        cache.rewind(0, 8 + step)
+        hidden = model(torch.tensor([[ours[-1]]]), torch.tensor([[8 + step]]), cache)
+    assert ours == greedy and ids == prompt[0].tolist()
+
+
+def naive_moe(layer: SparseMoE, x: torch.Tensor) -> torch.Tensor:
+    """Token by token, expert by expert: the reference the grouped computation must equal."""
+    out = torch.zeros_like(x)
+    weights, experts = route(layer.router(x), layer.experts_per_token)
+    for token in range(x.shape[0]):
+        for weight, expert in zip(weights[token], experts[token]):
+            gate, up = layer.gate_up[expert](x[token]).chunk(2)
+            out[token] += weight * layer.down[expert](torch.nn.functional.silu(gate) * up)
+    return out
+
+
+def test_grouped_experts_equal_a_per_token_reference():
+    config = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=16, num_layers=1, num_heads=2,
+                         num_kv_heads=2, head_dim=16, architecture="mixtral", num_experts=6, experts_per_token=2)
+    generator = torch.Generator().manual_seed(3)
+    state = {"mlp.gate.weight": torch.randn(6, 32, generator=generator),
+             "mlp.experts.gate_up_proj": torch.randn(6, 32, 32, generator=generator),
+             "mlp.experts.down_proj": torch.randn(6, 32, 16, generator=generator)}
+    layer = SparseMoE(config, state, "mlp", torch.float32)
+    x = torch.randn(2, 7, 32, generator=generator)
+    grouped = layer(x)
+    torch.testing.assert_close(grouped, naive_moe(layer, x.reshape(-1, 32)).view(2, 7, 32), atol=1e-4, rtol=1e-5)
+    assert layer.expert_tokens.sum() == 14 * 2 and (layer.expert_tokens > 0).sum() > 2
+
+
+def test_balanced_assignment_fills_every_group_exactly():
+    similarity = torch.randn(24, 4, generator=torch.Generator().manual_seed(0))
+    similarity[:, 0] += 5  # every item prefers group 0: only 6 may have it
+    group = balanced_assignment(similarity, 6)
+    assert torch.bincount(group, minlength=4).tolist() == [6, 6, 6, 6]
+    assert set(similarity[:, 0].argsort(descending=True)[:6].tolist()) == set(torch.nonzero(group == 0)[:, 0].tolist())
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory) -> tuple[ModelConfig, dict]:
+    directory = save_tiny_checkpoint(tmp_path_factory.mktemp("dense") / "dense", seed=0)
+    reference = LlamaForCausalLM.from_pretrained(directory)
+    return ModelConfig.from_hf(reference.config), dict(reference.state_dict())
+
+
+CALIBRATION = [[(7 * i + j) % 120 + 3 for j in range(40)] for i in range(6)]
+
+
+def test_all_experts_with_a_uniform_router_reproduce_the_dense_model(dense):
+    config, state = dense
+    moe_config, moe_state = derive_moe(config, state, CALIBRATION, num_experts=4, experts_per_token=4,
+                                       router_scale=0.0)
+    assert moe_config.architecture == "mixtral" and moe_config.intermediate_size == config.intermediate_size // 4
+    tokens = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(30).expand(2, 30)
+    dense_model, moe_model = LlamaModel(config, state), MixtralModel(moe_config, moe_state)
+    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(2, 30)))
+    derived = moe_model.logits(moe_model(tokens, positions, moe_model.new_cache(2, 30)))
+    torch.testing.assert_close(derived, expected, atol=1e-5, rtol=1e-5)
+    assert torch.equal(derived.argmax(-1), expected.argmax(-1))
+
+
+def test_a_sparse_derivation_routes_and_keeps_most_of_the_model(dense):
+    config, state = dense
+    tokens = torch.tensor([CALIBRATION[0]])
+    positions = torch.arange(tokens.shape[1])[None]
+    dense_model = LlamaModel(config, state)
+    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(1, 64)))
+    agreement = {}
+    for k in (1, 2, 4):
+        moe_config, moe_state = derive_moe(config, state, CALIBRATION, num_experts=4, experts_per_token=k)
+        model = MixtralModel(moe_config, moe_state)
+        logits = model.logits(model(tokens, positions, model.new_cache(1, 64)))
+        agreement[k] = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+        touched = [(layer.expert_tokens > 0).sum().item() for layer in model.moe_layers()]
+        assert all(count <= 4 for count in touched) and sum(layer.expert_tokens.sum() for layer in
+                                                                model.moe_layers()) == k * 40 * config.num_layers
+    assert agreement[4] > 0.9  # a near-uniform router with all experts is close to the dense model
+    assert agreement[1] < 1.0  # one expert of four really drops computation
+
+
+def test_the_engine_config_records_the_experts(mixtral_dirs, tmp_path):
+    spec = CheckpointSpec(source="hf_dir", path=str(mixtral_dirs["per_expert"]))
+    checkpoint = load_checkpoint(spec, PipelineSpec(name="moe", target=TargetSpec(checkpoint=spec)))
+    saved = json.loads(json.dumps(checkpoint.config.to_dict()))
+    assert ModelConfig.from_dict(saved) == checkpoint.config
+    assert checkpoint.config.to_hf().num_local_experts == 4
+    with pytest.raises(Exception, match="experts_per_token"):
+        ModelConfig.from_dict(saved | {"experts_per_token": 5})
+
+
+@pytest.fixture(scope="module")
+def moe_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Engine]:
+    """An MoE target derived from the tiny dense target (4 experts, 2 per token), with the int4 dense draft and
+    with n-gram speculation; batch size 4."""
+    root = tmp_path_factory.mktemp("moe-engines")
+    moe = {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}
+    engines = {}
+    for method in ("draft_target", "ngram"):
+        path = tiny_pipeline(root, f"tiny-moe-{method}", tiny_checkpoints["target"], method=method)
+        spec = yaml.safe_load(path.read_text())
+        spec["target"]["moe"] = moe
+        path.write_text(yaml.safe_dump(spec))
+        engines[method] = Engine(build(load_pipeline(path), root / "engines", quiet=True).directory, batch_size=4)
+    return engines
+
+
+def test_a_derived_moe_target_is_built_as_a_mixtral_with_a_dense_int4_draft(moe_engines):
+    engine = moe_engines["draft_target"]
+    assert isinstance(engine.target, MixtralModel) and engine.target.config.num_experts == 4
+    assert engine.proposer.model.config.architecture == "llama"
+    assert engine.proposer.model.config.quantization["method"] == "int4"
+    assert engine.proposer.shared  # same attention weights: the draft reads the target's cache
+
+
+@pytest.mark.parametrize("method", ["draft_target", "ngram"])
+def test_greedy_speculation_on_the_moe_target_equals_plain(moe_engines, method):
+    engine = moe_engines[method]
+    drafted = 0
+    for prompt in PROMPTS:
+        plain = engine.generate(prompt, SamplingParams(), 32, num_draft_tokens=0).run()
+        generation = engine.generate(prompt, SamplingParams(), 32, num_draft_tokens=4)
+        assert generation.run() == plain
+        drafted += generation.stats.drafted
+    assert drafted > 0
+
+
+@pytest.mark.parametrize("method", ["draft_target", "ngram"])
+def test_batched_speculation_on_the_moe_target_equals_each_alone(moe_engines, method):
+    engine = moe_engines[method]
+    alone = [engine.generate(p, SamplingParams(), 24, num_draft_tokens=0).run() for p in PROMPTS]
+    scheduler = Scheduler(engine, ServingSpec(PolicySpec(full_up_to=4, off_above=4)))
+    try:
+        collectors = [Collector() for _ in PROMPTS]
+        for prompt, collector in zip(PROMPTS, collectors):
+            scheduler.submit(GenerationRequest(prompt, 24, SamplingParams(), 3), collector)
+        for collector in collectors:
+            assert collector.done.wait(120)
+    finally:
+        scheduler.stop()
+    assert [c.tokens for c in collectors] == alone
+
+
+def test_the_moe_cache_after_rejections_is_a_fresh_prefill(moe_engines):
+    engine = moe_engines["draft_target"]
+    generation = engine.generate(PROMPTS[2], SamplingParams(), 40, num_draft_tokens=4)
+    committed, rejections = list(PROMPTS[2]), 0
+    for emitted in generation:
+        committed.extend(emitted)
+        if len(committed) == len(PROMPTS[2]) + 1:
+            continue
+        rejections += len(emitted) <= 4
+        length = engine.cache.lengths[0]
+        assert length == len(committed) - 1
+        fresh = engine.target.new_cache(1, 256)
+        engine.target(torch.tensor([committed[:length]]), torch.arange(length)[None], fresh)
+        torch.testing.assert_close(engine.cache.keys[:, :1, :, :length], fresh.keys[:, :, :, :length],
+                                   atol=1e-4, rtol=1e-4)
+    assert rejections > 0
+
+
+def test_moe_derivation_is_refused_where_it_cannot_apply(mixtral_dirs, tiny_checkpoints, tmp_path):
+    path = tiny_pipeline(tmp_path, "moe-of-moe", mixtral_dirs["packed"], method="ngram")
+    spec = yaml.safe_load(path.read_text())
+    spec["target"]["moe"] = {"experts": 2, "experts_per_token": 1}
+    path.write_text(yaml.safe_dump(spec))
+    with pytest.raises(BuildError, match="target.moe derives an MoE from a dense llama checkpoint"):
+        build(load_pipeline(path), tmp_path / "engines", quiet=True)
+    int4_of_mixtral = tiny_pipeline(tmp_path, "int4-of-moe", mixtral_dirs["packed"])
+    with pytest.raises(BuildError, match="derive int4 quantizes dense llama targets"):
+        build(load_pipeline(int4_of_mixtral), tmp_path / "engines", quiet=True)
+    odd = tiny_pipeline(tmp_path, "odd-split", tiny_checkpoints["target"], method="ngram")
+    spec = yaml.safe_load(odd.read_text())
+    spec["target"]["moe"] = {"experts": 3, "experts_per_token": 1}
+    odd.write_text(yaml.safe_dump(spec))
+    with pytest.raises(BuildError, match="does not split into 3 experts"):
+        build(load_pipeline(odd), tmp_path / "engines", quiet=True)
+    with pytest.raises(PipelineError, match="experts_per_token"):
+        spec["target"]["moe"] = {"experts": 4, "experts_per_token": 5}
+        odd.write_text(yaml.safe_dump(spec))
+        load_pipeline(odd)
+
+
+def test_expert_union_counts_a_hand_computed_case():
+    """Router = the first four hidden dimensions, k = 2: token a goes to experts {0, 1}, b to {2, 3}, c to {0, 2}."""
+    config = ModelConfig(vocab_size=8, hidden_size=8, intermediate_size=4, num_layers=1, num_heads=2, num_kv_heads=2,
+                         head_dim=4, architecture="mixtral", num_experts=4, experts_per_token=2)
+    state = {"mlp.gate.weight": torch.eye(4, 8), "mlp.experts.gate_up_proj": torch.ones(4, 8, 8),
+             "mlp.experts.down_proj": torch.ones(4, 8, 4)}
+    layer = SparseMoE(config, state, "mlp", torch.float32)
+    a, b, c = (torch.tensor([1.0, 0.5, 0, 0, 0, 0, 0, 0]), torch.tensor([0, 0, 1.0, 0.5, 0, 0, 0, 0]),
+               torch.tensor([1.0, 0, 0.5, 0, 0, 0, 0, 0]))
+    model = types.SimpleNamespace(moe_layers=lambda: [layer])
+    for tokens, union in (([a], 2), ([a, a], 2), ([a, c], 3), ([a, b], 4), ([b, c], 3)):
+        layer(torch.stack(tokens)[None])
+        assert experts_touched(model) == [union]
+    assert layer.expert_bytes == (8 * 8 + 8 * 4) * 4
+
+
+def test_bench_reports_the_expert_union_by_verification_length(moe_engines):
+    engine = moe_engines["draft_target"]
+    prompts = [{"prompt": "abcabcabc", "kind": "copy"}, {"prompt": "hello world", "kind": "open"}]
+    report = run_benches([engine], prompts, 24, 0.0, 0, with_transformers=False, quiet=True)[0]
+    curve = report["moe"]
+    gamma = engine.num_draft_tokens
+    assert curve["verification_length"] == list(range(1, gamma + 2))
+    distinct = curve["distinct_experts_per_layer"]
+    assert distinct[0] == 2  # one token: exactly its k experts
+    assert all(a <= b for a, b in zip(distinct, distinct[1:])) and distinct[-1] <= 4  # a union only grows
+    layer = engine.target.moe_layers()[0]
+    assert curve["expert_bytes_read"][0] == 2 * len(engine.target.moe_layers()) * layer.expert_bytes
+    assert curve["verify_cost"][0] == 1.0 and len(curve["verify_cost"]) == gamma + 1
