@@ -256,9 +256,9 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
     }
     for kind in sorted({r.kind for r in runs}):
         chosen = [r for r in runs if r.kind == kind]
-        base = decode_rate([r.plain for r in chosen])
-        report["by_kind"][kind] = {"speedup": decode_rate([r.speculative for r in chosen]) / base if base else 0.0,
-                                   "prompts": len(chosen)}
+        base, rate = decode_rate([r.plain for r in chosen]), decode_rate([r.speculative for r in chosen])
+        if base and rate:  # a kind whose answers ended at once decoded nothing: there is no speed to compare
+            report["by_kind"][kind] = {"speedup": rate / base, "prompts": len(chosen)}
     return report
 
 

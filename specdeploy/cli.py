@@ -215,6 +215,35 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         click.echo(f"wrote {json_out}")
 
 
+@cli.command("moe-quality")
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@click.option("--experts-per-token", "ks", default=None, help="Comma-separated k to derive and score "
+              "(default: 1 to the pipeline's target.moe.experts).")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the report as JSON.")
+def moe_quality(pipeline_path: str, ks: str | None, json_out: Path | None) -> None:
+    """Derive the pipeline's MoE target (target.moe) for each number of experts per token and score it against
+    the dense model on held-out text: greedy agreement, KL divergence, perplexity."""
+    from specdeploy.moe_quality import moe_quality as measure
+    from specdeploy.moe_quality import print_quality
+    from specdeploy.pipeline import load_pipeline
+
+    pipeline = load_pipeline(pipeline_path)
+    try:
+        chosen = None if ks is None else [int(k) for k in ks.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {ks!r}",
+                                 param_hint="--experts-per-token") from None
+    if chosen is None:
+        chosen = list(range(1, (pipeline.target.moe.experts if pipeline.target.moe else 0) + 1))
+    report = measure(pipeline, chosen)
+    print_quality(report)
+    if json_out:
+        json_out.parent.mkdir(parents=True, exist_ok=True)
+        json_out.write_text(json.dumps(report, indent=2))
+        click.echo(f"wrote {json_out}")
+
+
 @cli.command("train-medusa")
 @click.argument("pipeline_path", metavar="PIPELINE.yaml")
 @engines_option

@@ -51,3 +51,16 @@ def test_the_machine_is_described_from_cpuinfo_and_torch():
     # oneDNN's bf16 kernels need AVX-512 (BW) or AMX or AVX-NE-CONVERT: a CPU with none of them gets the generic one
     if flags and not flags & {"avx512bw", "amx_bf16", "avx_ne_convert"}:
         assert not machine.onednn_bf16()
+
+
+def test_a_kind_that_decoded_nothing_has_no_speedup(tiny_engines):
+    from specdeploy.bench import PromptRun, summarize
+    from specdeploy.stats import RequestStats
+
+    def stats(tokens: int, seconds: float) -> RequestStats:
+        return RequestStats(generated_tokens=tokens, steps=tokens, verify_seconds=seconds, total_seconds=seconds)
+
+    runs = [PromptRun("code", stats(10, 1.0), stats(10, 0.5), [], []),
+            PromptRun("summary", stats(1, 0.0), stats(1, 0.0), [], [])]  # ended at its first token
+    by_kind = summarize(tiny_engines["ngram"], runs)["by_kind"]
+    assert set(by_kind) == {"code"} and by_kind["code"]["prompts"] == 1

@@ -12,15 +12,17 @@ import torch
 import yaml
 from conftest import TINY, Collector, char_tokenizer, save_tiny_checkpoint, tiny_pipeline
 from safetensors.torch import load_file, save_file
+from test_cli import run_cli
 from test_engine import PROMPTS
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from specdeploy.bench import run_benches
 from specdeploy.bench_moe import experts_touched
 from specdeploy.builders.checkpoints import load_checkpoint
+from specdeploy.builders.hf_export import export_hf
 from specdeploy.builders.moe_derive import balanced_assignment, derive_moe
 from specdeploy.builders.torch import build
-from specdeploy.errors import BuildError, PipelineError
+from specdeploy.errors import BuildError, PipelineError, SpecdeployError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.moe import MixtralModel, SparseMoE, route
@@ -302,3 +304,40 @@ def test_bench_reports_the_expert_union_by_verification_length(moe_engines):
     layer = engine.target.moe_layers()[0]
     assert curve["expert_bytes_read"][0] == 2 * len(engine.target.moe_layers()) * layer.expert_bytes
     assert curve["verify_cost"][0] == 1.0 and len(curve["verify_cost"]) == gamma + 1
+
+
+def test_moe_quality_scores_each_k_against_the_dense_model(tiny_checkpoints, tmp_path):
+    path = tiny_pipeline(tmp_path, "tiny-moe-quality", tiny_checkpoints["target"], method="ngram")
+    spec = yaml.safe_load(path.read_text())
+    spec["target"]["moe"] = {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}
+    path.write_text(yaml.safe_dump(spec))
+    out = tmp_path / "quality.json"
+    result = run_cli("moe-quality", str(path), "--experts-per-token", "1,4", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    one, four = report["by_experts_per_token"]
+    assert (one["experts_per_token"], four["experts_per_token"]) == (1, 4)
+    assert four["greedy_agreement"] > one["greedy_agreement"] and four["kl_from_dense"] < one["kl_from_dense"]
+    assert four["greedy_agreement"] > 0.9 and abs(four["perplexity"] / report["dense_perplexity"] - 1) < 0.1
+    assert "greedy agreement" in result.stdout
+    assert run_cli("moe-quality", str(path), "--experts-per-token", "9").returncode != 0
+
+
+def test_the_moe_target_exports_as_a_per_expert_mixtral_that_transformers_reads(moe_engines, tmp_path):
+    engine = moe_engines["ngram"]
+    out = export_hf(engine.dir / "target", tmp_path / "hf", dtype=torch.float32)
+    names = set(load_file(str(out / "model.safetensors")))
+    assert "model.layers.1.block_sparse_moe.experts.3.w1.weight" in names
+    assert "model.layers.1.block_sparse_moe.experts.0.w2.weight" in names
+    assert "model.layers.0.block_sparse_moe.gate.weight" in names
+    assert not any("gate_up_proj" in name for name in names)
+    reference = MixtralForCausalLM.from_pretrained(out).eval()
+    assert reference.config.num_local_experts == 4 and reference.config.num_experts_per_tok == 2
+    tokens = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    ours = engine.target.logits(engine.target(tokens, torch.arange(tokens.shape[1])[None],
+                                              engine.target.new_cache(1, 64)))
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    with pytest.raises(SpecdeployError, match="quantized"):
+        export_hf(moe_engines["draft_target"].dir / "draft", tmp_path / "draft")
