@@ -19,7 +19,7 @@ from rich.progress import track
 from rich.table import Table
 
 from specdeploy import machine
-from specdeploy.bench_moe import expert_union_curve
+from specdeploy.bench_moe import expert_union_curve, predicted_speedups
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.moe import SparseMoE
 from specdeploy.request import GenerationRequest
@@ -185,7 +185,17 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
     if engine.target.config.architecture == "mixtral":
         answers = [(ids + r.plain_tokens, len(ids)) for ids, r in zip(encoded, runs)]
-        report["moe"] = expert_union_curve(engine, answers, engine.num_draft_tokens + 1)
+        report["moe"] = curve = expert_union_curve(engine, answers, engine.num_draft_tokens + 1)
+        if curve and report["per_position_acceptance"]:
+            # the linear formula assumes a dense model's verify cost and independent acceptance: on an MoE the
+            # prediction comes from the union curve and the measured acceptance by position
+            served = request.gamma(engine.pipeline)  # the pipeline's gamma within its gamma_cap
+            # positions past the served gamma were never drafted: their acceptance is unknown, not zero
+            by_gamma = predicted_speedups(report["per_position_acceptance"][:served], report["draft_cost_ratio"],
+                                          curve["verify_cost"])
+            curve["predicted_speedup_by_gamma"] = by_gamma
+            curve["best_gamma"] = 1 + max(range(len(by_gamma)), key=by_gamma.__getitem__)
+            report["predicted_speedup"] = by_gamma[-1]
     if engine.method == "medusa":
         report["medusa"] = medusa_report(engine, runs, report, encoded)
         # the linear rule's formula does not describe a tree: the tree's own prediction replaces it

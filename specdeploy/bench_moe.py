@@ -58,3 +58,14 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
             "distinct_experts_per_layer": distinct,
             "expert_bytes_read": [d * len(layers) * layers[0].expert_bytes for d in distinct],
             "verify_cost": [s / seconds[0] for s in seconds]}
+
+
+def predicted_speedups(per_position_acceptance: list[float], draft_cost: float, verify_cost: list[float]
+                       ) -> list[float]:
+    """[gamma - 1]: the predicted speedup of drafting gamma tokens per step, for gamma = 1 .. len(verify_cost) - 1.
+    per_position_acceptance[i]: the fraction of steps drafting position i + 1 that accepted it (a chain accepts a
+    prefix, so that is the probability of accepting at least i + 1 tokens; measured, not assumed independent);
+    draft_cost: plain steps per drafted token; verify_cost[n - 1]: plain steps for verifying n tokens (the MoE's
+    union cost, measured). A step then emits 1 + sum(p[:gamma]) tokens for gamma * draft_cost + verify_cost[gamma]."""
+    gammas = range(1, min(len(verify_cost) - 1, len(per_position_acceptance)) + 1)
+    return [(1 + sum(per_position_acceptance[:gamma])) / (gamma * draft_cost + verify_cost[gamma]) for gamma in gammas]

@@ -276,12 +276,17 @@ class PolicySpec(Section):
     # while any drafting at eight or more streams gained at most 4% (the batch's GEMM is already compute-bound).
     full_up_to: int = 2
     off_above: int = 4
+    # The most tokens any step drafts, whatever a request asks (None: no cap). For an MoE target, where verifying
+    # n tokens reads the union of their experts, `bench` reports the gamma with the best predicted speedup.
+    gamma_cap: int | None = None
 
     def check(self) -> None:
         if self.full_up_to < 0:
             raise Problem("full_up_to", f"must be ≥ 0, got {self.full_up_to}")
         if self.off_above < self.full_up_to:
             raise Problem("off_above", f"must be ≥ full_up_to ({self.full_up_to}), got {self.off_above}")
+        if self.gamma_cap is not None and self.gamma_cap < 1:
+            raise Problem("gamma_cap", f"must be ≥ 1 (or null for no cap), got {self.gamma_cap}")
 
     def gamma(self, gamma: int, batch_size: int) -> int:
         """The proposal cap for a request whose own gamma is `gamma` in a batch of `batch_size` sequences."""

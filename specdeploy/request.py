@@ -42,10 +42,13 @@ class GenerationRequest:
                    stop_sequences or [], end_id)
 
     def gamma(self, pipeline: PipelineSpec) -> int:
-        """The request's proposal length: its own, else the pipeline's; 0 when the pipeline does not speculate."""
+        """The request's proposal length: its own, else the pipeline's, within serving.policy.gamma_cap; 0 when the
+        pipeline does not speculate."""
         if pipeline.speculation.method == "none":
             return 0
-        return pipeline.speculation.num_draft_tokens if self.num_draft_tokens is None else self.num_draft_tokens
+        gamma = pipeline.speculation.num_draft_tokens if self.num_draft_tokens is None else self.num_draft_tokens
+        cap = pipeline.serving.policy.gamma_cap
+        return gamma if cap is None else min(gamma, cap)
 
     def kv_slots(self, pipeline: PipelineSpec) -> int:
         """The KV entries the request may occupy at worst: prompt, every output token, and the gamma + 1 slots a

@@ -3,6 +3,7 @@ per-token reference, the MoE derived from a dense model, and speculation on an M
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import types
 from pathlib import Path
@@ -17,7 +18,7 @@ from test_engine import PROMPTS
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from specdeploy.bench import run_benches
-from specdeploy.bench_moe import experts_touched
+from specdeploy.bench_moe import experts_touched, predicted_speedups
 from specdeploy.builders.checkpoints import load_checkpoint
 from specdeploy.builders.hf_export import export_hf
 from specdeploy.builders.moe_derive import balanced_assignment, derive_moe
@@ -183,6 +184,15 @@ def test_the_engine_config_records_the_experts(mixtral_dirs, tmp_path):
         ModelConfig.from_dict(saved | {"experts_per_token": 5})
 
 
+def moe_pipeline(directory: Path, name: str, checkpoint: Path, moe: dict, method: str = "ngram") -> Path:
+    """A tiny pipeline whose target carries a `moe` section."""
+    path = tiny_pipeline(directory, name, checkpoint, method=method)
+    spec = yaml.safe_load(path.read_text())
+    spec["target"]["moe"] = moe
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
 @pytest.fixture(scope="module")
 def moe_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Engine]:
     """An MoE target derived from the tiny dense target (4 experts, 2 per token), with the int4 dense draft and
@@ -191,10 +201,7 @@ def moe_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Engine]:
     moe = {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}
     engines = {}
     for method in ("draft_target", "ngram"):
-        path = tiny_pipeline(root, f"tiny-moe-{method}", tiny_checkpoints["target"], method=method)
-        spec = yaml.safe_load(path.read_text())
-        spec["target"]["moe"] = moe
-        path.write_text(yaml.safe_dump(spec))
+        path = moe_pipeline(root, f"tiny-moe-{method}", tiny_checkpoints["target"], moe, method)
         engines[method] = Engine(build(load_pipeline(path), root / "engines", quiet=True).directory, batch_size=4)
     return engines
 
@@ -254,25 +261,18 @@ def test_the_moe_cache_after_rejections_is_a_fresh_prefill(moe_engines):
 
 
 def test_moe_derivation_is_refused_where_it_cannot_apply(mixtral_dirs, tiny_checkpoints, tmp_path):
-    path = tiny_pipeline(tmp_path, "moe-of-moe", mixtral_dirs["packed"], method="ngram")
-    spec = yaml.safe_load(path.read_text())
-    spec["target"]["moe"] = {"experts": 2, "experts_per_token": 1}
-    path.write_text(yaml.safe_dump(spec))
+    path = moe_pipeline(tmp_path, "moe-of-moe", mixtral_dirs["packed"], {"experts": 2, "experts_per_token": 1})
     with pytest.raises(BuildError, match="target.moe derives an MoE from a dense llama checkpoint"):
         build(load_pipeline(path), tmp_path / "engines", quiet=True)
     int4_of_mixtral = tiny_pipeline(tmp_path, "int4-of-moe", mixtral_dirs["packed"])
     with pytest.raises(BuildError, match="derive int4 quantizes dense llama targets"):
         build(load_pipeline(int4_of_mixtral), tmp_path / "engines", quiet=True)
-    odd = tiny_pipeline(tmp_path, "odd-split", tiny_checkpoints["target"], method="ngram")
-    spec = yaml.safe_load(odd.read_text())
-    spec["target"]["moe"] = {"experts": 3, "experts_per_token": 1}
-    odd.write_text(yaml.safe_dump(spec))
+    odd = moe_pipeline(tmp_path, "odd-split", tiny_checkpoints["target"], {"experts": 3, "experts_per_token": 1})
     with pytest.raises(BuildError, match="does not split into 3 experts"):
         build(load_pipeline(odd), tmp_path / "engines", quiet=True)
+    too_many = moe_pipeline(tmp_path, "too-many", tiny_checkpoints["target"], {"experts": 4, "experts_per_token": 5})
     with pytest.raises(PipelineError, match="experts_per_token"):
-        spec["target"]["moe"] = {"experts": 4, "experts_per_token": 5}
-        odd.write_text(yaml.safe_dump(spec))
-        load_pipeline(odd)
+        load_pipeline(too_many)
 
 
 def test_expert_union_counts_a_hand_computed_case():
@@ -304,13 +304,22 @@ def test_bench_reports_the_expert_union_by_verification_length(moe_engines):
     layer = engine.target.moe_layers()[0]
     assert curve["expert_bytes_read"][0] == 2 * len(engine.target.moe_layers()) * layer.expert_bytes
     assert curve["verify_cost"][0] == 1.0 and len(curve["verify_cost"]) == gamma + 1
+    by_gamma = curve["predicted_speedup_by_gamma"]
+    assert len(by_gamma) == gamma and by_gamma[curve["best_gamma"] - 1] == max(by_gamma)
+    assert report["predicted_speedup"] == by_gamma[gamma - 1]
+    capped = dataclasses.replace(engine.pipeline, serving=ServingSpec(PolicySpec(gamma_cap=2)))
+    engine.pipeline, original = capped, engine.pipeline
+    try:  # positions past the cap are never drafted: no prediction is made for them
+        report = run_benches([engine], prompts, 24, 0.0, 0, with_transformers=False, quiet=True)[0]
+    finally:
+        engine.pipeline = original
+    assert len(report["moe"]["predicted_speedup_by_gamma"]) == 2
+    assert report["predicted_speedup"] == report["moe"]["predicted_speedup_by_gamma"][1]
 
 
 def test_moe_quality_scores_each_k_against_the_dense_model(tiny_checkpoints, tmp_path):
-    path = tiny_pipeline(tmp_path, "tiny-moe-quality", tiny_checkpoints["target"], method="ngram")
-    spec = yaml.safe_load(path.read_text())
-    spec["target"]["moe"] = {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}
-    path.write_text(yaml.safe_dump(spec))
+    path = moe_pipeline(tmp_path, "tiny-moe-quality", tiny_checkpoints["target"],
+                        {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256})
     out = tmp_path / "quality.json"
     result = run_cli("moe-quality", str(path), "--experts-per-token", "1,4", "--json", str(out))
     assert result.returncode == 0, result.stderr
@@ -341,3 +350,26 @@ def test_the_moe_target_exports_as_a_per_expert_mixtral_that_transformers_reads(
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(SpecdeployError, match="quantized"):
         export_hf(moe_engines["draft_target"].dir / "draft", tmp_path / "draft")
+
+
+def test_predicted_speedup_by_gamma_uses_the_union_curve_and_acceptance_by_position():
+    # one token accepted for sure, the second half the time; verifying 2 tokens costs 1.5 steps, 3 tokens 3 steps
+    by_gamma = predicted_speedups([1.0, 0.5], draft_cost=0.25, verify_cost=[1.0, 1.5, 3.0])
+    assert by_gamma == pytest.approx([2.0 / 1.75, 2.5 / 3.5])
+
+
+def test_gamma_cap_limits_every_request(moe_engines, tmp_path):
+    engine = moe_engines["ngram"]
+    capped = dataclasses.replace(engine.pipeline, serving=ServingSpec(PolicySpec(gamma_cap=2)))
+    request = GenerationRequest(PROMPTS[1], 24, SamplingParams(), 6)
+    assert request.gamma(engine.pipeline) == 6 and request.gamma(capped) == 2
+    assert GenerationRequest(PROMPTS[1], 24, SamplingParams()).gamma(capped) == 2
+    engine.pipeline, original = capped, engine.pipeline
+    try:
+        generation = engine.generate(PROMPTS[1] * 3, SamplingParams(), 24, num_draft_tokens=6)
+        generation.run()
+    finally:
+        engine.pipeline = original
+    assert generation.stats.drafted_per_position and len(generation.stats.drafted_per_position) <= 2
+    with pytest.raises(PipelineError, match="gamma_cap"):
+        PolicySpec(gamma_cap=0)
