@@ -32,6 +32,7 @@ test: venv
 bench: venv
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-draft-target.yaml pipelines/smollm2-medusa.yaml --json bench-results/draft-target-vs-medusa.json
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-ngram.yaml --json bench-results/ngram.json --no-transformers
+	$(VENV)/bin/specdeploy bench pipelines/smollm2-moe-draft-target.yaml --json bench-results/moe-draft-target.json --no-transformers
 
 lint: venv
 	$(VENV)/bin/ruff check specdeploy tests model_repo
