@@ -123,7 +123,8 @@ def derive_moe(config: ModelConfig, state: dict[str, torch.Tensor], sequences: l
                experts_per_token: int, router_scale: float | None = None) -> tuple[ModelConfig, dict]:
     """The MoE's config and canonical fp32 weights from a dense Llama's (see the module docstring)."""
     if config.intermediate_size % num_experts:
-        raise ValueError(f"intermediate_size {config.intermediate_size} does not split into {num_experts} experts")
+        raise BuildError(f"target.moe.experts: intermediate_size {config.intermediate_size} does not split into "
+                         f"{num_experts} experts")
     inputs = mlp_inputs(LlamaModel(config, state), sequences)
     moe_state = {name: tensor for name, tensor in state.items() if ".mlp." not in name}
     for index, x in enumerate(inputs):
@@ -156,9 +157,6 @@ def derive_target(spec: MoESpec, dense: Checkpoint, source: str) -> Checkpoint:
     if dense.config.architecture != "llama":
         raise BuildError(f"target.moe derives an MoE from a dense llama checkpoint, but {source} is a "
                          f"{dense.config.architecture}: remove target.moe to use it as it is")
-    if dense.config.intermediate_size % spec.experts:
-        raise BuildError(f"target.moe.experts: intermediate_size {dense.config.intermediate_size} does not split "
-                         f"into {spec.experts} experts")
     sequences = calibration_sequences(dense.tokenizer, spec.calibration_tokens)
     config, state = derive_moe(dense.config, dense.state, sequences, spec.experts, spec.experts_per_token)
     return Checkpoint(config, state, dense.tokenizer, dense.files)
