@@ -19,7 +19,7 @@ from rich.progress import track
 from rich.table import Table
 
 from specdeploy import machine
-from specdeploy.bench_moe import expert_union_curve, predicted_speedups
+from specdeploy.bench_moe import dense_source, expert_union_curve, predicted_speedups
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.moe import SparseMoE
 from specdeploy.request import GenerationRequest
@@ -185,7 +185,8 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)
     if engine.target.config.architecture == "mixtral":
         answers = [(ids + r.plain_tokens, len(ids)) for ids, r in zip(encoded, runs)]
-        report["moe"] = curve = expert_union_curve(engine, answers, engine.num_draft_tokens + 1)
+        report["moe"] = curve = expert_union_curve(engine, answers, engine.num_draft_tokens + 1,
+                                                   dense=dense_source(engine))
         if curve and report["per_position_acceptance"]:
             # the linear formula assumes a dense model's verify cost and independent acceptance: on an MoE the
             # prediction comes from the union curve and the measured acceptance by position

@@ -9,8 +9,12 @@ import time
 
 import torch
 
-from specdeploy.models.llama import ragged_forward_all
+from specdeploy.builders.checkpoints import load_checkpoint
+from specdeploy.errors import SpecdeployError
+from specdeploy.layout import MEASURED_POLICY_FILE, PIPELINE_FILE, write_json
+from specdeploy.models.llama import LlamaModel, ragged_forward_all
 from specdeploy.models.moe import MixtralModel
+from specdeploy.pipeline import load_pipeline
 from specdeploy.runtime.engine import Engine
 
 STARTS_PER_SEQUENCE = 4  # verification windows per prompt, spread over its answer
@@ -21,43 +25,69 @@ def experts_touched(model: MixtralModel) -> list[int]:
     return [int((layer.expert_tokens > 0).sum()) for layer in model.moe_layers()]
 
 
+def dense_source(engine: Engine) -> LlamaModel | None:
+    """The dense model a derived MoE target was split from, in the target's dtype (None for an MoE checkpoint)."""
+    pipeline = engine.pipeline
+    if pipeline.target.moe is None:
+        return None
+    dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
+    return LlamaModel(dense.config, dense.state, engine.target.dtype).eval()
+
+
+def timed_forward(model: LlamaModel, cache, window: torch.Tensor, start: int, repeats: int) -> float:
+    """The median seconds of one forward (with logits) over `window` [1, n] at position `start`."""
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        model.logits(ragged_forward_all(model, cache, window, [start]))
+        samples.append(time.perf_counter() - began)
+    return sorted(samples)[repeats // 2]
+
+
 def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], max_length: int,
-                       repeats: int = 3) -> dict:
+                       repeats: int = 3, dense: LlamaModel | None = None) -> dict:
     """sequences: (prompt + answer ids, index of the answer's first token). For n = 1 .. max_length: the mean
     distinct experts per layer over verification windows of n real tokens, the expert bytes a forward over them
-    reads, and its time relative to n = 1 (medians of `repeats`); n = 1 is a plain decode step."""
+    reads, and its time relative to n = 1 (medians of `repeats`); n = 1 is a plain decode step. With `dense`, the
+    same windows timed on it, interleaved with the MoE's, as the dense verify curve beside the union's."""
     model = engine.target
-    per_length: dict[int, tuple[list[float], list[float]]] = {n: ([], []) for n in range(1, max_length + 1)}
+    models = [model] if dense is None else [model, dense]
+    distinct_at: dict[int, list[float]] = {n: [] for n in range(1, max_length + 1)}
+    seconds_at = [{n: [] for n in range(1, max_length + 1)} for _ in models]
     with torch.inference_mode():
         for ids, answer_start in sequences:
             room = len(ids) - answer_start - max_length
             if room < 0:
                 continue
-            cache = model.new_cache(1, len(ids) + 1)
-            model(torch.tensor([ids]), torch.arange(len(ids))[None], cache)  # every position's entries, once
+            caches = [m.new_cache(1, len(ids) + 1) for m in models]
+            for m, cache in zip(models, caches):
+                m(torch.tensor([ids]), torch.arange(len(ids))[None], cache)  # every position's entries, once
             for j in range(STARTS_PER_SEQUENCE):
                 start = answer_start + room * j // max(STARTS_PER_SEQUENCE - 1, 1)
                 for n in range(1, max_length + 1):
                     window = torch.tensor([ids[start:start + n]])
-                    samples = []
-                    for _ in range(repeats):
-                        began = time.perf_counter()
-                        model.logits(ragged_forward_all(model, cache, window, [start]))
-                        samples.append(time.perf_counter() - began)
-                    touched = experts_touched(model)
-                    per_length[n][0].append(sum(touched) / len(touched))
-                    per_length[n][1].append(sorted(samples)[repeats // 2])
-    lengths = [n for n in per_length if per_length[n][0]]
+                    for m, cache, seconds in zip(models, caches, seconds_at):
+                        seconds[n].append(timed_forward(m, cache, window, start, repeats))
+                        if m is model:
+                            touched = experts_touched(model)
+                            distinct_at[n].append(sum(touched) / len(touched))
+    lengths = [n for n in distinct_at if distinct_at[n]]
     if not lengths:
         return {}
-    distinct = [sum(per_length[n][0]) / len(per_length[n][0]) for n in lengths]
-    seconds = [sum(per_length[n][1]) / len(per_length[n][1]) for n in lengths]
+    distinct = [sum(distinct_at[n]) / len(distinct_at[n]) for n in lengths]
+    costs = []
+    for seconds in seconds_at:
+        mean = [sum(seconds[n]) / len(seconds[n]) for n in lengths]
+        costs.append([s / mean[0] for s in mean])
     layers = model.moe_layers()
-    return {"verification_length": lengths, "num_experts": model.config.num_experts,
-            "experts_per_token": model.config.experts_per_token,
-            "distinct_experts_per_layer": distinct,
-            "expert_bytes_read": [d * len(layers) * layers[0].expert_bytes for d in distinct],
-            "verify_cost": [s / seconds[0] for s in seconds]}
+    curve = {"verification_length": lengths, "num_experts": model.config.num_experts,
+             "experts_per_token": model.config.experts_per_token,
+             "distinct_experts_per_layer": distinct,
+             "expert_bytes_read": [d * len(layers) * layers[0].expert_bytes for d in distinct],
+             "verify_cost": costs[0]}
+    if dense is not None:
+        curve["dense_verify_cost"] = costs[1]
+    return curve
 
 
 def predicted_speedups(per_position_acceptance: list[float], draft_cost: float, verify_cost: list[float]
@@ -69,3 +99,48 @@ def predicted_speedups(per_position_acceptance: list[float], draft_cost: float, 
     union cost, measured). A step then emits 1 + sum(p[:gamma]) tokens for gamma * draft_cost + verify_cost[gamma]."""
     gammas = range(1, min(len(verify_cost) - 1, len(per_position_acceptance)) + 1)
     return [(1 + sum(per_position_acceptance[:gamma])) / (gamma * draft_cost + verify_cost[gamma]) for gamma in gammas]
+
+
+def measured_policy(report: dict) -> dict:
+    """What `bench --measure-gamma-cap` writes into the engine (layout.MEASURED_POLICY_FILE): the gamma with the
+    best predicted speedup, and the measurements it was picked from."""
+    curve = report["moe"]
+    return {"gamma_cap": curve["best_gamma"], "measured_at_gamma": report["num_draft_tokens"],
+            "predicted_speedup_by_gamma": curve["predicted_speedup_by_gamma"],
+            "realized_speedup_at_measured_gamma": report["speedup"],
+            "per_position_acceptance": report["per_position_acceptance"],
+            "draft_cost_ratio": report["draft_cost_ratio"], "verify_cost": curve["verify_cost"],
+            "machine": report["machine"], "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def lift_gamma_cap(engine: Engine) -> None:
+    """Let `engine` draft its pipeline's full gamma, whatever its cap, so a bench measures the acceptance of every
+    position (what picking a cap needs)."""
+    architecture = engine.target.config.architecture
+    if architecture != "mixtral":
+        raise SpecdeployError(f"{engine.pipeline.name}: --measure-gamma-cap picks a gamma from an MoE target's "
+                              f"expert-union verify cost, and this target is {architecture}")
+    if engine.method not in ("draft_target", "ngram"):
+        raise SpecdeployError(f"{engine.pipeline.name}: --measure-gamma-cap needs draft_target or ngram "
+                              f"speculation, the pipeline's is {engine.method}")
+    engine.pipeline = engine.pipeline.with_gamma_cap(None)
+
+
+def save_gamma_cap(engine: Engine, report: dict) -> str:
+    """Write the measured policy into the engine; returns what it picked and why, in a sentence."""
+    if "predicted_speedup_by_gamma" not in report.get("moe", {}):
+        raise SpecdeployError(f"{engine.pipeline.name}: no gamma could be predicted (no verification window fit "
+                              f"the answers, or nothing was drafted): use longer --max-tokens")
+    policy = measured_policy(report)
+    path = engine.dir / MEASURED_POLICY_FILE
+    write_json(path, policy)
+    cap, by_gamma = policy["gamma_cap"], policy["predicted_speedup_by_gamma"]
+    text = (f"gamma cap {cap}: predicted {by_gamma[cap - 1]:.2f}x plain decode, the best of "
+            f"{' '.join(f'{v:.2f}' for v in by_gamma)} for gamma 1 to {len(by_gamma)} (at gamma "
+            f"{policy['measured_at_gamma']} it ran at {policy['realized_speedup_at_measured_gamma']:.2f}x); "
+            f"written to {path}")
+    declared = load_pipeline(engine.dir / PIPELINE_FILE).serving.policy.gamma_cap
+    if declared != "measured":
+        text += (f". This pipeline's serving.policy.gamma_cap is {declared!r}: set it to measured (and rebuild) to "
+                 f"serve with it")
+    return text

@@ -158,18 +158,25 @@ def print_generation(report: dict, url: str | None) -> None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
+@click.option("--measure-gamma-cap", is_flag=True,
+              help="MoE targets: bench at the pipeline's full gamma (whatever its cap), predict every gamma from the "
+                   "expert-union verify cost and write the best into the engine, where serving.policy.gamma_cap: "
+                   "measured serves with it.")
 def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, concurrency: str,
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
-          json_out: Path | None, no_transformers: bool) -> None:
+          json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
     from specdeploy import bench as benchmarks
+    from specdeploy import bench_moe
     from specdeploy.workflows import load_engine
 
     prompts = benchmarks.load_prompts(prompts_path)
+    if url is not None and measure_gamma_cap:
+        raise click.UsageError("--measure-gamma-cap measures in-process: give PIPELINE.yaml without --url")
     if url is not None and len(pipeline_paths) > 1:
         raise click.UsageError("--url compares a server with one pipeline in-process: give one PIPELINE.yaml")
     engines = [load_engine(path, engines_dir) for path in pipeline_paths]
@@ -177,10 +184,16 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
     if url is None:
         if engine is None:
             raise click.UsageError("give PIPELINE.yaml (in-process) or --url HOST:PORT (a running server)")
+        if measure_gamma_cap:
+            for one in engines:
+                bench_moe.lift_gamma_cap(one)
         reports = benchmarks.run_benches(engines, prompts, max_tokens, temperature, seed,
                                          with_transformers=not no_transformers)
         for one in reports:
             benchmarks.print_report(one)
+        if measure_gamma_cap:
+            for one, measured in zip(engines, reports):
+                click.echo(bench_moe.save_gamma_cap(one, measured))
         report = reports[0]
         if len(reports) > 1:
             from specdeploy.bench_comparison import compare, print_comparison

@@ -2,7 +2,8 @@
 
 An engine directory `engines/<pipeline name>/` holds one folder per component (`target/`, `draft/`), the
 validated pipeline it was built from (`pipeline.json`, which every later stage re-parses) and the build manifest,
-written last, whose presence marks the engine complete.
+written last, whose presence marks the engine complete. `bench --measure-gamma-cap` may add
+`measured_policy.json`: the gamma cap it measured for this engine on this machine (a rebuild removes it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ ENGINES_DIR = Path("engines")  # the default root of engines/<name>/ ($SPECDEPLO
 MODEL_REPOSITORIES_DIR = Path("model_repository")  # the default root of `specdeploy package` outputs
 PIPELINE_FILE = "pipeline.json"
 MANIFEST_FILE = "build_manifest.json"
+MEASURED_POLICY_FILE = "measured_policy.json"
 
 
 def engine_path(engines_root: Path, pipeline: PipelineSpec) -> Path:
@@ -41,8 +43,27 @@ def check_engine(directory: Path) -> Path:
 
 
 def engine_pipeline(directory: Path) -> PipelineSpec:
-    """The validated pipeline an engine was built from."""
-    return load_pipeline(check_engine(directory) / PIPELINE_FILE)
+    """The validated pipeline an engine was built from, a gamma cap of "measured" replaced by the engine's
+    measurement (None while it has none)."""
+    pipeline = load_pipeline(check_engine(directory) / PIPELINE_FILE)
+    if pipeline.serving.policy.gamma_cap != "measured":
+        return pipeline
+    return pipeline.with_gamma_cap(measured_gamma_cap(directory))
+
+
+def measured_gamma_cap(directory: Path) -> int | None:
+    """The gamma cap `bench --measure-gamma-cap` wrote into the engine at `directory`, None if it has not."""
+    path = Path(directory) / MEASURED_POLICY_FILE
+    if not path.is_file():
+        return None
+    try:
+        cap = json.loads(path.read_text())["gamma_cap"]
+    except (ValueError, KeyError, TypeError):
+        raise SpecdeployError(f"{path}: not a measured policy (no gamma_cap); rerun specdeploy bench "
+                              f"--measure-gamma-cap or delete it") from None
+    if type(cap) is not int or cap < 1:
+        raise SpecdeployError(f"{path}: gamma_cap must be an integer ≥ 1, got {cap!r}")
+    return cap
 
 
 def write_json(path: Path, data: object) -> None:

@@ -277,16 +277,18 @@ class PolicySpec(Section):
     full_up_to: int = 2
     off_above: int = 4
     # The most tokens any step drafts, whatever a request asks (None: no cap). For an MoE target, where verifying
-    # n tokens reads the union of their experts, `bench` reports the gamma with the best predicted speedup.
-    gamma_cap: int | None = None
+    # n tokens reads the union of their experts, "measured" takes the gamma with the best predicted speedup that
+    # `bench --measure-gamma-cap` measured for the built engine (no cap until it has).
+    gamma_cap: int | Literal["measured"] | None = None
 
     def check(self) -> None:
         if self.full_up_to < 0:
             raise Problem("full_up_to", f"must be ≥ 0, got {self.full_up_to}")
         if self.off_above < self.full_up_to:
             raise Problem("off_above", f"must be ≥ full_up_to ({self.full_up_to}), got {self.off_above}")
-        if self.gamma_cap is not None and self.gamma_cap < 1:
-            raise Problem("gamma_cap", f"must be ≥ 1 (or null for no cap), got {self.gamma_cap}")
+        if self.gamma_cap is not None and self.gamma_cap != "measured" and not (
+                isinstance(self.gamma_cap, int) and self.gamma_cap >= 1):
+            raise Problem("gamma_cap", f"must be ≥ 1, 'measured' or null for no cap, got {quoted(self.gamma_cap)}")
 
     def gamma(self, gamma: int, batch_size: int) -> int:
         """The proposal cap for a request whose own gamma is `gamma` in a batch of `batch_size` sequences."""
@@ -355,6 +357,11 @@ class PipelineSpec(Section):
             return candidate
         return (self.source_file.parent / candidate).resolve()
 
+    def with_gamma_cap(self, cap: int | None) -> PipelineSpec:
+        """The same spec with serving.policy.gamma_cap set to `cap`."""
+        policy = dataclasses.replace(self.serving.policy, gamma_cap=cap)
+        return dataclasses.replace(self, serving=dataclasses.replace(self.serving, policy=policy))
+
     def resolved(self) -> PipelineSpec:
         """The same spec with file checkpoints as absolute paths, so it means the same wherever it is saved."""
 
@@ -420,7 +427,15 @@ def _convert(hint: object, value: object, key: str, where: str) -> object:
         options = [h for h in typing.get_args(hint) if h is not type(None)]
         if value is None:
             return None
-        return _convert(options[0], value, key, where)
+        if len(options) == 1:
+            return _convert(options[0], value, key, where)
+        for option in options:
+            try:
+                return _convert(option, value, key, where)
+            except PipelineError:
+                continue
+        raise PipelineError(f"{where}: {key}: expected " + " or ".join(_describe(o) for o in options)
+                            + f" (or null), got {quoted(value)}")
     if origin is Literal:
         allowed = typing.get_args(hint)
         if value not in allowed:

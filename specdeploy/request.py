@@ -47,8 +47,8 @@ class GenerationRequest:
         if pipeline.speculation.method == "none":
             return 0
         gamma = pipeline.speculation.num_draft_tokens if self.num_draft_tokens is None else self.num_draft_tokens
-        cap = pipeline.serving.policy.gamma_cap
-        return gamma if cap is None else min(gamma, cap)
+        cap = pipeline.serving.policy.gamma_cap  # "measured" here: the engine has no measurement yet (no cap)
+        return min(gamma, cap) if isinstance(cap, int) else gamma
 
     def kv_slots(self, pipeline: PipelineSpec) -> int:
         """The KV entries the request may occupy at worst: prompt, every output token, and the gamma + 1 slots a

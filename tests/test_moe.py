@@ -304,6 +304,8 @@ def test_bench_reports_the_expert_union_by_verification_length(moe_engines):
     layer = engine.target.moe_layers()[0]
     assert curve["expert_bytes_read"][0] == 2 * len(engine.target.moe_layers()) * layer.expert_bytes
     assert curve["verify_cost"][0] == 1.0 and len(curve["verify_cost"]) == gamma + 1
+    # the dense model the MoE was derived from, timed on the same windows
+    assert curve["dense_verify_cost"][0] == 1.0 and len(curve["dense_verify_cost"]) == gamma + 1
     by_gamma = curve["predicted_speedup_by_gamma"]
     assert len(by_gamma) == gamma and by_gamma[curve["best_gamma"] - 1] == max(by_gamma)
     assert report["predicted_speedup"] == by_gamma[gamma - 1]
@@ -373,3 +375,54 @@ def test_gamma_cap_limits_every_request(moe_engines, tmp_path):
     assert generation.stats.drafted_per_position and len(generation.stats.drafted_per_position) <= 2
     with pytest.raises(PipelineError, match="gamma_cap"):
         PolicySpec(gamma_cap=0)
+
+
+def test_gamma_cap_accepts_measured_and_names_what_is_allowed(tmp_path, tiny_checkpoints):
+    path = tiny_pipeline(tmp_path, "cap", tiny_checkpoints["target"], serving={"policy": {"gamma_cap": "measured"}})
+    assert load_pipeline(path).serving.policy.gamma_cap == "measured"
+    assert load_pipeline(path).with_gamma_cap(3).serving.policy.gamma_cap == 3
+    for bad in ("sometimes", 0, 2.5):
+        spec = yaml.safe_load(path.read_text())
+        spec["serving"]["policy"]["gamma_cap"] = bad
+        path.write_text(yaml.safe_dump(spec))
+        with pytest.raises(PipelineError, match=r"serving\.policy\.gamma_cap.*'measured'"):
+            load_pipeline(path)
+    # a request against a pipeline whose measured cap is not resolved yet drafts its gamma
+    uncapped = load_pipeline(tiny_pipeline(tmp_path, "cap2", tiny_checkpoints["target"],
+                                           serving={"policy": {"gamma_cap": "measured"}}))
+    assert GenerationRequest(PROMPTS[1], 8, SamplingParams(), 5).gamma(uncapped) == 5
+
+
+def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkpoints, tmp_path):
+    path = moe_pipeline(tmp_path, "tiny-moe-measured", tiny_checkpoints["target"],
+                        {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}, "draft_target")
+    spec = yaml.safe_load(path.read_text())
+    spec["serving"] = {"policy": {"gamma_cap": "measured"}}
+    path.write_text(yaml.safe_dump(spec))
+    engines = tmp_path / "engines"
+    engine_dir = build(load_pipeline(path), engines, quiet=True).directory
+    assert Engine(engine_dir).pipeline.serving.policy.gamma_cap is None  # nothing measured yet: no cap
+    policy_file = engine_dir / "measured_policy.json"
+    policy_file.write_text(json.dumps({"gamma_cap": 1}))  # an earlier measurement: bench must lift it
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "kind": "copy"}) + "\n" for p in ("abcabcabc", "hello")))
+    out = tmp_path / "report.json"
+    result = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
+                     "24", "--temperature", "0", "--no-transformers", "--measure-gamma-cap", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    by_gamma = report["moe"]["predicted_speedup_by_gamma"]
+    assert len(by_gamma) == spec["speculation"]["num_draft_tokens"]  # measured at the full gamma
+    measured = json.loads(policy_file.read_text())
+    best = 1 + by_gamma.index(max(by_gamma))
+    assert measured["gamma_cap"] == report["moe"]["best_gamma"] == best
+    assert measured["predicted_speedup_by_gamma"] == by_gamma
+    assert f"gamma cap {best}" in result.stdout and str(policy_file) in result.stdout
+    assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == best
+    policy_file.write_text(json.dumps({"gamma_cap": "two"}))
+    with pytest.raises(SpecdeployError, match="measured_policy.json.*gamma_cap"):
+        Engine(engine_dir)
+    dense = tiny_pipeline(tmp_path, "tiny-dense", tiny_checkpoints["target"])
+    refused = run_cli("bench", str(dense), "--engines-dir", str(engines), "--prompts", str(prompts),
+                      "--max-tokens", "8", "--no-transformers", "--measure-gamma-cap")
+    assert refused.returncode == 2 and "MoE" in refused.stderr
