@@ -228,6 +228,21 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         click.echo(f"wrote {json_out}")
 
 
+@cli.command("export-hf")
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@engines_option
+@click.option("--component", type=click.Choice(["target", "draft"]), default="target", show_default=True)
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The Hugging Face checkpoint directory to write.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+def export_hf(pipeline_path: str, engines_dir: Path, component: str, output: Path, dtype: str) -> None:
+    """Write an engine component as a Hugging Face checkpoint (LlamaForCausalLM, or a per-expert
+    MixtralForCausalLM for an MoE target): what TensorRT-LLM's converters read."""
+    from specdeploy.workflows import export_component
+
+    click.echo(f"wrote {export_component(pipeline_path, engines_dir, component, output, dtype)}")
+
+
 @cli.command("moe-quality")
 @click.argument("pipeline_path", metavar="PIPELINE.yaml")
 @click.option("--experts-per-token", "ks", default=None, help="Comma-separated k to derive and score "

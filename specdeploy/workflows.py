@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specdeploy.builders.torch import BuildResult, build
+from specdeploy.errors import SpecdeployError
 from specdeploy.layout import MODEL_REPOSITORIES_DIR
 from specdeploy.pipeline import load_pipeline
 from specdeploy.request import GenerationRequest
@@ -64,6 +65,24 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
     pipeline = load_pipeline(pipeline_path)
     engine_dir = build(pipeline, engines_dir).directory
     return write_repository(engine_dir, output or MODEL_REPOSITORIES_DIR / pipeline.name)
+
+
+def export_component(pipeline_path: str | Path, engines_dir: Path, component: str, output: Path,
+                     dtype: str = "bfloat16") -> Path:
+    """Build the pipeline's engine if needed and write one component (target or draft) as a Hugging Face checkpoint
+    directory at `output` (an MoE target as a per-expert Mixtral)."""
+    from specdeploy.builders.hf_export import export_hf
+    from specdeploy.models.registry import DTYPES
+
+    engine_dir = prepare_engine(pipeline_path, engines_dir).directory
+    source = engine_dir / component
+    if not source.is_dir():
+        raise SpecdeployError(f"{engine_dir}: has no {component} component (it has "
+                              f"{', '.join(sorted(p.name for p in engine_dir.iterdir() if p.is_dir()))})")
+    output = Path(output)
+    if output.exists() and any(output.iterdir()) and not (output / "config.json").is_file():
+        raise SpecdeployError(f"{output}: exists and is not a Hugging Face checkpoint (choose another --output)")
+    return export_hf(source, output, DTYPES[dtype])
 
 
 def generate_in_process(engine: Engine, prompt: str, options: RequestOptions, compare: bool,

@@ -354,6 +354,32 @@ def test_the_moe_target_exports_as_a_per_expert_mixtral_that_transformers_reads(
         export_hf(moe_engines["draft_target"].dir / "draft", tmp_path / "draft")
 
 
+def test_export_hf_writes_the_pipelines_moe_target_from_the_cli(tiny_checkpoints, tmp_path):
+    path = moe_pipeline(tmp_path, "tiny-moe-export", tiny_checkpoints["target"],
+                        {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256})
+    engines, out = tmp_path / "engines", tmp_path / "hf"
+    result = run_cli("export-hf", str(path), "--engines-dir", str(engines), "--output", str(out), "--dtype",
+                     "float32")
+    assert result.returncode == 0, result.stderr
+    exported = MixtralForCausalLM.from_pretrained(out).eval()
+    engine = Engine(engines / "tiny-moe-export")
+    tokens = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        expected = exported(tokens).logits
+    ours = engine.target.logits(engine.target(tokens, torch.arange(tokens.shape[1])[None],
+                                              engine.target.new_cache(1, 32)))
+    torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
+    assert run_cli("export-hf", str(path), "--engines-dir", str(engines), "--output", str(out)).returncode == 0
+    refused = run_cli("export-hf", str(path), "--engines-dir", str(engines), "--output", str(out), "--component",
+                      "draft")
+    assert refused.returncode == 2 and "no draft component" in refused.stderr
+    (tmp_path / "occupied").mkdir()
+    (tmp_path / "occupied" / "notes.txt").write_text("mine")
+    refused = run_cli("export-hf", str(path), "--engines-dir", str(engines), "--output", str(tmp_path / "occupied"))
+    assert refused.returncode == 2 and "not a Hugging Face checkpoint" in refused.stderr
+    assert (tmp_path / "occupied" / "notes.txt").read_text() == "mine"
+
+
 def test_predicted_speedup_by_gamma_uses_the_union_curve_and_acceptance_by_position():
     # one token accepted for sure, the second half the time; verifying 2 tokens costs 1.5 steps, 3 tokens 3 steps
     by_gamma = predicted_speedups([1.0, 0.5], draft_cost=0.25, verify_cost=[1.0, 1.5, 3.0])
