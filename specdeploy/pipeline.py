@@ -135,10 +135,11 @@ class TargetSpec(Section):
 
 @dataclass(frozen=True)
 class DraftSpec(Section):
-    """The draft model. `derive: int4` quantizes the target into a draft (same tokenizer by construction);
-    `derive: none` takes `checkpoint` as it is (its tokenizer must match the target's)."""
+    """The draft model. `derive: int4` quantizes the target into a draft (same tokenizer by construction; an MoE
+    target gives an int4 MoE); `int4_dense`, for a target derived with target.moe, quantizes the dense model it was
+    derived from instead; `derive: none` takes `checkpoint` as it is (its tokenizer must match the target's)."""
 
-    derive: Literal["int4", "none"] = "int4"
+    derive: Literal["int4", "int4_dense", "none"] = "int4"
     checkpoint: CheckpointSpec | None = None
     dtype: DType = "bfloat16"
     early_stop_threshold: float = 0.0  # stop drafting when the draft's top-1 probability falls below this
@@ -146,8 +147,9 @@ class DraftSpec(Section):
     def check(self) -> None:
         if self.derive == "none" and self.checkpoint is None:
             raise Problem("checkpoint", "required when derive is 'none'")
-        if self.derive == "int4" and self.checkpoint is not None:
-            raise Problem("checkpoint", "not allowed when derive is 'int4' (the draft is derived from the target)")
+        if self.derive != "none" and self.checkpoint is not None:
+            raise Problem("checkpoint", f"not allowed when derive is {self.derive!r} (the draft is derived from the "
+                                        f"target)")
         if not 0.0 <= self.early_stop_threshold < 1.0:
             raise Problem("early_stop_threshold", f"must be in [0, 1), got {self.early_stop_threshold}")
 
@@ -339,6 +341,10 @@ class PipelineSpec(Section):
         gamma, limit = self.speculation.num_draft_tokens, self.limits.max_draft_tokens
         if gamma > limit:
             raise Problem("speculation.num_draft_tokens", f"{gamma} is above limits.max_draft_tokens ({limit})")
+        draft = self.speculation.draft
+        if draft is not None and draft.derive == "int4_dense" and self.target.moe is None:
+            raise Problem("speculation.draft.derive", "int4_dense quantizes the dense model an MoE target is derived "
+                                                      "from, and this target has no target.moe: use int4")
         nodes = len(self.speculation.medusa.choices)
         if self.speculation.method == "medusa" and nodes > limit:
             # a tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens

@@ -27,6 +27,7 @@ from specdeploy.errors import BuildError, PipelineError, SpecdeployError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.moe import MixtralModel, SparseMoE, route
+from specdeploy.models.quantize import Int4Linear
 from specdeploy.pipeline import CheckpointSpec, PipelineSpec, PolicySpec, ServingSpec, TargetSpec, load_pipeline
 from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
@@ -195,26 +196,40 @@ def moe_pipeline(directory: Path, name: str, checkpoint: Path, moe: dict, method
 
 @pytest.fixture(scope="module")
 def moe_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Engine]:
-    """An MoE target derived from the tiny dense target (4 experts, 2 per token), with the int4 dense draft and
-    with n-gram speculation; batch size 4."""
+    """An MoE target derived from the tiny dense target (4 experts, 2 per token), with an int4 copy of the MoE as
+    draft ("draft_target"), with the int4 dense source as draft ("draft_target_dense") and with n-gram
+    speculation; batch size 4."""
     root = tmp_path_factory.mktemp("moe-engines")
     moe = {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}
     engines = {}
-    for method in ("draft_target", "ngram"):
-        path = moe_pipeline(root, f"tiny-moe-{method}", tiny_checkpoints["target"], moe, method)
-        engines[method] = Engine(build(load_pipeline(path), root / "engines", quiet=True).directory, batch_size=4)
+    for name, method in (("draft_target", "draft_target"), ("draft_target_dense", "draft_target"),
+                         ("ngram", "ngram")):
+        path = moe_pipeline(root, f"tiny-moe-{name}", tiny_checkpoints["target"], moe, method)
+        if name == "draft_target_dense":
+            spec = yaml.safe_load(path.read_text())
+            spec["speculation"]["draft"]["derive"] = "int4_dense"
+            path.write_text(yaml.safe_dump(spec))
+        engines[name] = Engine(build(load_pipeline(path), root / "engines", quiet=True).directory, batch_size=4)
     return engines
 
 
-def test_a_derived_moe_target_is_built_as_a_mixtral_with_a_dense_int4_draft(moe_engines):
-    engine = moe_engines["draft_target"]
-    assert isinstance(engine.target, MixtralModel) and engine.target.config.num_experts == 4
-    assert engine.proposer.model.config.architecture == "llama"
-    assert engine.proposer.model.config.quantization["method"] == "int4"
-    assert engine.proposer.shared  # same attention weights: the draft reads the target's cache
+def test_a_derived_moe_target_gets_an_int4_moe_draft_or_its_dense_source_in_int4(moe_engines):
+    for name, architecture in (("draft_target", "mixtral"), ("draft_target_dense", "llama")):
+        engine = moe_engines[name]
+        assert isinstance(engine.target, MixtralModel) and engine.target.config.num_experts == 4
+        draft = engine.proposer.model
+        assert draft.config.architecture == architecture and draft.config.quantization["method"] == "int4"
+        assert engine.proposer.shared  # same attention weights: the draft reads the target's cache
+    experts = moe_engines["draft_target"].proposer.model.moe_layers()[0]
+    assert isinstance(experts.gate_up[0], Int4Linear) and isinstance(experts.down[3], Int4Linear)
+    target_experts = moe_engines["draft_target"].target.moe_layers()[0]
+    assert experts.expert_bytes < target_experts.expert_bytes / 3  # 4-bit codes against fp32 weights
+    x = torch.randn(5, 64)
+    exact, quantized = target_experts(x), experts(x)
+    assert float((quantized - exact).norm() / exact.norm()) < 0.2  # int4 groups of 32 on random weights: ~0.13
 
 
-@pytest.mark.parametrize("method", ["draft_target", "ngram"])
+@pytest.mark.parametrize("method", ["draft_target", "draft_target_dense", "ngram"])
 def test_greedy_speculation_on_the_moe_target_equals_plain(moe_engines, method):
     engine = moe_engines[method]
     drafted = 0
@@ -226,7 +241,7 @@ def test_greedy_speculation_on_the_moe_target_equals_plain(moe_engines, method):
     assert drafted > 0
 
 
-@pytest.mark.parametrize("method", ["draft_target", "ngram"])
+@pytest.mark.parametrize("method", ["draft_target", "draft_target_dense", "ngram"])
 def test_batched_speculation_on_the_moe_target_equals_each_alone(moe_engines, method):
     engine = moe_engines[method]
     alone = [engine.generate(p, SamplingParams(), 24, num_draft_tokens=0).run() for p in PROMPTS]
@@ -260,13 +275,36 @@ def test_the_moe_cache_after_rejections_is_a_fresh_prefill(moe_engines):
     assert rejections > 0
 
 
+def test_an_int4_draft_of_a_mixtral_checkpoint_speculates_exactly(mixtral_dirs, tmp_path):
+    path = tiny_pipeline(tmp_path, "int4-of-mixtral", mixtral_dirs["per_expert"])
+    engine = Engine(build(load_pipeline(path), tmp_path / "engines", quiet=True).directory)
+    assert isinstance(engine.proposer.model, MixtralModel) and engine.proposer.shared
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        plain = engine.generate(prompt, SamplingParams(), 24, num_draft_tokens=0).run()
+        generation = engine.generate(prompt, SamplingParams(), 24, num_draft_tokens=3)
+        assert generation.run() == plain
+        drafted, accepted = drafted + generation.stats.drafted, accepted + generation.stats.accepted
+    assert accepted > drafted / 5  # far above chance (1 in 128), on a random model with sharpened weights
+
+
 def test_moe_derivation_is_refused_where_it_cannot_apply(mixtral_dirs, tiny_checkpoints, tmp_path):
     path = moe_pipeline(tmp_path, "moe-of-moe", mixtral_dirs["packed"], {"experts": 2, "experts_per_token": 1})
     with pytest.raises(BuildError, match="target.moe derives an MoE from a dense llama checkpoint"):
         build(load_pipeline(path), tmp_path / "engines", quiet=True)
-    int4_of_mixtral = tiny_pipeline(tmp_path, "int4-of-moe", mixtral_dirs["packed"])
-    with pytest.raises(BuildError, match="derive int4 quantizes dense llama targets"):
-        build(load_pipeline(int4_of_mixtral), tmp_path / "engines", quiet=True)
+    dense_of_mixtral = tiny_pipeline(tmp_path, "int4-dense-of-moe", mixtral_dirs["packed"])
+    spec = yaml.safe_load(dense_of_mixtral.read_text())
+    spec["speculation"]["draft"]["derive"] = "int4_dense"
+    dense_of_mixtral.write_text(yaml.safe_dump(spec))
+    with pytest.raises(PipelineError, match="speculation.draft.derive: int4_dense .* no target.moe"):
+        load_pipeline(dense_of_mixtral)
+    odd_experts = dict(MOE, intermediate_size=48)
+    odd = tmp_path / "odd-mixtral"
+    MixtralForCausalLM(MixtralConfig(**odd_experts)).save_pretrained(odd)
+    char_tokenizer().save_pretrained(odd)
+    unquantizable = tiny_pipeline(tmp_path, "int4-of-odd-moe", odd)
+    with pytest.raises(BuildError, match="int4 needs intermediate_size divisible by 32, got 48 in the mixtral"):
+        build(load_pipeline(unquantizable), tmp_path / "engines", quiet=True)
     odd = moe_pipeline(tmp_path, "odd-split", tiny_checkpoints["target"], {"experts": 3, "experts_per_token": 1})
     with pytest.raises(BuildError, match="does not split into 3 experts"):
         build(load_pipeline(odd), tmp_path / "engines", quiet=True)

@@ -260,7 +260,7 @@ def test_unknown_method(tmp_path: Path):
      "'s3'", "'package', 'gguf', 'hf_dir'"),
     ("speculation.acceptance", minimal(speculation={"acceptance": "lossy"}), "'lossy'", "'exact', 'typical'"),
     ("speculation.draft.derive", minimal(speculation={"method": "draft_target", "draft": {"derive": "int8"}}),
-     "'int8'", "'int4', 'none'"),
+     "'int8'", "'int4', 'int4_dense', 'none'"),
     ("speculation.schedule", minimal(speculation={"schedule": "dynamic"}), "'dynamic'",
      "'constant', 'heuristic'"),
     ("backend.kind", minimal(backend={"kind": "trtllm"}), "'trtllm'", "'torch'"),

@@ -32,8 +32,9 @@ from specdeploy.models.registry import DTYPES, projection_key
 from specdeploy.pipeline import PipelineSpec, load_pipeline
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
-ENGINE_FORMAT = 6  # bump whenever what a build writes changes, so existing engines are rebuilt
+ENGINE_FORMAT = 7  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj")  # an MoE's stacked experts (models/moe.py)
 
 
 class BuildResult(NamedTuple):
@@ -70,7 +71,10 @@ def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     draft = {}
     for name, tensor in state.items():
         base = name.removesuffix(".weight")
-        if base.endswith(LINEAR_SUFFIXES):
+        if name.endswith(EXPERT_SUFFIXES):  # [E, N, K]: each expert's groups, stacked
+            experts = [quantize_int4(expert) for expert in tensor]
+            draft.update({f"{name}.{k}": torch.stack([e[k] for e in experts]) for k in experts[0]})
+        elif base.endswith(LINEAR_SUFFIXES):
             draft.update({f"{base}.{k}": v for k, v in quantize_int4(tensor).items()})
         elif name != "lm_head.weight":
             draft[name] = tensor.to(torch.bfloat16)
@@ -93,17 +97,14 @@ def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, to
 
 
 def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
-    """Int4 groups run along each projection's input dimension: hidden and intermediate sizes."""
-    draft = pipeline.speculation.draft
-    if draft is None or draft.derive != "int4":
-        return
-    if checkpoint.config.architecture != "llama":
-        raise BuildError(f"speculation.draft.derive int4 quantizes dense llama targets, and this target is a "
-                         f"{checkpoint.config.architecture}: give the draft a checkpoint (derive: none)")
+    """Int4 groups run along each projection's input dimension: hidden and intermediate (per expert) sizes.
+    `checkpoint`: what the draft is quantized from."""
+    derive = pipeline.speculation.draft.derive
     for name in ("hidden_size", "intermediate_size"):
         if getattr(checkpoint.config, name) % GROUP_SIZE:
-            raise BuildError(f"speculation.draft.derive int4 needs {name} divisible by {GROUP_SIZE}, "
-                             f"got {getattr(checkpoint.config, name)} (use derive: none with a draft checkpoint)")
+            raise BuildError(f"speculation.draft.derive {derive} needs {name} divisible by {GROUP_SIZE}, got "
+                             f"{getattr(checkpoint.config, name)} in the {checkpoint.config.architecture} model it "
+                             f"quantizes (use derive: none with a draft checkpoint)")
 
 
 def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> None:
@@ -146,25 +147,32 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}] loading target checkpoint", total=None)
         target = dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
-        check_draft_quantizable(pipeline, dense)
+        draft_spec = speculation.draft if speculation.method == "draft_target" else None
+        derive = None if draft_spec is None else draft_spec.derive
+        if derive == "int4_dense":
+            check_draft_quantizable(pipeline, dense)  # before the MoE's derivation, which takes minutes
         moe = pipeline.target.moe
         if moe is not None:
             progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE "
                                               f"({moe.experts_per_token} per token) from the dense target")
             target = derive_target(moe, dense, str(pipeline.target.checkpoint.path))
+        if derive == "int4":
+            check_draft_quantizable(pipeline, target)
         progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
         save_engine_pipeline(staging, pipeline)
         target_dtype = DTYPES[pipeline.target.dtype]
         write_component(staging / "target", target, {k: v.to(target_dtype) for k, v in target.state.items()},
                         pipeline.target.dtype, pipeline)
-        if speculation.method == "draft_target":
-            draft_spec = speculation.draft
-            if draft_spec.derive == "int4":
-                progress.update(task, description=f"[{pipeline.name}] quantizing the target into an int4 draft")
-                # Activations in the target's dtype, so the draft can share the target's KV cache. A derived MoE
-                # target's draft is its dense source quantized: the same attention, reading the same cache.
-                draft_state = quantized_draft_state(dense.state)
-                write_component(staging / "draft", dense, draft_state, pipeline.target.dtype, pipeline,
+        if draft_spec is not None:
+            if derive in ("int4", "int4_dense"):
+                # int4_dense: a derived MoE's dense source. Either way the attention is the target's, so the draft
+                # (activations in the target's dtype) can share the target's KV cache.
+                source = dense if derive == "int4_dense" else target
+                progress.update(task, description=f"[{pipeline.name}] quantizing the "
+                                                  f"{'dense source' if source is dense else 'target'} into an "
+                                                  f"int4 draft")
+                draft_state = quantized_draft_state(source.state)
+                write_component(staging / "draft", source, draft_state, pipeline.target.dtype, pipeline,
                                 draft_quantization(draft_state))
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")

@@ -7,7 +7,8 @@ pass through it in one matmul per active expert, so a step costs one matmul pair
 touch, which is what makes verifying several tokens dearer on an MoE than on a dense model.
 
 Weights use transformers 5's packed names: `mlp.gate.weight` [E, H] (the router), `mlp.experts.gate_up_proj`
-[E, 2I, H] (w1's rows, then w3's) and `mlp.experts.down_proj` [E, H, I] (w2).
+[E, 2I, H] (w1's rows, then w3's) and `mlp.experts.down_proj` [E, H, I] (w2); an int4 draft of an MoE stores each
+expert's int4 groups stacked the same way.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import DenseLinear, LlamaModel
+from specdeploy.models.quantize import Int4Linear
 
 
 def route(router_logits: torch.Tensor, experts_per_token: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -25,6 +27,19 @@ def route(router_logits: torch.Tensor, experts_per_token: int) -> tuple[torch.Te
     probabilities = router_logits.float().softmax(dim=-1)
     weights, experts = probabilities.topk(experts_per_token, dim=-1)
     return weights / weights.sum(dim=-1, keepdim=True), experts
+
+
+def expert_linears(state: dict[str, torch.Tensor], key: str, dtype: torch.dtype) -> tuple[nn.ModuleList, int]:
+    """One linear per expert from the experts' stacked weights at `key` ([E, N, K], or int4 groups stacked the same
+    way under `key`.codes / .scales / .minimums, as a derived draft stores them), and the bytes one expert's
+    linear reads."""
+    if key in state:
+        weights = state[key]
+        return (nn.ModuleList(DenseLinear(w.to(dtype)) for w in weights),
+                weights[0].numel() * torch.finfo(dtype).bits // 8)
+    codes, scales, minimums = (state[f"{key}.{part}"] for part in ("codes", "scales", "minimums"))
+    linears = nn.ModuleList(Int4Linear(c, s.float(), m.float()) for c, s, m in zip(codes, scales, minimums))
+    return linears, codes[0].numel() + 2 * scales[0].numel() * 2  # 4-bit codes, bf16 scales and zeros
 
 
 class SparseMoE(nn.Module):
@@ -35,10 +50,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.num_experts, self.experts_per_token = config.num_experts, config.experts_per_token
         self.router = DenseLinear(state[f"{prefix}.gate.weight"].to(dtype))
-        gate_up, down = state[f"{prefix}.experts.gate_up_proj"], state[f"{prefix}.experts.down_proj"]
-        self.gate_up = nn.ModuleList(DenseLinear(gate_up[e].to(dtype)) for e in range(self.num_experts))
-        self.down = nn.ModuleList(DenseLinear(down[e].to(dtype)) for e in range(self.num_experts))
-        self.expert_bytes = (gate_up[0].numel() + down[0].numel()) * torch.finfo(dtype).bits // 8
+        self.gate_up, gate_up_bytes = expert_linears(state, f"{prefix}.experts.gate_up_proj", dtype)
+        self.down, down_bytes = expert_linears(state, f"{prefix}.experts.down_proj", dtype)
+        self.expert_bytes = gate_up_bytes + down_bytes
         self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.long)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -49,17 +63,17 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(assignments, minlength=self.num_experts)
         self.expert_tokens = counts
         tokens_in_order = order // self.experts_per_token
-        weights_in_order = weights.flatten()[order, None]
-        out = torch.zeros_like(flat)
-        start = 0
+        routed = flat[tokens_in_order]  # [N * k, H]: each token once per expert it goes to, grouped by expert
+        outputs, start = [], 0
         for expert, count in enumerate(counts.tolist()):
             if count == 0:
                 continue
-            rows = tokens_in_order[start:start + count]
-            gate, up = self.gate_up[expert].forward(flat[rows]).chunk(2, dim=-1)
-            expert_out = self.down[expert].forward(F.silu(gate) * up)
-            out.index_add_(0, rows, (expert_out * weights_in_order[start:start + count]).to(out.dtype))
+            gate, up = self.gate_up[expert].forward(routed[start:start + count]).chunk(2, dim=-1)
+            outputs.append(self.down[expert].forward(F.silu(gate) * up))
             start += count
+        # one weighting and one scatter for all experts: per-expert small ops cost more than the matmuls here
+        weighted = (torch.cat(outputs) * weights.flatten()[order, None]).to(flat.dtype)
+        out = torch.zeros_like(flat).index_add_(0, tokens_in_order, weighted)
         return out.view_as(x)
 
 
