@@ -86,9 +86,10 @@ def transformers_decode_tokens_per_s(engine: Engine, prompt_ids: list[int], max_
     """transformers' greedy `generate` on the same weights, dtype and threads, decode phase only:
     (N - 1) / (time(N tokens) - time(1 token))."""
     from safetensors.torch import load_file
-    from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM(engine.target.config.to_hf())
+    from specdeploy.builders.hf_export import hf_model_class
+
+    model = hf_model_class(engine.target.config)(engine.target.config.to_hf())
     state = load_file(str(engine.dir / "target" / "model.safetensors"))
     model.load_state_dict(state, strict=False)
     model = model.to(engine.target.dtype).eval()
@@ -202,6 +203,7 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
         # the linear rule's formula does not describe a tree: the tree's own prediction replaces it
         report["predicted_speedup"] = report["medusa"]["predicted_speedup"]
     report.update(pipeline=engine.pipeline.name, method=engine.method, num_draft_tokens=engine.num_draft_tokens,
+                  gamma_cap=engine.pipeline.serving.policy.gamma_cap,
                   schedule=engine.pipeline.speculation.schedule, dtype=engine.dtype,
                   temperature=params.temperature, max_tokens=max_tokens, prompts=len(runs),
                   threads=torch.get_num_threads(), machine=machine.describe())
@@ -337,14 +339,15 @@ def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost
 
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
+    capped = "" if report.get("gamma_cap") is None else f" capped at {report['gamma_cap']}"
     table = Table(title=f"specdeploy bench — {report['pipeline']}: {report['method']}, "
-                        f"gamma={report['num_draft_tokens']} ({report['schedule']}), "
+                        f"gamma={report['num_draft_tokens']}{capped} ({report['schedule']}), "
                         f"{report['dtype']}, T={report['temperature']}, {report['prompts']} prompts")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in report.items():
-        if key in ("by_kind", "pipeline", "method", "num_draft_tokens", "schedule", "dtype", "temperature", "prompts",
-                   "medusa", "moe", "machine"):
+        if key in ("by_kind", "pipeline", "method", "num_draft_tokens", "gamma_cap", "schedule", "dtype", "temperature",
+                   "prompts", "medusa", "moe", "machine"):
             continue
         if isinstance(value, float):
             value = f"{value:.3f}"

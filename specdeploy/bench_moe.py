@@ -49,7 +49,8 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
     """sequences: (prompt + answer ids, index of the answer's first token). For n = 1 .. max_length: the mean
     distinct experts per layer over verification windows of n real tokens, the expert bytes a forward over them
     reads, and its time relative to n = 1 (medians of `repeats`); n = 1 is a plain decode step. With `dense`, the
-    same windows timed on it, interleaved with the MoE's, as the dense verify curve beside the union's."""
+    same windows timed on it, interleaved with the MoE's: the dense verify curve beside the union's, and how fast
+    the MoE's plain step is against the dense one's."""
     model = engine.target
     models = [model] if dense is None else [model, dense]
     distinct_at: dict[int, list[float]] = {n: [] for n in range(1, max_length + 1)}
@@ -75,10 +76,8 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
     if not lengths:
         return {}
     distinct = [sum(distinct_at[n]) / len(distinct_at[n]) for n in lengths]
-    costs = []
-    for seconds in seconds_at:
-        mean = [sum(seconds[n]) / len(seconds[n]) for n in lengths]
-        costs.append([s / mean[0] for s in mean])
+    means = [[sum(seconds[n]) / len(seconds[n]) for n in lengths] for seconds in seconds_at]
+    costs = [[s / mean[0] for s in mean] for mean in means]
     layers = model.moe_layers()
     curve = {"verification_length": lengths, "num_experts": model.config.num_experts,
              "experts_per_token": model.config.experts_per_token,
@@ -87,6 +86,8 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
              "verify_cost": costs[0]}
     if dense is not None:
         curve["dense_verify_cost"] = costs[1]
+        # above 1: a plain decode step of the MoE is faster than the dense model's (same windows, interleaved)
+        curve["plain_step_speed_vs_dense"] = means[1][0] / means[0][0]
     return curve
 
 

@@ -332,7 +332,8 @@ def test_expert_union_counts_a_hand_computed_case():
 def test_bench_reports_the_expert_union_by_verification_length(moe_engines):
     engine = moe_engines["draft_target"]
     prompts = [{"prompt": "abcabcabc", "kind": "copy"}, {"prompt": "hello world", "kind": "open"}]
-    report = run_benches([engine], prompts, 24, 0.0, 0, with_transformers=False, quiet=True)[0]
+    report = run_benches([engine], prompts, 24, 0.0, 0, with_transformers=True, quiet=True)[0]
+    assert report["transformers_tokens_per_s"] > 0  # transformers' Mixtral on the same weights
     curve = report["moe"]
     gamma = engine.num_draft_tokens
     assert curve["verification_length"] == list(range(1, gamma + 2))
@@ -344,6 +345,7 @@ def test_bench_reports_the_expert_union_by_verification_length(moe_engines):
     assert curve["verify_cost"][0] == 1.0 and len(curve["verify_cost"]) == gamma + 1
     # the dense model the MoE was derived from, timed on the same windows
     assert curve["dense_verify_cost"][0] == 1.0 and len(curve["dense_verify_cost"]) == gamma + 1
+    assert curve["plain_step_speed_vs_dense"] > 0
     by_gamma = curve["predicted_speedup_by_gamma"]
     assert len(by_gamma) == gamma and by_gamma[curve["best_gamma"] - 1] == max(by_gamma)
     assert report["predicted_speedup"] == by_gamma[gamma - 1]
@@ -483,6 +485,10 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     assert measured["predicted_speedup_by_gamma"] == by_gamma
     assert f"gamma cap {best}" in result.stdout and str(policy_file) in result.stdout
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == best
+    served = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
+                     "24", "--temperature", "0", "--no-transformers", "--json", str(out))
+    assert served.returncode == 0 and f"capped at {best}" in served.stdout
+    assert json.loads(out.read_text())["gamma_cap"] == best
     policy_file.write_text(json.dumps({"gamma_cap": "two"}))
     with pytest.raises(SpecdeployError, match="measured_policy.json.*gamma_cap"):
         Engine(engine_dir)

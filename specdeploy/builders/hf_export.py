@@ -11,18 +11,26 @@ import torch
 from safetensors.torch import load_file
 
 from specdeploy.errors import SpecdeployError
+from specdeploy.models.config import ModelConfig
 from specdeploy.models.registry import component_config
+
+
+def hf_model_class(config: ModelConfig) -> type:
+    """The transformers class of a component's architecture: MixtralForCausalLM or LlamaForCausalLM."""
+    from transformers import LlamaForCausalLM, MixtralForCausalLM
+
+    return MixtralForCausalLM if config.architecture == "mixtral" else LlamaForCausalLM
 
 
 def export_hf(component: Path, output: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
     """Write `component` (an engine's target/ or draft/) to `output` as a Hugging Face directory in `dtype`."""
-    from transformers import AutoTokenizer, LlamaForCausalLM, MixtralForCausalLM
+    from transformers import AutoTokenizer
 
     config, _ = component_config(component)
     if config.quantization is not None:
         raise SpecdeployError(f"{component}: a quantized component ({config.quantization['method']}); export the "
                               f"model it was quantized from")
-    family = MixtralForCausalLM if config.architecture == "mixtral" else LlamaForCausalLM
+    family = hf_model_class(config)
     model = family(config.to_hf())
     missing, unexpected = model.load_state_dict(load_file(str(component / "model.safetensors")), strict=False)
     expected_missing = ["lm_head.weight"] if config.tie_word_embeddings else []
