@@ -65,12 +65,25 @@ def cli() -> None:
 @click.argument("pipeline_path", metavar="PIPELINE.yaml")
 @engines_option
 @click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
-def build(pipeline_path: str, engines_dir: Path, force: bool) -> None:
+@click.option("--dry-run", is_flag=True, help="backend trtllm: print every conversion and engine build with its "
+              "arguments and paths, and run nothing (needs no TensorRT-LLM).")
+def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool) -> None:
     """Build the pipeline's target (and draft) engines."""
     from specdeploy.builders.torch import build as build_engine
     from specdeploy.pipeline import load_pipeline
 
-    directory, built = build_engine(load_pipeline(pipeline_path), engines_dir, force=force)
+    pipeline = load_pipeline(pipeline_path)
+    if pipeline.backend.kind == "trtllm":
+        from specdeploy.builders import trtllm
+
+        if dry_run:
+            click.echo(trtllm.format_plan(pipeline, *trtllm.plan(pipeline, engines_dir)))
+        else:
+            trtllm.build(pipeline, engines_dir)
+        return
+    if dry_run:
+        raise click.UsageError("--dry-run prints the plan of a trtllm pipeline; a torch build runs in-process")
+    directory, built = build_engine(pipeline, engines_dir, force=force)
     click.echo(f"built {directory}" if built else f"{directory}: up to date, nothing to build")
 
 

@@ -32,7 +32,7 @@ Method = Literal["draft_target", "ngram", "medusa", "none"]
 # more and changes the distribution); only for medusa, and never the default.
 Acceptance = Literal["exact", "typical"]
 Schedule = Literal["constant", "heuristic"]  # proposal length per step: always gamma, or adaptive up to gamma
-BackendKind = Literal["torch"]  # "trtllm" joins with its builder
+BackendKind = Literal["torch", "trtllm"]
 
 _NEUTRAL = SamplingParams()
 
@@ -316,10 +316,56 @@ class ServingSpec(Section):
 
 
 @dataclass(frozen=True)
+class TrtllmSpec(Section):
+    """TensorRT-LLM settings (backend.kind: trtllm). line: `engine` builds TensorRT engines with TensorRT-LLM 1.2.x
+    (trtllm-build), `llm_api` serves through the LLM API's PyTorch backend of newer releases. server: Triton (its
+    tensorrtllm backend, or its llmapi model on the llm_api line) or trtllm-serve. moe_tp_size × moe_ep_size must
+    equal tp_size (unset: TensorRT-LLM's completion, tp × 1). Batch, input and sequence limits come from `limits`;
+    the draft's weight-only int4 from speculation.draft.derive."""
+
+    line: Literal["engine", "llm_api"] = "engine"
+    server: Literal["triton", "trtllm_serve"] = "triton"
+    dtype: Literal["float16", "bfloat16"] = "bfloat16"
+    tp_size: int = 1
+    pp_size: int = 1
+    moe_tp_size: int | None = None
+    moe_ep_size: int | None = None
+    max_num_tokens: int = 8192
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    enable_kv_cache_reuse: bool = True
+
+    def check(self) -> None:
+        for key in ("tp_size", "pp_size", "max_num_tokens"):
+            if getattr(self, key) < 1:
+                raise Problem(key, f"must be ≥ 1, got {getattr(self, key)}")
+        for key in ("moe_tp_size", "moe_ep_size"):
+            value = getattr(self, key)
+            if value is not None and (value < 1 or self.tp_size % value):
+                raise Problem(key, f"must divide tp_size ({self.tp_size}), got {value}")
+        if self.moe_tp_size is not None and self.moe_ep_size is not None \
+                and self.moe_tp_size * self.moe_ep_size != self.tp_size:
+            raise Problem("moe_ep_size", f"moe_tp_size × moe_ep_size must equal tp_size ({self.tp_size}), got "
+                                         f"{self.moe_tp_size} × {self.moe_ep_size}")
+        if not 0 < self.kv_cache_free_gpu_mem_fraction <= 1:
+            raise Problem("kv_cache_free_gpu_mem_fraction", f"must be in (0, 1], got "
+                                                            f"{self.kv_cache_free_gpu_mem_fraction}")
+
+
+@dataclass(frozen=True)
 class BackendSpec(Section):
     """Which engine the build produces and the Triton repository serves; each kind brings its own settings."""
 
     kind: BackendKind = "torch"
+    trtllm: TrtllmSpec | None = None  # kind trtllm only; None there: every default
+
+    def check(self) -> None:
+        if self.kind != "trtllm" and self.trtllm is not None:
+            raise Problem("trtllm", f"only with kind: trtllm (kind is {self.kind!r})")
+
+    @property
+    def settings(self) -> TrtllmSpec:
+        """The TensorRT-LLM settings (defaults when the section is left out)."""
+        return self.trtllm or TrtllmSpec()
 
 
 @dataclass(frozen=True)
@@ -345,10 +391,32 @@ class PipelineSpec(Section):
         if draft is not None and draft.derive == "int4_dense" and self.target.moe is None:
             raise Problem("speculation.draft.derive", "int4_dense quantizes the dense model an MoE target is derived "
                                                       "from, and this target has no target.moe: use int4")
+        if self.backend.kind == "trtllm":
+            self.check_trtllm()
         nodes = len(self.speculation.medusa.choices)
         if self.speculation.method == "medusa" and nodes > limit:
             # a tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens
             raise Problem("speculation.medusa.choices", f"{nodes} nodes are above limits.max_draft_tokens ({limit})")
+
+    def check_trtllm(self) -> None:
+        """The combinations TensorRT-LLM cannot serve (facts in docs/trtllm-upstream.md). The checks that need the
+        model's head and expert counts run at build (builders/trtllm_plan.check_model_fits)."""
+        settings, method = self.backend.settings, self.speculation.method
+        if method == "medusa" and self.target.moe is not None:
+            raise Problem("speculation.method", "medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "
+                                                "converter has no expert mapping); use draft_target or ngram")
+        if method == "medusa" and settings.line == "llm_api":
+            raise Problem("backend.trtllm.line", "medusa runs on TensorRT engines only: use line: engine (the "
+                                                 "LLM API's PyTorch backend has no Medusa)")
+        if settings.line == "engine" and settings.server == "trtllm_serve" and method in ("draft_target", "ngram"):
+            raise Problem("backend.trtllm.server", f"{method} on the engine line runs through Triton (our "
+                                                   f"orchestration model feeds draft tokens to the engine); the "
+                                                   f"LLM API serves {method} only on line: llm_api")
+        draft = self.speculation.draft
+        if settings.line == "llm_api" and method == "draft_target" and draft.derive != "none":
+            raise Problem("speculation.draft.derive", f"{draft.derive} needs the engine line (TensorRT-LLM "
+                                                      f"quantizes it at conversion); on line: llm_api give the "
+                                                      f"draft a checkpoint (derive: none)")
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -263,7 +263,7 @@ def test_unknown_method(tmp_path: Path):
      "'int8'", "'int4', 'int4_dense', 'none'"),
     ("speculation.schedule", minimal(speculation={"schedule": "dynamic"}), "'dynamic'",
      "'constant', 'heuristic'"),
-    ("backend.kind", minimal(backend={"kind": "trtllm"}), "'trtllm'", "'torch'"),
+    ("backend.kind", minimal(backend={"kind": "vllm"}), "'vllm'", "'torch', 'trtllm'"),
     ("speculation.method", minimal(speculation={"method": None}), "None", "'draft_target', 'ngram', 'medusa', 'none'"),
 ], ids=["dtype", "source", "acceptance", "derive", "schedule", "backend", "method-null"])
 def test_literal_not_allowed(tmp_path: Path, key_path: str, data: dict, bad: str, allowed: str):

@@ -79,6 +79,22 @@ def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
     return Checkpoint(config, state, tokenizer, source_files(spec, pipeline))
 
 
+def target_config(pipeline: PipelineSpec) -> ModelConfig:
+    """The target checkpoint's architecture from its configuration alone (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    path = locate(pipeline.target.checkpoint, pipeline)
+    directory, extra = (path, {}) if path.is_dir() else (path.parent, {"gguf_file": path.name})
+    try:
+        hf_config = AutoConfig.from_pretrained(directory, **extra)
+    except (OSError, ValueError, KeyError) as exc:
+        raise BuildError(f"checkpoint {path}: its configuration could not be read: {exc}") from None
+    if hf_config.model_type not in ARCHITECTURES:
+        raise BuildError(f"checkpoint {path}: architecture {hf_config.model_type!r} is not supported "
+                         f"(allowed: {', '.join(ARCHITECTURES)})")
+    return ModelConfig.from_hf(hf_config)
+
+
 def check_tokenizers_match(target, draft) -> None:
     """Speculation needs draft token ids to mean the same strings as target ids: same size, same token→id map."""
     target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()

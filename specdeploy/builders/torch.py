@@ -135,6 +135,10 @@ def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) ->
 
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
     """Build the pipeline's engines under engines_root/<name>/, unless they are up to date."""
+    if pipeline.backend.kind != "torch":
+        raise BuildError(f"{pipeline.name}: backend.kind is {pipeline.backend.kind}; in-process generation, bench "
+                         f"and the torch model repository need backend.kind: torch (specdeploy build builds a "
+                         f"trtllm pipeline)")
     final = engine_path(engines_root, pipeline)
     inputs = build_inputs(pipeline, final)
     if not force and up_to_date(final, inputs):

@@ -1,0 +1,189 @@
+"""A TensorRT-LLM build as a plan: every conversion and engine build of a trtllm pipeline, with every argument and
+path, computed without TensorRT-LLM. `specdeploy build --dry-run` prints it; a real build runs it where TensorRT-LLM
+and a GPU exist. The flags, keys and file layouts follow the pinned release; docs/trtllm-upstream.md records each
+with its upstream path.
+
+Layout under the engine directory (engines/<name>/trtllm/):
+  hf/<component>/           Hugging Face checkpoints exported from our sources (what the converters read)
+  checkpoints/<component>/  TensorRT-LLM checkpoints, one rank<r>.safetensors per GPU
+  engines/<component>/      TensorRT engines (the engine line)
+  llm_api.yaml              the LLM-API configuration (the llm_api line)
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdeploy.errors import BuildError
+from specdeploy.models.config import ModelConfig
+from specdeploy.pipeline import PipelineSpec, TrtllmSpec
+
+TRTLLM_VERSION = "1.2.1"
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"  # the first NGC image carrying 1.2.1
+# The upstream Medusa converter is a script in TensorRT-LLM's repository (not in the wheel); the NGC image keeps
+# the repository's examples here.
+MEDUSA_CONVERTER = "/app/tensorrt_llm/examples/medusa/convert_checkpoint.py"
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of the build. `command`: the argv an external step runs (TensorRT-LLM's converters and
+    trtllm-build); None for work specdeploy does itself, named by `action` (an export, a configuration file)."""
+
+    title: str
+    output: Path
+    command: tuple[str, ...] | None = None
+    action: str | None = None
+
+    def describe(self) -> str:
+        how = shlex.join(self.command) if self.command else f"(specdeploy: {self.action})"
+        return f"{self.title} -> {self.output}\n    {how}"
+
+
+def export(title: str, action: str, output: Path) -> Step:
+    return Step(title, output, action=action)
+
+
+def moe_mapping(spec: TrtllmSpec) -> tuple[int, int]:
+    """(moe_tp_size, moe_ep_size) as TensorRT-LLM completes them: both unset → (tp, 1); one set → tp / it."""
+    if spec.moe_tp_size is None and spec.moe_ep_size is None:
+        return spec.tp_size, 1
+    if spec.moe_ep_size is None:
+        return spec.moe_tp_size, spec.tp_size // spec.moe_tp_size
+    if spec.moe_tp_size is None:
+        return spec.tp_size // spec.moe_ep_size, spec.moe_ep_size
+    return spec.moe_tp_size, spec.moe_ep_size
+
+
+def check_model_fits(pipeline: PipelineSpec, config: ModelConfig) -> None:
+    """BuildError naming the key when the parallelism does not divide the model (needs the target's config)."""
+    spec = pipeline.backend.settings
+    for name, count in (("attention heads", config.num_heads), ("key/value heads", config.num_kv_heads)):
+        if count % spec.tp_size:
+            raise BuildError(f"backend.trtllm.tp_size: {spec.tp_size} does not divide the target's {count} {name}")
+    experts = config.num_experts if config.architecture == "mixtral" else None
+    if pipeline.target.moe is not None:
+        experts = pipeline.target.moe.experts
+    if experts is not None:
+        ep = moe_mapping(spec)[1]
+        if experts % ep:
+            raise BuildError(f"backend.trtllm.moe_ep_size: {ep} does not divide the target's {experts} experts")
+        if pipeline.speculation.method == "medusa":
+            raise BuildError("speculation.method: medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "
+                             "converter maps tensor and pipeline parallelism only); use draft_target or ngram")
+
+
+def convert_command(spec: TrtllmSpec, model_dir: Path, output: Path, weight_only_int4: bool) -> tuple[str, ...]:
+    """Our converter (builders/trtllm_convert.py): LLaMAForCausalLM.from_hugging_face + save_checkpoint per rank,
+    the same call TensorRT-LLM's llama convert_checkpoint.py makes (Mixtral goes through the same class)."""
+    moe_tp, moe_ep = moe_mapping(spec)
+    command = ["python", "-m", "specdeploy.builders.trtllm_convert", "--model_dir", str(model_dir),
+               "--output_dir", str(output), "--dtype", spec.dtype, "--tp_size", str(spec.tp_size),
+               "--pp_size", str(spec.pp_size), "--moe_tp_size", str(moe_tp), "--moe_ep_size", str(moe_ep)]
+    if weight_only_int4:
+        command += ["--use_weight_only", "--weight_only_precision", "int4"]  # QuantAlgo.W4A16
+    return tuple(command)
+
+
+def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode: str | None) -> tuple[str, ...]:
+    """trtllm-build for one component; mode: the target's speculative_decoding_mode (None for a draft)."""
+    spec, limits = pipeline.backend.settings, pipeline.limits
+    command = ["trtllm-build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(output),
+               "--gemm_plugin", "auto", "--max_batch_size", str(limits.max_batch_size),
+               "--max_input_len", str(limits.max_input_length), "--max_seq_len", str(limits.max_sequence_length),
+               "--max_num_tokens", str(spec.max_num_tokens), "--use_paged_context_fmha", "enable",
+               "--workers", str(spec.tp_size * spec.pp_size)]
+    if mode is not None:
+        command += ["--speculative_decoding_mode", mode, "--max_draft_len", str(limits.max_draft_tokens)]
+    if pipeline.speculation.method == "draft_target" and exact_sampling_needs_logits(pipeline):
+        command.append("--gather_generation_logits")
+    return tuple(command)
+
+
+def exact_sampling_needs_logits(pipeline: PipelineSpec) -> bool:
+    """Exact acceptance at temperature > 0 compares the draft's and the target's distributions, so both engines
+    must return generation logits. Requests may sample whatever the pipeline's default, so an exact draft-target
+    pipeline always gathers them."""
+    return pipeline.speculation.acceptance == "exact"
+
+
+def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
+    spec, speculation = pipeline.backend.settings, pipeline.speculation
+    hf, checkpoints, engines = root / "hf", root / "checkpoints", root / "engines"
+    steps = [export("export the target as a Hugging Face checkpoint", "export target", hf / "target")]
+    mode = None
+    if speculation.method == "medusa":
+        heads = speculation.medusa
+        steps.append(export("write the Medusa heads as medusa_lm_head.safetensors + config.json",
+                            "export medusa heads", hf / "medusa"))
+        steps.append(Step("convert target + Medusa heads", checkpoints / "target", (
+            "python", MEDUSA_CONVERTER, "--model_dir", str(hf / "target"), "--medusa_model_dir", str(hf / "medusa"),
+            "--output_dir", str(checkpoints / "target"), "--dtype", spec.dtype,
+            "--num_medusa_heads", str(heads.num_heads), "--num_medusa_layers", str(heads.num_layers),
+            "--max_medusa_token_len", str(pipeline.limits.max_draft_tokens), "--tp_size", str(spec.tp_size),
+            "--pp_size", str(spec.pp_size))))
+        mode = "medusa"
+    else:
+        steps.append(Step("convert the target", checkpoints / "target",
+                          convert_command(spec, hf / "target", checkpoints / "target", False)))
+        if speculation.method in ("draft_target", "ngram"):
+            mode = "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
+    if speculation.method == "draft_target":
+        draft = speculation.draft
+        if draft.derive == "none":
+            steps.append(export("export the draft", "export draft", hf / "draft"))
+            draft_source = hf / "draft"
+        elif draft.derive == "int4_dense":
+            steps.append(export("export the dense model the MoE target is derived from", "export dense source",
+                                hf / "dense_source"))
+            draft_source = hf / "dense_source"
+        else:
+            draft_source = hf / "target"  # TensorRT-LLM quantizes it to int4 weight-only itself
+        steps.append(Step("convert the draft", checkpoints / "draft",
+                          convert_command(spec, draft_source, checkpoints / "draft", draft.derive != "none")))
+        steps.append(Step("build the draft engine", engines / "draft",
+                          engine_command(pipeline, checkpoints / "draft", engines / "draft", None)))
+    steps.append(Step("build the target engine", engines / "target",
+                      engine_command(pipeline, checkpoints / "target", engines / "target", mode)))
+    return steps
+
+
+def build_plan(pipeline: PipelineSpec, engine_dir: Path) -> list[Step]:
+    """Every step of the pipeline's TensorRT-LLM build, in order, writing under engine_dir/trtllm."""
+    root = Path(engine_dir) / "trtllm"
+    if pipeline.backend.settings.line == "engine":
+        return engine_line_plan(pipeline, root)
+    return llm_api_plan(pipeline, root)
+
+
+def llm_api_config(pipeline: PipelineSpec, root: Path) -> dict:
+    """The LLM-API options (PyTorch backend) that Triton's llmapi model reads from model.yaml and trtllm-serve from
+    --extra_llm_api_options: the model, parallelism, limits, KV cache and speculation."""
+    spec, limits, speculation = pipeline.backend.settings, pipeline.limits, pipeline.speculation
+    moe_tp, moe_ep = moe_mapping(spec)
+    config = {"model": str(root / "hf" / "target"), "backend": "pytorch", "tensor_parallel_size": spec.tp_size,
+              "pipeline_parallel_size": spec.pp_size, "moe_tensor_parallel_size": moe_tp,
+              "moe_expert_parallel_size": moe_ep, "max_batch_size": limits.max_batch_size,
+              "max_num_tokens": spec.max_num_tokens, "max_seq_len": limits.max_sequence_length,
+              "kv_cache_config": {"free_gpu_memory_fraction": spec.kv_cache_free_gpu_mem_fraction,
+                                  "enable_block_reuse": spec.enable_kv_cache_reuse}}
+    gamma = speculation.num_draft_tokens
+    if speculation.method == "draft_target":
+        config["speculative_config"] = {"decoding_type": "DraftTarget", "max_draft_len": gamma,
+                                        "speculative_model_dir": str(root / "hf" / "draft")}
+    elif speculation.method == "ngram":
+        config["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": gamma,
+                                        "max_matching_ngram_size": speculation.ngram.max_n}
+    return config
+
+
+def llm_api_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
+    hf = root / "hf"
+    steps = [export("export the target as a Hugging Face checkpoint", "export target", hf / "target")]
+    if pipeline.speculation.method == "draft_target":
+        steps.append(export("export the draft", "export draft", hf / "draft"))
+    steps.append(export("write the LLM-API configuration (model, parallelism, speculative_config)",
+                        "write llm_api.yaml", root / "llm_api.yaml"))
+    return steps
