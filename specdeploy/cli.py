@@ -78,8 +78,9 @@ def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool) -> 
 
         if dry_run:
             click.echo(trtllm.format_plan(pipeline, *trtllm.plan(pipeline, engines_dir)))
-        else:
-            trtllm.build(pipeline, engines_dir)
+            return
+        directory, built = trtllm.build(pipeline, engines_dir, force=force)
+        click.echo(f"built {directory}" if built else f"{directory}: up to date, nothing to build")
         return
     if dry_run:
         raise click.UsageError("--dry-run prints the plan of a trtllm pipeline; a torch build runs in-process")

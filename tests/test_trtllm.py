@@ -85,7 +85,7 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, tmp_pa
         # exact acceptance at temperature > 0 needs both engines' generation logits
         assert "--gather_generation_logits" in target and "--gather_generation_logits" in builds["draft"]
         assert "--speculative_decoding_mode" not in builds["draft"]
-    converts = [flags(s.command) for s in steps if s.command and s.command[0] == "python"]
+    converts = [flags(s.command) for s in steps if s.command and s.command[0] == "python3"]
     for convert in converts:
         assert convert["--tp_size"] == str(settings.tp_size)
     if settings.moe_ep_size:
@@ -94,7 +94,7 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, tmp_pa
     draft = pipeline.speculation.draft
     if draft is not None and draft.derive == "int4":  # TensorRT-LLM quantizes the target's export: W4A16
         draft_convert = flags(next(s.command for s in steps if s.output.name == "draft" and s.command and
-                                   s.command[0] == "python"))
+                                   s.command[0] == "python3"))
         assert draft_convert["--weight_only_precision"] == "int4" and "--use_weight_only" in draft_convert
         assert draft_convert["--model_dir"].endswith("hf/target")
 

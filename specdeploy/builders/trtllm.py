@@ -1,18 +1,40 @@
 """TensorRT-LLM builder (backend.kind: trtllm). It checks the pipeline against the target model, then runs the
-plan in builders/trtllm_plan.py. Where TensorRT-LLM, trtllm-build or an NVIDIA GPU is missing, it stops before
-doing anything and names what is missing; `specdeploy build --dry-run` prints the plan anywhere."""
+plan in builders/trtllm_plan.py: our own exports first, then TensorRT-LLM's converters and trtllm-build, each
+logged to trtllm/logs/. Where TensorRT-LLM, trtllm-build or an NVIDIA GPU is missing it stops before doing anything
+and names what is missing; `specdeploy build --dry-run` prints the plan anywhere. As with the torch builder, the
+build happens in a hidden sibling directory moved into place when complete, and unchanged inputs skip the work."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import shutil
+import subprocess
+import time
 from pathlib import Path
 
-from specdeploy.builders.checkpoints import target_config
-from specdeploy.builders.trtllm_plan import TRITON_IMAGE, TRTLLM_VERSION, Step, build_plan, check_model_fits
+import yaml
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+import specdeploy
+from specdeploy.builders.checkpoints import Checkpoint, load_checkpoint, source_files, target_config
+from specdeploy.builders.hf_export import export_model
+from specdeploy.builders.moe_derive import derive_target
+from specdeploy.builders.torch import BuildResult
+from specdeploy.builders.trtllm_plan import (
+    TRITON_IMAGE,
+    TRTLLM_VERSION,
+    Step,
+    build_plan,
+    check_model_fits,
+    llm_api_config,
+)
 from specdeploy.errors import BuildError
-from specdeploy.layout import engine_path
+from specdeploy.layout import MANIFEST_FILE, engine_path, save_engine_pipeline, staging_dir
+from specdeploy.manifest import fingerprint, output_records, up_to_date
 from specdeploy.pipeline import PipelineSpec
+
+MEDUSA_HEADS_FILE = "medusa_lm_head.safetensors"  # the name TensorRT-LLM's Medusa converter reads
 
 
 def missing_requirements() -> list[str]:
@@ -53,13 +75,101 @@ def format_plan(pipeline: PipelineSpec, steps: list[Step], notes: list[str]) -> 
     return "\n".join(lines)
 
 
-def build(pipeline: PipelineSpec, engines_root: Path) -> None:
-    """Stops with the list of what is missing; the steps themselves run only where nothing is."""
+class Sources:
+    """The pipeline's models, each loaded once when an export first needs it."""
+
+    def __init__(self, pipeline: PipelineSpec) -> None:
+        self.pipeline = pipeline
+        self.loaded: dict[str, Checkpoint] = {}
+
+    def get(self, name: str) -> Checkpoint:
+        if name not in self.loaded:
+            pipeline = self.pipeline
+            if name == "dense":
+                self.loaded[name] = load_checkpoint(pipeline.target.checkpoint, pipeline)
+            elif name == "target":
+                dense, moe = self.get("dense"), pipeline.target.moe
+                self.loaded[name] = dense if moe is None else derive_target(moe, dense,
+                                                                            str(pipeline.target.checkpoint.path))
+            else:
+                self.loaded[name] = load_checkpoint(pipeline.speculation.draft.checkpoint, pipeline)
+        return self.loaded[name]
+
+
+def run_action(step: Step, pipeline: PipelineSpec, final: Path, output: Path, sources: Sources) -> None:
+    """The steps specdeploy does itself: exports and the LLM-API configuration."""
+    import torch
+
+    from specdeploy.models.registry import projection_key
+    from specdeploy.speculative.medusa import MedusaHeads, export_trtllm
+
+    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[pipeline.backend.settings.dtype]
+    exports = {"export target": "target", "export draft": "draft", "export dense source": "dense"}
+    if step.action in exports:
+        model = sources.get(exports[step.action])
+        export_model(model.config, model.state, model.tokenizer, output, dtype, step.action.removeprefix("export "))
+    elif step.action == "export medusa heads":
+        target = sources.get("target")
+        heads = MedusaHeads.load(pipeline.resolve(pipeline.speculation.medusa.heads))
+        output.mkdir(parents=True)
+        export_trtllm(heads, target.state[projection_key(target.state)], output / MEDUSA_HEADS_FILE, dtype)
+        (output / "config.json").write_text(json.dumps({"medusa_num_heads": heads.num_heads,
+                                                        "medusa_num_layers": heads.num_layers}, indent=2))
+    elif step.action == "write llm_api.yaml":
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(yaml.safe_dump(llm_api_config(pipeline, final / "trtllm"), sort_keys=False))
+    else:
+        raise AssertionError(f"unknown build action {step.action!r}")
+
+
+def run_command(step: Step, log: Path) -> None:
+    """An external step, its output in `log`; a failure names the step, the exit status and the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        sink.write(f"$ {' '.join(step.command)}\n")
+        sink.flush()
+        status = subprocess.run(step.command, stdout=sink, stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        tail = log.read_text().splitlines()[-5:]
+        raise BuildError(f"{step.title} failed (exit status {status}); its log: {log}\n" + "\n".join(tail))
+
+
+def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
+    files = source_files(pipeline.target.checkpoint, pipeline)
+    draft = pipeline.speculation.draft
+    if pipeline.speculation.method == "draft_target" and draft.checkpoint is not None:
+        files += source_files(draft.checkpoint, pipeline)
+    if pipeline.speculation.method == "medusa":
+        files.append(pipeline.resolve(pipeline.speculation.medusa.heads))
+    versions = {"specdeploy": specdeploy.__version__, "tensorrt_llm": TRTLLM_VERSION}
+    return fingerprint(pipeline, files, versions, final)
+
+
+def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
+    """Run the plan into engines_root/<name>/trtllm, unless it is up to date; stops first, writing nothing, when
+    this machine lacks what a TensorRT-LLM build needs."""
     steps, _ = plan(pipeline, engines_root)
     missing = missing_requirements()
     if missing:
         raise BuildError(f"{pipeline.name}: backend trtllm cannot build on this machine; missing: "
                          f"{'; '.join(missing)}. Nothing was written. `specdeploy build --dry-run` prints the "
                          f"{len(steps)} steps it would run.")
-    raise BuildError(f"{pipeline.name}: running the TensorRT-LLM plan is not implemented yet (issue 12); "
-                     f"`specdeploy build --dry-run` prints the {len(steps)} steps to run by hand")
+    final = engine_path(engines_root, pipeline)
+    inputs = build_inputs(pipeline, final)
+    if not force and up_to_date(final, inputs):
+        return BuildResult(final, False)
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, disable=quiet) as progress, staging_dir(final) as staging:
+        task = progress.add_task(f"[{pipeline.name}]", total=None)
+        save_engine_pipeline(staging, pipeline)
+        sources = Sources(pipeline)
+        for number, step in enumerate(build_plan(pipeline, staging), 1):
+            progress.update(task, description=f"[{pipeline.name}] {number}/{len(steps)}: {step.title}")
+            if step.command is None:
+                run_action(step, pipeline, final, step.output, sources)
+            else:
+                run_command(step, staging / "trtllm" / "logs" / f"{number}-{step.output.name}.log")
+        manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), components=["trtllm"],
+                        outputs=output_records(staging))
+        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+    return BuildResult(final, True)

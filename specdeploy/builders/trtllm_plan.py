@@ -79,7 +79,7 @@ def convert_command(spec: TrtllmSpec, model_dir: Path, output: Path, weight_only
     """Our converter (builders/trtllm_convert.py): LLaMAForCausalLM.from_hugging_face + save_checkpoint per rank,
     the same call TensorRT-LLM's llama convert_checkpoint.py makes (Mixtral goes through the same class)."""
     moe_tp, moe_ep = moe_mapping(spec)
-    command = ["python", "-m", "specdeploy.builders.trtllm_convert", "--model_dir", str(model_dir),
+    command = ["python3", "-m", "specdeploy.builders.trtllm_convert", "--model_dir", str(model_dir),
                "--output_dir", str(output), "--dtype", spec.dtype, "--tp_size", str(spec.tp_size),
                "--pp_size", str(spec.pp_size), "--moe_tp_size", str(moe_tp), "--moe_ep_size", str(moe_ep)]
     if weight_only_int4:
@@ -119,7 +119,7 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
         steps.append(export("write the Medusa heads as medusa_lm_head.safetensors + config.json",
                             "export medusa heads", hf / "medusa"))
         steps.append(Step("convert target + Medusa heads", checkpoints / "target", (
-            "python", MEDUSA_CONVERTER, "--model_dir", str(hf / "target"), "--medusa_model_dir", str(hf / "medusa"),
+            "python3", MEDUSA_CONVERTER, "--model_dir", str(hf / "target"), "--medusa_model_dir", str(hf / "medusa"),
             "--output_dir", str(checkpoints / "target"), "--dtype", spec.dtype,
             "--num_medusa_heads", str(heads.num_heads), "--num_medusa_layers", str(heads.num_layers),
             "--max_medusa_token_len", str(pipeline.limits.max_draft_tokens), "--tp_size", str(spec.tp_size),

@@ -1,0 +1,125 @@
+"""The trtllm build run end to end against a test double of TensorRT-LLM's tools (tests/trtllm_double/, which
+checks our exports and flags against the upstream formats): exports, conversions and engine builds land where the
+plan says, a failed step leaves nothing that looks complete, unchanged inputs skip the work."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+from test_cli import run_cli
+from test_trtllm import trtllm_pipeline
+from transformers import LlamaForCausalLM, MixtralForCausalLM
+
+from specdeploy.builders import trtllm, trtllm_plan
+from specdeploy.builders.checkpoints import load_checkpoint
+from specdeploy.models.llama import LlamaModel
+from specdeploy.pipeline import load_pipeline
+from specdeploy.speculative.medusa import MedusaHeads
+
+DOUBLE = Path(__file__).parent / "trtllm_double"
+
+
+@pytest.fixture
+def double(tmp_path, monkeypatch):
+    """TensorRT-LLM's tools replaced by the double: trtllm-build and python3 on PATH, the tensorrt_llm package on
+    PYTHONPATH, the Medusa converter's path, and nothing reported missing."""
+    bin_dir = tmp_path / "double-bin"
+    bin_dir.mkdir()
+    for name, target in (("trtllm-build", f"{sys.executable} {DOUBLE / 'trtllm_build.py'}"),
+                         ("python3", sys.executable)):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {target} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", str(DOUBLE))
+    monkeypatch.setattr(trtllm_plan, "MEDUSA_CONVERTER", str(DOUBLE / "medusa_convert_checkpoint.py"))
+    monkeypatch.setattr(trtllm, "missing_requirements", lambda: [])
+
+
+def test_draft_target_builds_both_engines_per_rank_and_skips_when_unchanged(double, tmp_path, tiny_checkpoints):
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], backend={"kind": "trtllm",
+                                                                        "trtllm": {"tp_size": 2}})
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 0, result.stderr
+    root = engines / "t" / "trtllm"
+    for component in ("target", "draft"):
+        assert sorted(p.name for p in (root / "engines" / component).glob("*.engine")) == ["rank0.engine",
+                                                                                          "rank1.engine"]
+    target = json.loads((root / "engines" / "target" / "config.json").read_text())
+    assert target["build_config"]["--speculative_decoding_mode"] == "draft_tokens_external"
+    assert target["pretrained_config"]["mapping"]["tp_size"] == 2
+    draft = json.loads((root / "engines" / "draft" / "config.json").read_text())
+    assert draft["pretrained_config"]["quantization"]["quant_algo"] == "W4A16"  # derive: int4
+    assert (root / "logs").is_dir() and (engines / "t" / "build_manifest.json").is_file()
+    # the export transformers reads is the target's weights: same logits as our model of the checkpoint
+    exported = LlamaForCausalLM.from_pretrained(root / "hf" / "target", dtype=torch.float32).eval()
+    source = load_checkpoint(load_pipeline(path).target.checkpoint, load_pipeline(path))
+    ours = LlamaModel(source.config, source.state)
+    tokens = torch.tensor([[5, 17, 3, 99, 42]])
+    with torch.no_grad():
+        expected = ours.logits(ours(tokens, torch.arange(5)[None], ours.new_cache(1, 8)))
+        torch.testing.assert_close(exported(tokens).logits, expected, atol=0.1, rtol=0.05)  # the export is bf16
+    again = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert again.returncode == 0 and "up to date" in again.stdout
+
+
+def test_an_moe_target_exports_per_expert_and_its_dense_source_as_the_draft(double, tmp_path, tiny_checkpoints):
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], target={"moe": {
+        "experts": 4, "experts_per_token": 2, "calibration_tokens": 256}},
+        speculation={"draft": {"derive": "int4_dense"}},
+        backend={"kind": "trtllm", "trtllm": {"tp_size": 2, "moe_ep_size": 2}})
+    engines = tmp_path / "engines"
+    assert run_cli("build", str(path), "--engines-dir", str(engines)).returncode == 0
+    root = engines / "t" / "trtllm"
+    assert MixtralForCausalLM.from_pretrained(root / "hf" / "target").config.num_local_experts == 4
+    assert "model.layers.0.mlp.gate_proj.weight" in load_file(str(root / "hf" / "dense_source" /
+                                                                   "model.safetensors"))
+    target = json.loads((root / "engines" / "target" / "config.json").read_text())["pretrained_config"]
+    assert target["architecture"] == "MixtralForCausalLM"
+    assert (target["mapping"]["moe_tp_size"], target["mapping"]["moe_ep_size"]) == (1, 2)
+
+
+def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp_path, tiny_checkpoints):
+    heads_file = tmp_path / "heads.safetensors"
+    MedusaHeads(64, 2).save(heads_file)
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={
+        "method": "medusa", "num_draft_tokens": 2,
+        "medusa": {"heads": str(heads_file), "num_heads": 2, "choices": [[0], [0, 0]]}})
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 0, result.stderr
+    root = engines / "t" / "trtllm"
+    assert json.loads((root / "hf" / "medusa" / "config.json").read_text()) == {"medusa_num_heads": 2,
+                                                                                 "medusa_num_layers": 1}
+    target = json.loads((root / "engines" / "target" / "config.json").read_text())
+    assert target["build_config"]["--speculative_decoding_mode"] == "medusa"
+    assert target["pretrained_config"]["architecture"] == "MedusaForCausalLM"
+
+
+def test_a_failed_step_names_its_log_and_leaves_nothing_complete(double, tmp_path, tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the converter cannot import tensorrt_llm
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"])
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 2 and "convert the target failed (exit status 1)" in result.stderr
+    assert "ModuleNotFoundError" in result.stderr and not (engines / "t").exists()
+
+
+def test_the_llm_api_line_writes_its_configuration_with_the_final_paths(double, tmp_path, tiny_checkpoints):
+    draft = {"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(tiny_checkpoints["draft"])}}
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={"draft": draft},
+                           backend={"kind": "trtllm", "trtllm": {"line": "llm_api"}})
+    engines = tmp_path / "engines"
+    assert run_cli("build", str(path), "--engines-dir", str(engines)).returncode == 0
+    root = engines / "t" / "trtllm"
+    config = yaml.safe_load((root / "llm_api.yaml").read_text())
+    assert Path(config["model"]) == root / "hf" / "target" and (root / "hf" / "target" / "config.json").is_file()
+    assert Path(config["speculative_config"]["speculative_model_dir"]) == root / "hf" / "draft"
+    assert (root / "hf" / "draft" / "model.safetensors").is_file() and not (root / "engines").exists()
