@@ -4,6 +4,7 @@ that stops naming what is missing."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import types
@@ -12,14 +13,24 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import tiny_pipeline
+from google.protobuf import text_format
 from test_cli import run_cli
+from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.builders import trtllm_convert
 from specdeploy.builders.trtllm import missing_requirements, plan
 from specdeploy.builders.trtllm_plan import llm_api_config
-from specdeploy.builders.trtllm_upstream import LLAMA_CONVERT_FLAGS, MEDUSA_CONVERT_FLAGS, TRTLLM_BUILD_FLAGS
+from specdeploy.builders.trtllm_upstream import (
+    DECODING_MODES,
+    LLAMA_CONVERT_FLAGS,
+    MEDUSA_CONVERT_FLAGS,
+    TENSORRTLLM_INPUTS,
+    TENSORRTLLM_PARAMETER_KEYS,
+    TRTLLM_BUILD_FLAGS,
+)
 from specdeploy.errors import BuildError, PipelineError
 from specdeploy.pipeline import load_pipeline
+from specdeploy.triton.trtllm_models import tensorrtllm_model
 
 GPU_EXAMPLES = sorted((Path(__file__).parent.parent / "pipelines" / "gpu").glob("*.yaml"))
 
@@ -247,3 +258,33 @@ def test_the_torch_path_never_imports_tensorrt_llm():
             "specdeploy.builders.trtllm, specdeploy.builders.trtllm_plan; "
             "assert 'tensorrt_llm' not in sys.modules, 'imported'")
     assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def parse_choices(text: str) -> list[list[int]]:
+    """The backend's reading of medusa_choices (utils::csvStrToVecVecInt): brace groups of comma-separated ints."""
+    return [[int(v) for v in group.split(",") if v.strip()] for group in re.findall(r"\{([^}]*)\}", text)]
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[p.stem for p in GPU_EXAMPLES])
+def test_tensorrtllm_model_configs_use_the_upstream_template_keys(path):
+    pipeline = load_pipeline(path)
+    target = tensorrtllm_model("tensorrt_llm", pipeline, "/engines/target")
+    draft = tensorrtllm_model("tensorrt_llm_draft", pipeline, "/engines/draft", draft=True)
+    for config in (target, draft):
+        parsed = text_format.Parse(text_format.MessageToString(config), pb.ModelConfig())
+        assert parsed == config and parsed.backend == "tensorrtllm" and parsed.model_transaction_policy.decoupled
+        assert set(parsed.parameters) <= TENSORRTLLM_PARAMETER_KEYS
+        values = {key: value.string_value for key, value in parsed.parameters.items()}
+        for key in ("enable_kv_cache_reuse", "exclude_input_in_output"):  # the backend parses only these spellings
+            assert values[key] in ("true", "false", "1", "0")
+        assert values["decoding_mode"] in DECODING_MODES and values["gpt_model_type"] == "inflight_fused_batching"
+        assert {t.name for t in parsed.input} <= set(TENSORRTLLM_INPUTS)
+        assert {t.name for t in parsed.input if not t.optional} == {"input_lengths", "request_output_len"}
+        assert parsed.max_batch_size == pipeline.limits.max_batch_size
+    values = {key: value.string_value for key, value in target.parameters.items()}
+    assert values["gpt_model_path"] == "/engines/target"
+    if pipeline.speculation.method == "medusa":
+        assert values["decoding_mode"] == "medusa"
+        assert parse_choices(values["medusa_choices"]) == [list(p) for p in pipeline.speculation.medusa.choices]
+    else:
+        assert "medusa_choices" not in values and values["decoding_mode"] == "top_k_top_p"

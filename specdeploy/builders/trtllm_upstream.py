@@ -31,3 +31,36 @@ LLAMA_CONVERT_FLAGS: dict[str, tuple[str, ...] | str | None] = {
     "--use_weight_only": "switch",
     "--weight_only_precision": ("int8", "int4", "int8_gptq", "int4_gptq", "int4_awq"),
 }
+
+# triton_backend/all_models/inflight_batcher_llm/tensorrt_llm/config.pbtxt (TensorRT-LLM 1.2.x; parameter docs in
+# tensorrtllm_backend r26.04 docs/model_config.md): the `parameters` keys of the tensorrtllm backend's model.
+TENSORRTLLM_PARAMETER_KEYS = frozenset({
+    "max_beam_width", "FORCE_CPU_ONLY_INPUT_TENSORS", "gpt_model_type", "gpt_model_path", "encoder_model_path",
+    "max_tokens_in_paged_kv_cache", "max_attention_window_size", "sink_token_length", "batch_scheduler_policy",
+    "kv_cache_free_gpu_mem_fraction", "cross_kv_cache_fraction", "kv_cache_host_memory_bytes",
+    "kv_cache_onboard_blocks", "exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms",
+    "iter_stats_max_iterations", "request_stats_max_iterations", "enable_kv_cache_reuse", "normalize_log_probs",
+    "enable_chunked_context", "gpu_device_ids", "participant_ids", "num_nodes", "lora_cache_optimal_adapter_size",
+    "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes",
+    "lora_prefetch_dir", "decoding_mode", "executor_worker_path", "lookahead_window_size", "lookahead_ngram_size",
+    "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",
+    "enable_context_fmha_fp32_acc", "multi_block_mode", "cuda_graph_mode", "cuda_graph_cache_size",
+    "speculative_decoding_fast_logits", "tokenizer_dir", "guided_decoding_backend", "xgrammar_tokenizer_info_path",
+})
+DECODING_MODES = ("top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "redrafter", "lookahead", "eagle")
+
+# The same template's tensors that our models use: name → (data type, dims). `${logits_datatype}` is TYPE_FP32.
+TENSORRTLLM_INPUTS = {
+    "input_ids": ("TYPE_INT32", [-1]), "input_lengths": ("TYPE_INT32", [1]),
+    "request_output_len": ("TYPE_INT32", [1]), "draft_input_ids": ("TYPE_INT32", [-1]),
+    "draft_logits": ("TYPE_FP32", [-1, -1]), "draft_acceptance_threshold": ("TYPE_FP32", [1]),
+    "end_id": ("TYPE_INT32", [1]), "pad_id": ("TYPE_INT32", [1]), "stop_words_list": ("TYPE_INT32", [2, -1]),
+    "temperature": ("TYPE_FP32", [1]), "runtime_top_k": ("TYPE_INT32", [1]), "runtime_top_p": ("TYPE_FP32", [1]),
+    "repetition_penalty": ("TYPE_FP32", [1]), "seed": ("TYPE_UINT64", [1]),
+    "return_generation_logits": ("TYPE_BOOL", [1]), "streaming": ("TYPE_BOOL", [1]),
+}
+TENSORRTLLM_OUTPUTS = {
+    "output_ids": ("TYPE_INT32", [-1, -1]), "sequence_length": ("TYPE_INT32", [-1]),
+    "generation_logits": ("TYPE_FP32", [-1, -1, -1]), "cum_log_probs": ("TYPE_FP32", [-1]),
+}
+REQUIRED_INPUTS = frozenset({"input_lengths", "request_output_len"})  # the rest are optional upstream
