@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import time
 from pathlib import Path
 
 from specdeploy.errors import SpecdeployError
-from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, write_json
-from specdeploy.pipeline import PipelineSpec
+from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, save_engine_pipeline, write_json
+from specdeploy.pipeline import PipelineSpec, load_pipeline
 
 ENGINE_SECTIONS = ("name", "target", "speculation", "limits", "backend")  # a change in these rebuilds the engine
 FINGERPRINT_KEYS = ("spec", "source_checksum", "versions")
@@ -120,3 +121,23 @@ def record_sources(engine_dir: Path, inputs: dict) -> None:
     recorded = read_manifest(engine_dir)
     if recorded.get("sources") != inputs["sources"]:
         write_json(Path(engine_dir) / MANIFEST_FILE, {**recorded, "sources": inputs["sources"]})
+
+
+def reuse(engine_dir: Path, inputs: dict, pipeline: PipelineSpec) -> bool:
+    """Whether the engine at `engine_dir` is up to date with `inputs`. If it is, its sources' sizes and times are
+    recorded and its pipeline.json rewritten when only sections that do not shape it (serving, sampling) changed."""
+    if not up_to_date(engine_dir, inputs):
+        return False
+    record_sources(engine_dir, inputs)
+    if load_pipeline(Path(engine_dir) / PIPELINE_FILE) != pipeline.resolved():
+        save_engine_pipeline(engine_dir, pipeline)
+    return True
+
+
+def write_manifest(staging: Path, inputs: dict) -> None:
+    """The build manifest, written last: the inputs' fingerprint, the build time, the components and every file."""
+    staging = Path(staging)
+    manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    components=sorted(p.name for p in staging.iterdir() if p.is_dir()),
+                    outputs=output_records(staging))
+    (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))

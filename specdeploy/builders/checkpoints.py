@@ -56,6 +56,21 @@ def source_files(spec: CheckpointSpec, pipeline: PipelineSpec) -> list[Path]:
     return [path]
 
 
+def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
+    """Every file a build of the pipeline reads: the target's and the draft's checkpoints, Medusa heads."""
+    files = source_files(pipeline.target.checkpoint, pipeline)
+    draft = pipeline.speculation.draft
+    if draft is not None and draft.checkpoint is not None:
+        files += source_files(draft.checkpoint, pipeline)
+    if pipeline.speculation.method == "medusa":
+        heads = pipeline.resolve(pipeline.speculation.medusa.heads)
+        if not heads.is_file():
+            raise BuildError(f"speculation.medusa.heads: {heads} not found (train them with specdeploy "
+                             "train-medusa)")
+        files.append(heads)
+    return files
+
+
 def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 

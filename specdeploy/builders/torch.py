@@ -13,7 +13,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -22,14 +21,14 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors.torch import save_file
 
 import specdeploy
-from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, source_files
+from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, pipeline_sources
 from specdeploy.builders.moe_derive import derive_target
 from specdeploy.errors import BuildError, SpecdeployError
-from specdeploy.layout import MANIFEST_FILE, PIPELINE_FILE, engine_path, save_engine_pipeline, staging_dir
-from specdeploy.manifest import fingerprint, output_records, record_sources, up_to_date
+from specdeploy.layout import engine_path, save_engine_pipeline, staging_dir
+from specdeploy.manifest import fingerprint, reuse, write_manifest
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 from specdeploy.models.registry import DTYPES, projection_key
-from specdeploy.pipeline import PipelineSpec, load_pipeline
+from specdeploy.pipeline import PipelineSpec
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
 ENGINE_FORMAT = 7  # bump whenever what a build writes changes, so existing engines are rebuilt
@@ -44,18 +43,8 @@ class BuildResult(NamedTuple):
 
 def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
     """The fingerprint of a build: spec sections, sources and versions."""
-    files = source_files(pipeline.target.checkpoint, pipeline)
-    draft = pipeline.speculation.draft
-    if draft is not None and draft.checkpoint is not None:
-        files += source_files(draft.checkpoint, pipeline)
-    if pipeline.speculation.method == "medusa":
-        heads = pipeline.resolve(pipeline.speculation.medusa.heads)
-        if not heads.is_file():
-            raise BuildError(f"speculation.medusa.heads: {heads} not found (train them with specdeploy "
-                             "train-medusa)")
-        files.append(heads)
     versions = {"specdeploy": specdeploy.__version__, "engine_format": ENGINE_FORMAT, "torch": torch.__version__}
-    return fingerprint(pipeline, files, versions, final)
+    return fingerprint(pipeline, pipeline_sources(pipeline), versions, final)
 
 
 def draft_quantization(draft: dict[str, torch.Tensor]) -> dict:
@@ -141,10 +130,7 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                          f"trtllm pipeline)")
     final = engine_path(engines_root, pipeline)
     inputs = build_inputs(pipeline, final)
-    if not force and up_to_date(final, inputs):
-        record_sources(final, inputs)
-        if load_pipeline(final / PIPELINE_FILE) != pipeline.resolved():
-            save_engine_pipeline(final, pipeline)  # serving or sampling defaults changed: no new weights needed
+    if not force and reuse(final, inputs, pipeline):
         return BuildResult(final, False)
     speculation = pipeline.speculation
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
@@ -188,9 +174,6 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
         if speculation.method == "medusa":
             progress.update(task, description=f"[{pipeline.name}] writing Medusa heads")
             write_medusa(staging / "medusa", pipeline, target)
-        manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                        components=sorted(p.name for p in staging.iterdir() if p.is_dir()),
-                        outputs=output_records(staging))
-        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+        write_manifest(staging, inputs)
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")
     return BuildResult(final, True)

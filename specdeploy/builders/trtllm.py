@@ -10,14 +10,13 @@ import importlib.util
 import json
 import shutil
 import subprocess
-import time
 from pathlib import Path
 
 import yaml
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import specdeploy
-from specdeploy.builders.checkpoints import Checkpoint, load_checkpoint, source_files, target_config
+from specdeploy.builders.checkpoints import Checkpoint, load_checkpoint, pipeline_sources, target_config
 from specdeploy.builders.hf_export import export_model
 from specdeploy.builders.moe_derive import derive_target
 from specdeploy.builders.torch import BuildResult
@@ -30,8 +29,8 @@ from specdeploy.builders.trtllm_plan import (
     llm_api_config,
 )
 from specdeploy.errors import BuildError
-from specdeploy.layout import MANIFEST_FILE, engine_path, save_engine_pipeline, staging_dir
-from specdeploy.manifest import fingerprint, output_records, up_to_date
+from specdeploy.layout import engine_path, save_engine_pipeline, staging_dir
+from specdeploy.manifest import fingerprint, reuse, write_manifest
 from specdeploy.pipeline import PipelineSpec
 
 MEDUSA_HEADS_FILE = "medusa_lm_head.safetensors"  # the name TensorRT-LLM's Medusa converter reads
@@ -135,14 +134,8 @@ def run_command(step: Step, log: Path) -> None:
 
 
 def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
-    files = source_files(pipeline.target.checkpoint, pipeline)
-    draft = pipeline.speculation.draft
-    if pipeline.speculation.method == "draft_target" and draft.checkpoint is not None:
-        files += source_files(draft.checkpoint, pipeline)
-    if pipeline.speculation.method == "medusa":
-        files.append(pipeline.resolve(pipeline.speculation.medusa.heads))
     versions = {"specdeploy": specdeploy.__version__, "tensorrt_llm": TRTLLM_VERSION}
-    return fingerprint(pipeline, files, versions, final)
+    return fingerprint(pipeline, pipeline_sources(pipeline), versions, final)
 
 
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
@@ -156,7 +149,7 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                          f"{len(steps)} steps it would run.")
     final = engine_path(engines_root, pipeline)
     inputs = build_inputs(pipeline, final)
-    if not force and up_to_date(final, inputs):
+    if not force and reuse(final, inputs, pipeline):
         return BuildResult(final, False)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet) as progress, staging_dir(final) as staging:
@@ -169,7 +162,5 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                 run_action(step, pipeline, final, step.output, sources)
             else:
                 run_command(step, staging / "trtllm" / "logs" / f"{number}-{step.output.name}.log")
-        manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), components=["trtllm"],
-                        outputs=output_records(staging))
-        (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+        write_manifest(staging, inputs)
     return BuildResult(final, True)
