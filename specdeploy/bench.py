@@ -264,7 +264,8 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
         "predicted_speedup": predicted_speedup(alpha, formula_gamma, draft_cost, verify_cost),
         "mean_draft_tokens_per_step": mean_drafted,
         "proposal_cost_per_step": (sum(s.draft_seconds for s in spec) / max(speculative_steps, 1) / plain_step),
-        "per_position_acceptance": [a / d if d else 0.0 for d, a in zip(*per_position)],
+        # a position no step drafted (past a gamma cap) has no acceptance to report, rather than 0
+        "per_position_acceptance": [a / d for d, a in zip(*per_position) if d],
         "by_kind": {},
     }
     for kind in sorted({r.kind for r in runs}):

@@ -488,7 +488,8 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     served = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
                      "24", "--temperature", "0", "--no-transformers", "--json", str(out))
     assert served.returncode == 0 and f"capped at {best}" in served.stdout
-    assert json.loads(out.read_text())["gamma_cap"] == best
+    capped = json.loads(out.read_text())
+    assert capped["gamma_cap"] == best and len(capped["per_position_acceptance"]) == best  # only drafted ones
     policy_file.write_text(json.dumps({"gamma_cap": "two"}))
     with pytest.raises(SpecdeployError, match="measured_policy.json.*gamma_cap"):
         Engine(engine_dir)
