@@ -19,7 +19,7 @@ from rich.progress import track
 from rich.table import Table
 
 from specdeploy import machine
-from specdeploy.bench_moe import dense_source, expert_union_curve, predicted_speedups
+from specdeploy.bench_moe import dense_source, expert_union_curve, predicted_speedups, timed_forward
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.moe import SparseMoE
 from specdeploy.request import GenerationRequest
@@ -279,21 +279,12 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
 def measure_verify_costs(engine: Engine, prompt_ids: list[int], max_nodes: int, repeats: int = 5) -> list[float]:
     """[n]: the time of one target forward over n + 1 positions after the prompt, in plain decode steps (n = 0),
     medians of `repeats`."""
-    from specdeploy.models.llama import ragged_forward_all
-
     cache = engine.target.new_cache(1, len(prompt_ids) + max_nodes + 2)
     tokens = torch.tensor([prompt_ids])
-    times = []
     with torch.inference_mode():
         engine.target(tokens, torch.arange(len(prompt_ids))[None], cache)
-        for width in range(1, max_nodes + 2):
-            samples = []
-            for _ in range(repeats):
-                started = time.perf_counter()
-                ragged_forward_all(engine.target, cache, tokens[:, -1:].expand(1, width), [len(prompt_ids) - 1])
-                engine.target.logits(torch.zeros(width, engine.target.config.hidden_size, dtype=engine.target.dtype))
-                samples.append(time.perf_counter() - started)
-            times.append(sorted(samples)[repeats // 2])
+        times = [timed_forward(engine.target, cache, tokens[:, -1:].expand(1, width), len(prompt_ids) - 1, repeats)
+                 for width in range(1, max_nodes + 2)]
     return [t / times[0] for t in times]
 
 

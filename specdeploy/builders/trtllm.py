@@ -97,12 +97,10 @@ class Sources:
 
 def run_action(step: Step, pipeline: PipelineSpec, final: Path, output: Path, sources: Sources) -> None:
     """The steps specdeploy does itself: exports and the LLM-API configuration."""
-    import torch
-
-    from specdeploy.models.registry import projection_key
+    from specdeploy.models.registry import DTYPES, projection_key
     from specdeploy.speculative.medusa import MedusaHeads, export_trtllm
 
-    dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}[pipeline.backend.settings.dtype]
+    dtype = DTYPES[pipeline.backend.settings.dtype]
     exports = {"export target": "target", "export draft": "draft", "export dense source": "dense"}
     if step.action in exports:
         model = sources.get(exports[step.action])

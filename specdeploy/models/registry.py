@@ -18,7 +18,7 @@ from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.moe import MixtralModel
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ARCHITECTURES: dict[str, type[LlamaModel]] = {"llama": LlamaModel, "mixtral": MixtralModel}
 
 
