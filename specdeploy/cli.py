@@ -313,11 +313,18 @@ def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: 
 @engines_option
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Model repository directory (default: model_repository/<name>).")
-def package(pipeline_path: str, engines_dir: Path, output: Path | None) -> None:
-    """Write a Triton model repository (speculative, and the ensemble preprocessing → speculative)."""
+@click.option("--served-at", type=click.Path(path_type=Path), default=None,
+              help="trtllm: where the repository will be mounted on the server, as the tensorrtllm models' engine "
+                   "paths must name it (default: the --output directory).")
+def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_at: Path | None) -> None:
+    """Write a Triton model repository: the ensemble preprocessing → speculative, and for a trtllm pipeline the
+    tensorrtllm backend's tensorrt_llm (and tensorrt_llm_draft) models that speculative orchestrates."""
     from specdeploy.workflows import package as package_pipeline
 
-    click.echo(f"wrote {package_pipeline(pipeline_path, engines_dir, output)}")
+    if served_at is not None and not served_at.is_absolute():
+        raise click.BadParameter("must be an absolute path (the backend reads engine paths as they are)",
+                                 param_hint="--served-at")
+    click.echo(f"wrote {package_pipeline(pipeline_path, engines_dir, output, served_at)}")
 
 
 @cli.command()

@@ -58,13 +58,18 @@ def load_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = Fals
     return Engine(prepare_engine(pipeline_path, engines_dir, quiet).directory)
 
 
-def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = None) -> Path:
-    """Build the pipeline's engine if needed and write its model repository (default model_repository/<name>)."""
+def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = None,
+            served_at: Path | None = None) -> Path:
+    """Build the pipeline's engine if needed (TensorRT-LLM engines for a trtllm pipeline) and write its model
+    repository (default model_repository/<name>). served_at: where a trtllm repository will be mounted on the
+    server, which its engine paths name (default: where it is written)."""
+    from specdeploy.builders import trtllm
     from specdeploy.triton.repository import write_repository
 
     pipeline = load_pipeline(pipeline_path)
-    engine_dir = build(pipeline, engines_dir).directory
-    return write_repository(engine_dir, output or MODEL_REPOSITORIES_DIR / pipeline.name)
+    builder = trtllm.build if pipeline.backend.kind == "trtllm" else build
+    engine_dir = builder(pipeline, engines_dir).directory
+    return write_repository(engine_dir, output or MODEL_REPOSITORIES_DIR / pipeline.name, served_at)
 
 
 def export_component(pipeline_path: str | Path, engines_dir: Path, component: str, output: Path,

@@ -55,6 +55,21 @@ class SchedulerCounters:
     accepted_per_position: list[int] = field(default_factory=list)
     outcomes: dict[str, int] = field(default_factory=dict)
 
+    def add(self, stats: RequestStats, finish_reason: str) -> None:
+        """Count a finished request: its statistics, and its outcome (the finish reason before any ": detail")."""
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        self.steps += stats.steps
+        for i, count in enumerate(stats.accepted_per_position):
+            if i >= len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[i] += count
+        self.count_outcome(finish_reason)
+
+    def count_outcome(self, finish_reason: str) -> None:
+        outcome = finish_reason.split(":")[0]
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
 
 class Scheduler:
     def __init__(self, engine: Engine | Callable[[], Engine], serving: ServingSpec | None = None,
@@ -173,7 +188,7 @@ class Scheduler:
         while self.waiting:
             request = self.waiting.popleft()
             request.sequence.finish_reason = "shutdown: the server is shutting down before this request started"
-            self._count_outcome("shutdown")
+            self.counters.count_outcome("shutdown")
             request.on_tokens([], request.sequence.finish_reason, request.sequence.stats)
         if time.time() >= self._drain_deadline:
             for request in list(self.active):
@@ -189,7 +204,7 @@ class Scheduler:
             if request.cancelled:
                 self.waiting.popleft()
                 request.sequence.finish_reason = "cancelled"
-                self._count_outcome("cancelled")
+                self.counters.count_outcome("cancelled")
                 request.on_tokens([], "cancelled", request.sequence.stats)
                 continue
             if self.reserved_kv + request.reserved > self.kv_capacity:
@@ -230,19 +245,8 @@ class Scheduler:
         self.active.pop()
         stats = request.sequence.stats
         stats.total_seconds = time.perf_counter() - request.submitted
-        counters = self.counters
-        counters.drafted += stats.drafted
-        counters.accepted += stats.accepted
-        counters.steps += stats.steps
-        for i, count in enumerate(stats.accepted_per_position):
-            if i >= len(counters.accepted_per_position):
-                counters.accepted_per_position.append(0)
-            counters.accepted_per_position[i] += count
         reason = request.sequence.finish_reason
-        self._count_outcome(reason.split(":")[0])
+        self.counters.add(stats, reason)
         if self.on_step is not None:
             self.on_step(self)
         request.on_tokens(tokens or [], reason, stats)
-
-    def _count_outcome(self, outcome: str) -> None:
-        self.counters.outcomes[outcome] = self.counters.outcomes.get(outcome, 0) + 1

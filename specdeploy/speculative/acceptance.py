@@ -52,7 +52,9 @@ def accept(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, target_
     # r in (0, 1] (r = 0 would accept a token the target gives p = 0); all ones for point masses, where p(x) / q(x)
     # is exactly 0 or 1.
     r = uniform(p_of_x.shape, generator, device)
-    survives = (r * q_of_x <= p_of_x) & valid  # r <= p/q without dividing by q
+    # r <= p/q without dividing by q; a token the target gives p = 0 never survives, even with a q(x) of 0 (a caller
+    # whose drafts were not drawn from the q it passes).
+    survives = (r * q_of_x <= p_of_x) & (p_of_x > 0) & valid
     num_accepted = survives.long().cumprod(-1).sum(-1)  # [B]
 
     # The distribution of the emitted token at index num_accepted: residual after a rejection, p for the bonus.

@@ -20,16 +20,23 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 import specdeploy
 from specdeploy.errors import SpecdeployError
-from specdeploy.layout import engine_pipeline, staging_dir
+from specdeploy.layout import PIPELINE_FILE, engine_pipeline, staging_dir
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.triton.model_files import ENGINE_PARAMETER, TOKENIZER_PARAMETER
 from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
+from specdeploy.triton.trtllm_models import tensorrtllm_model
 
 MODEL_CODE = Path(specdeploy.__file__).resolve().parent.parent / "model_repo"
 VERSION = "1"
 ENGINE_FOLDER, TOKENIZER_FOLDER = "engine", "tokenizer"
 WEIGHTS = "model.safetensors"
 MODEL_FILES = {WEIGHTS, "config.json"}  # a component's files that are not its tokenizer's
+WEIGHTS_PATTERN = "*.safetensors"  # a Hugging Face export's weights (possibly sharded), which the orchestration skips
+# The trtllm flavour: the tensorrtllm models' names (upstream's), the orchestration's parameters and files.
+TARGET_MODEL, DRAFT_MODEL = "tensorrt_llm", "tensorrt_llm_draft"
+TARGET_MODEL_PARAMETER, DRAFT_MODEL_PARAMETER = "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name"
+PIPELINE_PARAMETER = "pipeline_file"
+TARGET_FOLDER = "target"  # the target's tokenizer and config.json (vocabulary size, end-of-sequence ids)
 
 
 def add_tensor(tensors, name: str, kind: str, dims: list[int], optional: bool = False) -> None:
@@ -60,8 +67,28 @@ def add_request_inputs(inputs) -> None:
         add_tensor(inputs, name, kind, [1], optional=True)
 
 
-def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
-    """The three models' configs."""
+def speculative_model(pipeline: PipelineSpec, **parameters: str) -> pb.ModelConfig:
+    """The `speculative` model (decoupled): token ids from the ensemble's preprocessing, or text from a client calling
+    it directly (the entry point whose cancellation reaches the running request, which Triton 2.51 does not pass
+    into a running ensemble step); it answers text, or token ids when a client asks for output_ids instead.
+    Detokenising here rather than in a postprocessing step means a stream makes no new request per response, so it
+    keeps running while Triton shuts down (a stopping server refuses new requests to every model)."""
+    speculative = python_model("speculative", pipeline, **parameters)
+    speculative.model_transaction_policy.decoupled = True
+    add_tensor(speculative.input, "input_ids", "TYPE_INT32", [-1], optional=True)
+    add_tensor(speculative.input, "stop_words_ids", "TYPE_INT32", [-1], optional=True)
+    add_request_inputs(speculative.input)
+    add_tensor(speculative.output, "text_output", "TYPE_STRING", [-1])
+    add_tensor(speculative.output, "output_ids", "TYPE_INT32", [-1])
+    add_statistics(speculative.output)
+    return speculative
+
+
+def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict[str, pb.ModelConfig]:
+    """Every model's config. The torch flavour: preprocessing → speculative (our engine inside). The trtllm flavour:
+    the same two and the same ensemble, the speculative model orchestrating the `tensorrtllm` backend's
+    `tensorrt_llm` (and, for draft-target, `tensorrt_llm_draft`) models, whose engines are named by absolute path
+    (the backend reads gpt_model_path as it is): `served_at` is where the repository will be on the server."""
     # text_input is required, but declared optional so that its absence reaches preprocessing, which answers with an
     # error naming it (Triton 2.51's ensemble answers a missing required input with an empty, successful response).
     # Preprocessing also receives the scalar inputs, unused, so a request with any input reaches it at all (the
@@ -70,20 +97,6 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
     add_request_inputs(preprocessing.input)
     add_tensor(preprocessing.output, "input_ids", "TYPE_INT32", [-1])
     add_tensor(preprocessing.output, "stop_words_ids", "TYPE_INT32", [-1])
-
-    # The speculative model takes token ids (from the ensemble's preprocessing) or text (a client calling it
-    # directly: the entry point whose cancellation reaches the scheduler, which Triton 2.51 does not pass into a
-    # running ensemble step), and answers text, or token ids when a client asks for output_ids instead.
-    # Detokenising here rather than in a postprocessing step means a stream makes no new request per response,
-    # so it keeps running while Triton shuts down (a stopping server refuses new requests to every model).
-    speculative = python_model("speculative", pipeline, **{ENGINE_PARAMETER: ENGINE_FOLDER})
-    speculative.model_transaction_policy.decoupled = True
-    add_tensor(speculative.input, "input_ids", "TYPE_INT32", [-1], optional=True)
-    add_tensor(speculative.input, "stop_words_ids", "TYPE_INT32", [-1], optional=True)
-    add_request_inputs(speculative.input)
-    add_tensor(speculative.output, "text_output", "TYPE_STRING", [-1])
-    add_tensor(speculative.output, "output_ids", "TYPE_INT32", [-1])
-    add_statistics(speculative.output)
 
     ensemble = pb.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=pipeline.limits.max_batch_size)
     add_request_inputs(ensemble.input)
@@ -99,14 +112,35 @@ def model_configs(pipeline: PipelineSpec) -> dict[str, pb.ModelConfig]:
               input_map={"input_ids": "_input_ids", "stop_words_ids": "_stop_words_ids",
                          **{name: name for name in SCALAR_INPUTS}},
               output_map=outputs)
-    return {config.name: config for config in (preprocessing, speculative, ensemble)}
+
+    if pipeline.backend.kind == "torch":
+        configs = [preprocessing, speculative_model(pipeline, **{ENGINE_PARAMETER: ENGINE_FOLDER}), ensemble]
+    else:
+        served_at = Path(served_at or ".")
+        engines = {name: str(served_at / name / VERSION / ENGINE_FOLDER) for name in trtllm_engines(pipeline)}
+        speculative = speculative_model(pipeline, **{TOKENIZER_PARAMETER: TARGET_FOLDER,
+                                                     PIPELINE_PARAMETER: PIPELINE_FILE,
+                                                     TARGET_MODEL_PARAMETER: TARGET_MODEL,
+                                                     DRAFT_MODEL_PARAMETER: DRAFT_MODEL if DRAFT_MODEL in engines
+                                                     else ""})
+        configs = [preprocessing, speculative, ensemble,
+                   *(tensorrtllm_model(name, pipeline, path, draft=name == DRAFT_MODEL) for name, path in
+                     engines.items())]
+    return {config.name: config for config in configs}
+
+
+def trtllm_engines(pipeline: PipelineSpec) -> dict[str, str]:
+    """The tensorrtllm models of a trtllm pipeline → the component whose engine each serves."""
+    if pipeline.speculation.method == "draft_target":
+        return {TARGET_MODEL: "target", DRAFT_MODEL: "draft"}
+    return {TARGET_MODEL: "target"}
 
 
 def link_or_copy(source: str, destination: str) -> None:
     """Weights as a hard link (no second copy on disk; a build never rewrites a file in place, it renames a new
     engine over the old one) where the file system allows it; every other file as a copy, so editing the
     repository's pipeline.json cannot change the engine's."""
-    if Path(source).name == WEIGHTS:
+    if Path(source).name == WEIGHTS or Path(source).suffix == ".engine":  # a TensorRT engine: one per GPU rank
         try:
             os.link(source, destination)
             return
@@ -115,24 +149,38 @@ def link_or_copy(source: str, destination: str) -> None:
     shutil.copy2(source, destination)
 
 
-def write_repository(engine_dir: Path, output: Path) -> Path:
+def write_repository(engine_dir: Path, output: Path, served_at: Path | None = None) -> Path:
     """Write the model repository at `output` for the engine at `engine_dir`, replacing one written before as a
     whole (no model of an older layout lingers). A directory there that is neither empty nor a model repository is
-    refused, never removed. Returns `output`."""
+    refused, never removed. served_at: where a trtllm repository will be on the server (default: `output`).
+    Returns `output`."""
     engine_dir, output = Path(engine_dir), Path(output)
     if output.exists() and any(output.iterdir()) and not (output / "ensemble" / "config.pbtxt").is_file():
         raise SpecdeployError(f"{output}: exists and is not a model repository (choose another --output)")
-    configs = model_configs(engine_pipeline(engine_dir))
+    pipeline = engine_pipeline(engine_dir)
+    configs = model_configs(pipeline, Path(served_at) if served_at else output.resolve())
+    trtllm = pipeline.backend.kind == "trtllm"
+    # The files a model reads: folder in its version directory → where they come from (the engine's components,
+    # the tokenizer without the weights, the engines TensorRT-LLM built).
+    hf_target = engine_dir / "trtllm" / "hf" / "target" if trtllm else engine_dir / "target"
+    tokenizer_only = shutil.ignore_patterns(*MODEL_FILES, WEIGHTS_PATTERN)
     with staging_dir(output) as staging:
         for name, config in configs.items():
             version = staging / name / VERSION
             version.mkdir(parents=True)
             (staging / name / "config.pbtxt").write_text(text_format.MessageToString(config))
-            if name != "ensemble":
-                shutil.copy2(MODEL_CODE / name / "model.py", version / "model.py")
-            if TOKENIZER_PARAMETER in config.parameters:
-                shutil.copytree(engine_dir / "target", version / TOKENIZER_FOLDER,
-                                ignore=lambda _, names: [n for n in names if n in MODEL_FILES])
-            if ENGINE_PARAMETER in config.parameters:
+            if config.backend == "python":
+                code = "orchestration" if trtllm and name == "speculative" else name
+                shutil.copy2(MODEL_CODE / code / "model.py", version / "model.py")
+            if name == "preprocessing":
+                shutil.copytree(hf_target, version / TOKENIZER_FOLDER, ignore=tokenizer_only)
+            elif name == "speculative" and trtllm:
+                shutil.copytree(hf_target, version / TARGET_FOLDER, ignore=shutil.ignore_patterns(WEIGHTS_PATTERN))
+                shutil.copy2(engine_dir / PIPELINE_FILE, version / PIPELINE_FILE)
+            elif name == "speculative":
                 shutil.copytree(engine_dir, version / ENGINE_FOLDER, copy_function=link_or_copy)
+            elif config.backend == "tensorrtllm":
+                component = trtllm_engines(pipeline)[name]
+                shutil.copytree(engine_dir / "trtllm" / "engines" / component, version / ENGINE_FOLDER,
+                                copy_function=link_or_copy)
     return output

@@ -1,0 +1,34 @@
+"""Triton Python model (decoupled), the trtllm flavour's `speculative`: orchestrates speculative decoding over the
+tensorrtllm backend's models (tensorrt_llm, tensorrt_llm_draft) through BLS, with streaming, the batch-aware
+policy, exact acceptance and the specdeploy_* metrics. Thin: the logic lives in specdeploy.triton."""
+
+import json
+
+import triton_python_backend_utils as pb_utils
+
+from specdeploy.triton.model_files import parameter_path
+from specdeploy.triton.repository import (
+    DRAFT_MODEL_PARAMETER,
+    PIPELINE_PARAMETER,
+    TARGET_MODEL_PARAMETER,
+    TOKENIZER_PARAMETER,
+)
+from specdeploy.triton.trtllm_server import OrchestrationServer
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        parameters = {key: value["string_value"] for key, value in config["parameters"].items()}
+        self.server = OrchestrationServer(parameter_path(args, PIPELINE_PARAMETER),
+                                          parameter_path(args, TOKENIZER_PARAMETER),
+                                          parameters[TARGET_MODEL_PARAMETER],
+                                          parameters[DRAFT_MODEL_PARAMETER] or None, config["name"], pb_utils)
+
+    def execute(self, requests):
+        for request in requests:
+            self.server.submit(request)
+        return None
+
+    def finalize(self):
+        self.server.stop()

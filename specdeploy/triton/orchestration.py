@@ -1,0 +1,276 @@
+"""Speculation over TensorRT-LLM engines: the loop our `speculative` model runs in a trtllm repository.
+
+The engines run in Triton's `tensorrtllm` backend (in-flight batching, paged KV cache with block reuse); this loop
+only decides what to ask them. One request, step by step:
+1. prefill: the target generates the first token (its prompt blocks then stay in the reuse cache);
+2. propose up to gamma tokens: the draft engine generates them (with its logits when sampling, so the target can
+   apply the exact rule), or the n-gram proposer finds them in the text so far;
+3. verify: the target gets the sequence plus `draft_input_ids` (and `draft_logits`) and returns the accepted
+   drafted tokens plus one of its own; they are committed and sent to the client.
+gamma comes from the request, the pipeline and the batch-aware policy (by how many requests are running now); when
+the policy turns speculation off, the target decodes plain chunks and the policy is asked again after each.
+
+Engine calls go through `EngineCalls` (Triton BLS in trtllm_calls.py; an in-process double in the tests), so the loop
+is tested without a server. Nothing here reads a tensor name.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from specdeploy.errors import ShuttingDown
+from specdeploy.pipeline import PipelineSpec
+from specdeploy.request import NO_END_ID, GenerationRequest, check_request
+from specdeploy.runtime.scheduler import SchedulerCounters, TokenCallback
+from specdeploy.sampling_params import SamplingParams
+from specdeploy.sequence import Sequence
+from specdeploy.speculative.ngram import NgramProposer, common_prefix_length
+from specdeploy.speculative.schedule import ProposalLength
+from specdeploy.stats import RequestStats
+
+# Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
+# cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
+STREAM_CHUNK = 16
+SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so call k of a seeded request gets its own seed (mod 2**64)
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What an engine call samples with. seed: None for the engine's own randomness. end_id: the token the engine
+    stops at (-1: none)."""
+
+    params: SamplingParams
+    seed: int | None
+    end_id: int
+
+
+class EngineCalls(Protocol):
+    """The two engines as the loop uses them. `tokens` is the whole sequence so far (the engine reuses its cached
+    prefix); every call returns only new tokens."""
+
+    def draft(self, tokens: list[int], count: int, sampling: Sampling, with_logits: bool
+              ) -> tuple[list[int], np.ndarray | None]:
+        """Up to `count` tokens from the draft engine, and their logits [n, V] when asked."""
+
+    def target(self, tokens: list[int], count: int, sampling: Sampling, draft_ids: list[int] | None = None,
+               draft_logits: np.ndarray | None = None) -> Iterator[list[int]]:
+        """The target engine's tokens as it produces them (streamed). With draft_ids: one verification step, whose
+        tokens are the accepted drafted prefix and one more (an engine that keeps decoding up to `count` may send
+        more, each a plain target sample)."""
+
+
+@dataclass(eq=False)
+class Job:
+    sequence: Sequence
+    on_tokens: TokenCallback
+    is_cancelled: Callable[[], bool]
+    reserved: int
+    seed: int | None
+    calls: int = 0
+    pending: list[int] = field(default_factory=list)  # the last tokens, sent with the final callback
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def sampling(self, end_id: int) -> Sampling:
+        """The sampling of this request's next engine call: a seeded request gives every call its own seed, so
+        no two calls (nor two steps' acceptance draws) repeat one random stream."""
+        seed = None if self.seed is None else (self.seed + self.calls * SEED_STRIDE) % 2**64
+        self.calls += 1
+        return Sampling(self.sequence.params, seed, end_id)
+
+
+class Orchestrator:
+    def __init__(self, pipeline: PipelineSpec, calls: EngineCalls, vocab_size: int, end_ids: frozenset[int],
+                 on_change: Callable[[Orchestrator], None] | None = None) -> None:
+        """pipeline: the served pipeline (limits, sampling defaults, speculation, policy). end_ids: the model's
+        end-of-sequence tokens. on_change: called when a request joins or leaves (metrics)."""
+        self.pipeline, self.calls, self.vocab_size, self.end_ids = pipeline, calls, vocab_size, end_ids
+        self.on_change = on_change
+        self.policy = pipeline.serving.policy
+        self.kv_capacity = pipeline.kv_capacity_tokens
+        self.counters = SchedulerCounters()
+        self.ngram = (NgramProposer(pipeline.speculation.ngram.min_n, pipeline.speculation.ngram.max_n)
+                      if pipeline.speculation.method == "ngram" else None)
+        self.active: list[Job] = []
+        self.waiting: deque[Job] = deque()
+        self.lock = threading.Lock()
+        self.drain_deadline: float | None = None
+        # One thread per running request: each waits on its engine calls, which the engines batch in flight.
+        self.workers = ThreadPoolExecutor(pipeline.limits.max_batch_size, thread_name_prefix="specdeploy-orch")
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, on_tokens: TokenCallback,
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Queue a request (RequestError if invalid, ShuttingDown while draining); `on_tokens` gets its tokens."""
+        if self.drain_deadline is not None:
+            raise ShuttingDown("server is shutting down: not accepting new requests")
+        check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
+        end_ids = self.end_ids if request.end_id is None else (
+            frozenset() if request.end_id == NO_END_ID else frozenset({request.end_id}))
+        gamma = request.gamma(self.pipeline)
+        prompt = list(request.prompt_ids)
+        sequence = Sequence(prompt, len(prompt), request.sampling, request.max_tokens,
+                            ProposalLength(self.pipeline.speculation.schedule, gamma),
+                            RequestStats(prompt_tokens=len(prompt)), end_ids, request.stop_sequences)
+        job = Job(sequence, on_tokens, is_cancelled, request.kv_slots(self.pipeline), request.sampling.seed)
+        with self.lock:
+            self.waiting.append(job)
+        self.workers.submit(self._run, job)
+
+    def drain(self, deadline: float) -> None:
+        """Take no new requests; running ones end with "shutdown: ..." if not finished by `deadline` (time.time())."""
+        self.drain_deadline = deadline
+
+    def stop(self) -> None:
+        self.drain(time.time())
+        self.workers.shutdown(wait=True, cancel_futures=False)
+
+    @property
+    def free_kv_slots(self) -> int:
+        return self.kv_capacity - sum(job.reserved for job in self.active)
+
+    # ---- one request --------------------------------------------------------------------------------------------
+    def _run(self, job: Job) -> None:
+        with self.lock:
+            self.waiting.remove(job)
+            self.active.append(job)
+        self._changed()
+        sequence = job.sequence
+        try:
+            self._emit(job, self._target(job, 1))  # prefill: the first token
+            while sequence.finish_reason is None:
+                if self._interrupted(job):
+                    break
+                if self.pipeline.speculation.method == "medusa":
+                    self._medusa(job)  # the engine speculates itself, every step: the policy has nothing to turn
+                elif (gamma := self._gamma(job)) == 0:
+                    self._plain(job)
+                else:
+                    self._speculate(job, gamma)
+        except Exception as exc:  # an engine error ends this request only
+            sequence.finish_reason = f"error: {exc}"
+        self._finish(job)
+
+    def _interrupted(self, job: Job) -> bool:
+        sequence = job.sequence
+        if job.is_cancelled():
+            sequence.finish_reason = "cancelled"
+        elif self.drain_deadline is not None and time.time() >= self.drain_deadline:
+            sequence.finish_reason = "shutdown: the server stopped before the request finished"
+        return sequence.finish_reason is not None
+
+    def _gamma(self, job: Job) -> int:
+        """This step's proposal length: the request's (adaptive under the heuristic schedule), within the policy's
+        cap for the current number of running requests, and leaving room for the target's own token."""
+        sequence = job.sequence
+        with self.lock:
+            running = len(self.active)
+        cap = self.policy.gamma(sequence.proposal.gamma, running)
+        return max(0, min(sequence.proposal.current, cap, sequence.remaining - 1))
+
+    @staticmethod
+    def _end_id(job: Job) -> int:
+        """The one end token an engine call stops at (-1: none). With several (a chat model's end of turn and end
+        of text) the engine gets one and this loop stops at any: an engine that decodes past another costs a few
+        tokens, never a wrong one."""
+        ends = job.sequence.end_ids
+        return min(ends) if ends else NO_END_ID
+
+    def _target(self, job: Job, count: int, draft_ids: list[int] | None = None,
+                draft_logits: np.ndarray | None = None) -> list[int]:
+        """One target call's tokens, all of them (prefill or verification)."""
+        tokens: list[int] = []
+        for new in self.calls.target(list(job.sequence.committed), count, job.sampling(self._end_id(job)),
+                                     draft_ids, draft_logits):
+            tokens.extend(new)
+        if not tokens:
+            raise RuntimeError("the target engine returned no tokens")
+        return tokens
+
+    def _stream(self, job: Job, count: int, record: Callable[[list[int]], None]) -> None:
+        """A streamed target call of up to `count` tokens, each response recorded and sent as it arrives. A stream
+        that ends short of `count` stopped at the engine's end token."""
+        sequence = job.sequence
+        started, received, ended = time.perf_counter(), 0, False
+        for new in self.calls.target(list(sequence.committed), count, job.sampling(self._end_id(job))):
+            if ended:
+                continue  # read to its end: a BLS stream cannot be cancelled, and an abandoned one corrupts the stub
+            received += len(new)
+            record(new)
+            self._emit(job, new)
+            ended = sequence.finish_reason is not None or self._interrupted(job)
+        if not ended and received < count:
+            sequence.finish_reason = "stop"
+        sequence.stats.verify_seconds += time.perf_counter() - started
+
+    def _plain(self, job: Job) -> None:
+        """Plain decode, a chunk at a time (the policy is asked again after each, and a cancelled request waits for
+        at most one chunk). Each token is one engine step."""
+        sequence = job.sequence
+        self._stream(job, min(sequence.remaining, STREAM_CHUNK),
+                     lambda new: [sequence.stats.record_step(0, 0) for _ in new])
+
+    def _medusa(self, job: Job) -> None:
+        """Medusa runs inside the target engine: streamed calls of a chunk each, each response one engine step (the
+        tree's accepted path plus one token; nodes verified per step: the tree's size)."""
+        sequence = job.sequence
+        paths = self.pipeline.speculation.medusa.choices
+        nodes, depth = len(paths), max(len(path) for path in paths)
+        self._stream(job, min(sequence.remaining, STREAM_CHUNK),
+                     lambda new: sequence.stats.record_step(nodes, len(new) - 1, positions=depth) if new else None)
+
+    def _speculate(self, job: Job, gamma: int) -> None:
+        sequence = job.sequence
+        started = time.perf_counter()
+        if self.ngram is not None:
+            drafts, logits = self.ngram.continuation(sequence.committed, gamma), None
+        else:
+            with_logits = not sequence.params.greedy  # the exact rule at temperature > 0 needs q
+            drafts, logits = self.calls.draft(list(sequence.committed), gamma, job.sampling(self._end_id(job)),
+                                              with_logits)
+            sequence.stats.draft_forwards += len(drafts)
+        drafted_at = time.perf_counter()
+        sequence.stats.draft_seconds += drafted_at - started
+        if not drafts:
+            tokens = self._target(job, 1)
+            sequence.stats.record_step(0, 0)
+        else:
+            tokens = self._target(job, len(drafts) + 1, drafts, logits)
+            accepted = min(common_prefix_length(drafts, tokens), len(tokens) - 1)
+            sequence.stats.record_step(len(drafts), accepted)
+            for _ in tokens[accepted + 1:]:  # an engine that decoded on past the verification step
+                sequence.stats.record_step(0, 0)
+            sequence.proposal.update(len(drafts), accepted)
+        sequence.stats.verify_seconds += time.perf_counter() - drafted_at
+        self._emit(job, tokens)
+
+    def _emit(self, job: Job, tokens: list[int]) -> None:
+        """Commit tokens (up to an end token, a stop sequence or max_tokens) and send them unless the request is
+        finished, in which case _finish sends them with the final callback."""
+        sequence = job.sequence
+        emitted = sequence.append(tokens)
+        sequence.stats.generated_tokens = sequence.generated
+        if sequence.finish_reason is None:
+            job.on_tokens(emitted, None, sequence.stats)
+        else:
+            job.pending = emitted
+
+    def _finish(self, job: Job) -> None:
+        stats = job.sequence.stats
+        stats.total_seconds = time.perf_counter() - job.submitted
+        with self.lock:
+            self.active.remove(job)
+            self.counters.add(stats, job.sequence.finish_reason)
+        self._changed()
+        job.on_tokens(job.pending, job.sequence.finish_reason, stats)
+
+    def _changed(self) -> None:
+        if self.on_change is not None:
+            self.on_change(self)

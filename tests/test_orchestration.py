@@ -1,0 +1,258 @@
+"""The trtllm flavour's orchestration (specdeploy/triton/orchestration.py) over its BLS calls, in-process: the
+calls go through a stand-in of the Python backend's BLS API to test doubles of the tensorrtllm backend running our
+tiny torch models (tests/trtllm_double/backend/). Greedy output equals plain decoding, sampled output follows the
+target's distribution (with a broken variant that the same test catches), and the policy, seeds, engine errors and
+cancellation behave. test_trtllm_serving.py runs the same through a real tritonserver."""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Collector
+from test_acceptance_distribution import goodness_of_fit
+
+from specdeploy.request import GenerationRequest
+from specdeploy.sampling_params import SamplingParams
+from specdeploy.triton.orchestration import STREAM_CHUNK, Orchestrator
+from specdeploy.triton.trtllm_calls import BlsCalls
+
+sys.path.insert(0, str(Path(__file__).parent / "trtllm_double" / "backend"))
+from bls_double import BlsDouble  # noqa: E402
+from tensorrtllm_double import TensorrtllmDouble  # noqa: E402
+
+TARGET, DRAFT = "tensorrt_llm", "tensorrt_llm_draft"
+
+
+def orchestrator(engine, double_models=None, pipeline=None, **policy):
+    """An Orchestrator for the tiny engine's pipeline over doubles of its target (and draft) components."""
+    models = double_models or {TARGET: TensorrtllmDouble(engine.dir / "target")}
+    if engine.method == "draft_target" and DRAFT not in models:
+        models[DRAFT] = TensorrtllmDouble(engine.dir / "draft")
+    pipeline = pipeline or engine.pipeline
+    if policy:
+        pipeline = dataclasses.replace(pipeline, serving=dataclasses.replace(
+            pipeline.serving, policy=dataclasses.replace(pipeline.serving.policy, **policy)))
+    bls = BlsDouble(models)
+    calls = BlsCalls(bls, TARGET, DRAFT if DRAFT in models else None)
+    return Orchestrator(pipeline, calls, engine.vocab_size, engine.end_ids), bls
+
+
+def run(orch: Orchestrator, request: GenerationRequest, is_cancelled=lambda: False) -> Collector:
+    collector = Collector()
+    orch.submit(request, collector, is_cancelled)
+    assert collector.done.wait(60), "the request never finished"
+    return collector
+
+
+def plain(engine, prompt: list[int], max_tokens: int) -> list[int]:
+    return engine.generate(prompt, SamplingParams(), max_tokens, num_draft_tokens=0).run()
+
+
+PROMPTS = ["Hello there, ", "abcabcabc", "The quick brown fox"]
+
+
+@pytest.mark.parametrize("method", ["draft_target", "int4", "ngram"])
+def test_greedy_output_equals_plain_decoding(tiny_engines, method):
+    engine = tiny_engines[method]
+    orch, bls = orchestrator(engine)
+    for text in PROMPTS:
+        prompt = engine.encode_prompt(text)
+        collector = run(orch, GenerationRequest(prompt, 40, SamplingParams(), end_id=-1))
+        assert collector.tokens == plain(engine, prompt, 40)
+        assert collector.reason == "length"
+    counters = orch.counters
+    assert 0 < counters.accepted <= counters.drafted and counters.outcomes == {"length": 3}
+    verifications = [inputs for model, inputs in bls.requests if model == TARGET and "draft_input_ids" in inputs]
+    assert verifications, "nothing was verified"
+    for inputs in verifications:  # the verification contract: the drafts, and room for them plus one
+        assert int(inputs["request_output_len"][0, 0]) == inputs["draft_input_ids"].shape[1] + 1
+        assert "draft_logits" not in inputs  # greedy: point masses need no q
+        assert "draft_acceptance_threshold" not in inputs  # a fixed threshold is not the exact rule
+    orch.stop()
+
+
+def test_stats_match_the_steps_taken(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    orch, _ = orchestrator(engine)
+    collector = Collector()
+    seen = []
+    prompt = engine.encode_prompt(PROMPTS[0])
+
+    def on_tokens(tokens, finished, stats):
+        seen.append(len(tokens))
+        collector(tokens, finished, stats)
+        collector.stats = stats
+
+    orch.submit(GenerationRequest(prompt, 30, SamplingParams(), end_id=-1), on_tokens)
+    assert collector.done.wait(60)
+    stats = collector.stats
+    assert stats.generated_tokens == 30 and sum(seen) == 30
+    assert stats.steps == len(seen) - 1  # every callback after the prefill's is one target step
+    # Each speculative step emits its accepted tokens plus one: 29 decode tokens in all (max_tokens may cut the last).
+    assert stats.accepted + stats.steps >= 29 and stats.drafted >= stats.accepted > 0
+    orch.stop()
+
+
+class DecodesOn(TensorrtllmDouble):
+    """An engine that, after the verification step, keeps decoding plainly up to request_output_len."""
+
+    def verify(self, tokens, drafts, draft_logits, params, generator):
+        step = super().verify(tokens, drafts, draft_logits, params, generator)
+        count = len(drafts) + 1
+        while len(step.tokens) < count:
+            step.tokens.append(int(self.logits(tokens + step.tokens, 1).argmax()))
+        return step
+
+
+def test_an_engine_that_decodes_past_the_verification_step_gives_the_same_text(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    orch, _ = orchestrator(engine, {TARGET: DecodesOn(engine.dir / "target")})
+    prompt = engine.encode_prompt(PROMPTS[2])
+    collector = run(orch, GenerationRequest(prompt, 40, SamplingParams(), end_id=-1))
+    assert collector.tokens == plain(engine, prompt, 40)
+    orch.stop()
+
+
+def test_policy_off_decodes_plain_chunks_with_no_draft_calls(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    orch, bls = orchestrator(engine, full_up_to=0, off_above=0)  # speculation off at any batch size
+    prompt = engine.encode_prompt(PROMPTS[1])
+    assert run(orch, GenerationRequest(prompt, 30, SamplingParams(), end_id=-1)).tokens == plain(engine, prompt, 30)
+    assert {model for model, _ in bls.requests} == {TARGET}
+    lengths = [int(inputs["request_output_len"][0, 0]) for _, inputs in bls.requests]
+    assert lengths[0] == 1 and max(lengths[1:]) == STREAM_CHUNK  # prefill, then chunks, asking the policy between
+    assert all("draft_input_ids" not in inputs for _, inputs in bls.requests)
+    orch.stop()
+
+
+def test_end_id_and_stop_words_end_the_request(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    orch, _ = orchestrator(engine)
+    prompt = engine.encode_prompt(PROMPTS[0])
+    reference = plain(engine, prompt, 20)
+    end = reference[7]
+    collector = run(orch, GenerationRequest(prompt, 20, SamplingParams(), end_id=end))
+    assert collector.tokens == reference[:reference.index(end) + 1] and collector.reason == "stop"
+    stop = reference[4:6]
+    collector = run(orch, GenerationRequest(prompt, 20, SamplingParams(), end_id=-1, stop_sequences=[stop]))
+    first = next(i for i in range(len(reference)) if reference[i:i + 2] == stop)
+    assert collector.tokens == reference[:first + 2] and collector.reason == "stop"
+    orch.stop()
+
+
+def test_seeded_requests_repeat_and_each_call_gets_its_own_seed(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    orch, bls = orchestrator(engine)
+    prompt = engine.encode_prompt(PROMPTS[2])
+    request = GenerationRequest(prompt, 24, SamplingParams(temperature=0.8, seed=7), end_id=-1)
+    first = run(orch, request).tokens
+    seeds = [int(inputs["seed"][0, 0]) for _, inputs in bls.requests]
+    assert len(set(seeds)) == len(seeds), "two engine calls of one request share a random stream"
+    assert run(orch, request).tokens == first
+    drafts = [inputs for model, inputs in bls.requests if model == DRAFT]
+    assert all(bool(inputs["return_generation_logits"][0, 0]) for inputs in drafts)  # q for the exact rule
+    verifications = [inputs for model, inputs in bls.requests if "draft_input_ids" in inputs]
+    assert verifications and all(inputs["draft_logits"].shape == (1, inputs["draft_input_ids"].shape[1],
+                                                                  engine.vocab_size) for inputs in verifications)
+    orch.stop()
+
+
+class FailsAfter(TensorrtllmDouble):
+    """A target engine whose verification of `poison` fails (a request the engine refuses)."""
+
+    poison: int = -1
+
+    def verify(self, tokens, drafts, draft_logits, params, generator):
+        if tokens[0] == self.poison:
+            raise RuntimeError("engine failure")
+        return super().verify(tokens, drafts, draft_logits, params, generator)
+
+
+def test_an_engine_error_ends_only_its_request(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    target = FailsAfter(engine.dir / "target")
+    orch, _ = orchestrator(engine, {TARGET: target})
+    good, bad = engine.encode_prompt(PROMPTS[0]), engine.encode_prompt("Zebra")
+    target.poison = bad[0]
+    assert good[0] != bad[0]
+    failed = run(orch, GenerationRequest(bad, 20, SamplingParams(), end_id=-1))
+    assert failed.reason.startswith("error:") and "engine failure" in failed.reason
+    assert run(orch, GenerationRequest(good, 20, SamplingParams(), end_id=-1)).tokens == plain(engine, good, 20)
+    assert orch.counters.outcomes == {"error": 1, "length": 1}
+    orch.stop()
+
+
+def test_cancellation_ends_the_request_between_steps(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    orch, bls = orchestrator(engine)
+    cancel = threading.Event()
+    collector = Collector()
+
+    def on_tokens(tokens, finished, stats):
+        collector(tokens, finished, stats)
+        if len(collector.tokens) >= 5:
+            cancel.set()
+
+    orch.submit(GenerationRequest(engine.encode_prompt(PROMPTS[0]), 200, SamplingParams(), end_id=-1), on_tokens,
+                cancel.is_set)
+    assert collector.done.wait(60)
+    assert collector.reason == "cancelled" and len(collector.tokens) < 20
+    assert orch.counters.outcomes == {"cancelled": 1} and not orch.active
+    orch.stop()
+
+
+def exact_next(model: TensorrtllmDouble, tokens: list[int], params: SamplingParams) -> torch.Tensor:
+    from specdeploy.sampling import sampling_distribution
+
+    return sampling_distribution(model.logits(tokens, 1), params)[0]
+
+
+class DraftSamplesUnprocessed(BlsCalls):
+    """A broken orchestration: the draft engine samples with its defaults (temperature 1, no top-k) instead of the
+    request's sampling, while the target judges the drafts by the request's processing of the draft logits. q must
+    be the distribution the drafts were really drawn from."""
+
+    def draft(self, tokens, count, sampling, with_logits):
+        return super().draft(tokens, count, dataclasses.replace(sampling, params=SamplingParams(temperature=1.0)),
+                             with_logits)
+
+
+TRIALS = 1000
+
+
+@pytest.mark.parametrize("calls_class, exact", [(BlsCalls, True), (DraftSamplesUnprocessed, False)],
+                         ids=["orchestration", "broken-draft-sampling"])
+def test_sampled_tokens_follow_the_target_distribution(tiny_engines, calls_class, exact):
+    """Through the whole loop (prefill, draft call with logits, verification with draft_logits) at temperature
+    0.5 with top-k 4: the second and third generated tokens, both drafted positions of the first speculative step,
+    conditioned on the most frequent prefix, follow the target's own next-token distribution; a broken variant
+    fails the same check."""
+    engine = tiny_engines["draft_target"]
+    params = SamplingParams(temperature=0.5, top_k=4)
+    orch, bls = orchestrator(engine, full_up_to=64, off_above=64)  # speculate at any concurrency
+    orch.calls = calls_class(bls, TARGET, DRAFT)
+    prompt = engine.encode_prompt("Once upon a time")
+    samples = []
+    for _ in range(TRIALS):
+        collector = Collector()
+        orch.submit(GenerationRequest(prompt, 4, params, num_draft_tokens=2, end_id=-1), collector)
+        samples.append(collector)
+    for collector in samples:
+        assert collector.done.wait(120)
+    orch.stop()
+    outputs = [tuple(c.tokens) for c in samples]
+    reference = TensorrtllmDouble(engine.dir / "target")
+    checks = []
+    for position in (1, 2):
+        prefixes = [o[:position] for o in outputs]
+        mode = max(set(prefixes), key=prefixes.count)
+        chosen = torch.tensor([o[position] for o in outputs if o[:position] == mode])
+        checks.append(goodness_of_fit(chosen, exact_next(reference, prompt + list(mode), params), position))
+    report = "\n".join(str(check) for check in checks)
+    assert all(check.n >= 150 for check in checks), report
+    assert all(check.ok for check in checks) == exact, report
