@@ -256,3 +256,55 @@ def test_sampled_tokens_follow_the_target_distribution(tiny_engines, calls_class
     report = "\n".join(str(check) for check in checks)
     assert all(check.n >= 150 for check in checks), report
     assert all(check.ok for check in checks) == exact, report
+
+
+class MedusaEngine:
+    """EngineCalls of a Medusa target: the engine speculates itself, streaming each step's tokens (here the steps
+    of a fixed script, cut to the call's count)."""
+
+    def __init__(self, script: list[list[int]]) -> None:
+        self.script, self.calls = script, []
+
+    def draft(self, *args):
+        raise AssertionError("a Medusa pipeline has no draft engine")
+
+    def target(self, tokens, count, sampling, draft_ids=None, draft_logits=None):
+        assert draft_ids is None
+        self.calls.append(count)
+        done = len(tokens) - len(self.script[0])
+        sent = 0
+        for step in self.script[1:]:
+            if done > 0:  # steps already delivered by an earlier call
+                done -= len(step)
+                continue
+            step = step[:count - sent]
+            if not step:
+                return
+            sent += len(step)
+            yield step
+
+
+def test_medusa_streams_the_engines_steps_and_counts_them(tiny_engines):
+    """Each streamed response of a Medusa engine is one step: its tokens minus one were accepted from the tree."""
+    engine = tiny_engines["draft_target"]
+    pipeline = dataclasses.replace(engine.pipeline, speculation=dataclasses.replace(
+        engine.pipeline.speculation, method="medusa", draft=None,
+        medusa=dataclasses.replace(engine.pipeline.speculation.medusa, heads="heads.safetensors",
+                                   choices=((0,), (0, 0), (1,)))))
+    prompt = [5, 6, 7]
+    script = [prompt, [10], [11, 12, 13], [14], [15, 16], [17, 18, 19], [20, 21]]
+    calls = MedusaEngine(script)
+    orch = Orchestrator(pipeline, calls, engine.vocab_size, engine.end_ids)
+    collector = Collector()
+
+    def on_tokens(tokens, finished, stats):
+        collector(tokens, finished, stats)
+        collector.stats = stats
+
+    orch.submit(GenerationRequest(prompt, 12, SamplingParams(), end_id=-1), on_tokens)
+    assert collector.done.wait(30)
+    assert collector.tokens == list(range(10, 22)) and collector.reason == "length"
+    stats = collector.stats
+    assert stats.steps == 5 and stats.accepted == 2 + 0 + 1 + 2 + 1  # the last step was cut to max_tokens
+    assert stats.drafted == 5 * 3 and stats.drafted_per_position == [5, 5]  # tree: 3 nodes, depth 2
+    orch.stop()

@@ -12,10 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from google.protobuf import text_format
 from safetensors.torch import load_file
 from test_cli import run_cli
 from test_trtllm import trtllm_pipeline
 from transformers import LlamaForCausalLM, MixtralForCausalLM
+from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.builders import trtllm, trtllm_plan
 from specdeploy.builders.checkpoints import load_checkpoint
@@ -101,6 +103,24 @@ def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp
     target = json.loads((root / "engines" / "target" / "config.json").read_text())
     assert target["build_config"]["--speculative_decoding_mode"] == "medusa"
     assert target["pretrained_config"]["architecture"] == "MedusaForCausalLM"
+
+    # Packaged: the same client-facing models, one tensorrtllm model decoding Medusa with the pipeline's tree, and
+    # no draft model for the orchestration to call.
+    repository = tmp_path / "repository"
+    result = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
+                     "--served-at", "/models/medusa")
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in repository.iterdir()) == ["ensemble", "preprocessing", "speculative",
+                                                            "tensorrt_llm"]
+    config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters["decoding_mode"] == "medusa" and parameters["medusa_choices"] == "{0}, {0, 0}"
+    assert parameters["gpt_model_path"] == "/models/medusa/tensorrt_llm/1/engine"
+    speculative = text_format.Parse((repository / "speculative" / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert speculative.parameters["tensorrt_llm_draft_model_name"].string_value == ""
+    relative = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
+                       "--served-at", "models")
+    assert relative.returncode != 0 and "--served-at" in relative.stderr and "absolute" in relative.stderr
 
 
 def test_a_failed_step_names_its_log_and_leaves_nothing_complete(double, tmp_path, tiny_checkpoints, monkeypatch):
