@@ -316,15 +316,20 @@ def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: 
 @click.option("--served-at", type=click.Path(path_type=Path), default=None,
               help="trtllm: where the repository will be mounted on the server, as the tensorrtllm models' engine "
                    "paths must name it (default: the --output directory).")
-def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_at: Path | None) -> None:
+@click.option("--trtllm-source", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
+              help="trtllm llm_api line: a NVIDIA/TensorRT-LLM checkout at the served release's tag, whose "
+                   "Triton LLM-API model code the repository takes.")
+def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_at: Path | None,
+            trtllm_source: Path | None) -> None:
     """Write a Triton model repository: the ensemble preprocessing → speculative, and for a trtllm pipeline the
-    tensorrtllm backend's tensorrt_llm (and tensorrt_llm_draft) models that speculative orchestrates."""
+    tensorrtllm backend's tensorrt_llm (and tensorrt_llm_draft) models that speculative orchestrates (on the
+    llm_api line: Triton's LLM-API model with its model.yaml)."""
     from specdeploy.workflows import package as package_pipeline
 
     if served_at is not None and not served_at.is_absolute():
         raise click.BadParameter("must be an absolute path (the backend reads engine paths as they are)",
                                  param_hint="--served-at")
-    click.echo(f"wrote {package_pipeline(pipeline_path, engines_dir, output, served_at)}")
+    click.echo(f"wrote {package_pipeline(pipeline_path, engines_dir, output, served_at, trtllm_source)}")
 
 
 @cli.command()

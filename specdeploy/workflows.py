@@ -59,17 +59,18 @@ def load_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = Fals
 
 
 def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = None,
-            served_at: Path | None = None) -> Path:
+            served_at: Path | None = None, trtllm_source: Path | None = None) -> Path:
     """Build the pipeline's engine if needed (TensorRT-LLM engines for a trtllm pipeline) and write its model
     repository (default model_repository/<name>). served_at: where a trtllm repository will be mounted on the
-    server, which its engine paths name (default: where it is written)."""
+    server, which its engine paths name (default: where it is written); trtllm_source: a TensorRT-LLM checkout
+    (the llm_api line's model code)."""
     from specdeploy.builders import trtllm
     from specdeploy.triton.repository import write_repository
 
     pipeline = load_pipeline(pipeline_path)
     builder = trtllm.build if pipeline.backend.kind == "trtllm" else build
     engine_dir = builder(pipeline, engines_dir).directory
-    return write_repository(engine_dir, output or MODEL_REPOSITORIES_DIR / pipeline.name, served_at)
+    return write_repository(engine_dir, output or MODEL_REPOSITORIES_DIR / pipeline.name, served_at, trtllm_source)
 
 
 def export_component(pipeline_path: str | Path, engines_dir: Path, component: str, output: Path,

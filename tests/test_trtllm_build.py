@@ -21,6 +21,7 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.builders import trtllm, trtllm_plan
 from specdeploy.builders.checkpoints import load_checkpoint
+from specdeploy.builders.trtllm_upstream import LLMAPI_INPUTS, LLMAPI_MODEL_CODE
 from specdeploy.models.llama import LlamaModel
 from specdeploy.pipeline import load_pipeline
 from specdeploy.speculative.medusa import MedusaHeads
@@ -143,3 +144,29 @@ def test_the_llm_api_line_writes_its_configuration_with_the_final_paths(double, 
     assert Path(config["model"]) == root / "hf" / "target" and (root / "hf" / "target" / "config.json").is_file()
     assert Path(config["speculative_config"]["speculative_model_dir"]) == root / "hf" / "draft"
     assert (root / "hf" / "draft" / "model.safetensors").is_file() and not (root / "engines").exists()
+
+    # Packaged: Triton's LLM-API model, its code from a TensorRT-LLM checkout, model.yaml naming the checkpoints
+    # where the server will see them, and the upstream template's tensors.
+    repository = tmp_path / "repository"
+    refused = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository))
+    assert refused.returncode != 0 and "--trtllm-source" in refused.stderr and not repository.exists()
+    checkout = tmp_path / "TensorRT-LLM"
+    code = checkout / LLMAPI_MODEL_CODE
+    code.mkdir(parents=True)
+    for name in ("model.py", "helpers.py"):
+        (code / name).write_text(f"# upstream {name}\n")
+    result = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
+                     "--served-at", "/models/llm", "--trtllm-source", str(checkout))
+    assert result.returncode == 0, result.stderr
+    version = repository / "tensorrt_llm" / "1"
+    assert (version / "model.py").read_text() == "# upstream model.py\n" and (version / "helpers.py").is_file()
+    model_yaml = yaml.safe_load((version / "model.yaml").read_text())
+    assert model_yaml["model"] == "/models/llm/tensorrt_llm/1/hf/target"
+    assert model_yaml["speculative_config"] == {**config["speculative_config"],
+                                                "speculative_model_dir": "/models/llm/tensorrt_llm/1/hf/draft"}
+    assert model_yaml["triton_config"] == {"max_batch_size": 0, "decoupled": True}
+    assert (version / "hf" / "draft" / "model.safetensors").is_file()
+    triton_config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert triton_config.backend == "python"
+    assert {t.name: (pb.DataType.Name(t.data_type), list(t.dims)) for t in triton_config.input} == {
+        name: (kind, dims) for name, (kind, dims) in LLMAPI_INPUTS.items()}

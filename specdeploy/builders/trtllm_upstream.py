@@ -64,3 +64,22 @@ TENSORRTLLM_OUTPUTS = {
     "generation_logits": ("TYPE_FP32", [-1, -1, -1]), "cum_log_probs": ("TYPE_FP32", [-1]),
 }
 REQUIRED_INPUTS = frozenset({"input_lengths", "request_output_len"})  # the rest are optional upstream
+
+# triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt (Triton's LLM-API model, PyTorch backend): the tensors
+# our llm_api repository declares, name → (data type, dims), all inputs but text_input optional. Its 1/model.py and
+# 1/helpers.py come from the same directory of a TensorRT-LLM checkout at the served release's tag.
+LLMAPI_INPUTS = {
+    "text_input": ("TYPE_STRING", [-1]), "streaming": ("TYPE_BOOL", [1]),
+    "sampling_param_temperature": ("TYPE_FP32", [1]), "sampling_param_top_k": ("TYPE_INT32", [1]),
+    "sampling_param_top_p": ("TYPE_FP32", [1]), "sampling_param_max_tokens": ("TYPE_INT32", [1]),
+    "sampling_param_stop": ("TYPE_STRING", [-1]), "sampling_param_seed": ("TYPE_UINT64", [1]),
+    "sampling_param_exclude_input_from_output": ("TYPE_BOOL", [1]),
+    "sampling_param_return_perf_metrics": ("TYPE_BOOL", [1]), "return_finish_reason": ("TYPE_BOOL", [1]),
+}
+LLMAPI_OUTPUTS = {
+    "text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
+    "acceptance_rate": ("TYPE_FP32", [1]), "total_accepted_draft_tokens": ("TYPE_INT32", [1]),
+    "total_draft_tokens": ("TYPE_INT32", [1]),
+}
+LLMAPI_MODEL_CODE = "triton_backend/all_models/llmapi/tensorrt_llm/1"  # in a TensorRT-LLM checkout
+LLMAPI_CODE_FILES = ("model.py", "helpers.py")

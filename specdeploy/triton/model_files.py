@@ -8,11 +8,14 @@ mounted. An absolute path in a parameter (an engine on another volume) is used a
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from pathlib import Path
 
 DRAIN_FILE_VARIABLE = "SPECDEPLOY_DRAIN_FILE"  # set by the launcher: where a shutdown's deadline is written
 ENGINE_PARAMETER = "engine_dir"
 TOKENIZER_PARAMETER = "tokenizer_dir"
+WEIGHTS = "model.safetensors"
 
 
 def parameter_path(args: dict, name: str) -> Path:
@@ -27,3 +30,16 @@ def load_tokenizer(args: dict):
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(parameter_path(args, TOKENIZER_PARAMETER))
+
+
+def link_or_copy(source: str, destination: str) -> None:
+    """Weights (safetensors, TensorRT engines) as hard links (no second copy on disk; a build never rewrites a
+    file in place, it renames a new engine over the old one) where the file system allows it; every other file as
+    a copy, so editing the repository's pipeline.json cannot change the engine's."""
+    if Path(source).suffix in (".safetensors", ".engine"):
+        try:
+            os.link(source, destination)
+            return
+        except OSError:
+            pass
+    shutil.copy2(source, destination)

@@ -11,7 +11,6 @@ wrappers importing specdeploy).
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
@@ -22,14 +21,14 @@ import specdeploy
 from specdeploy.errors import SpecdeployError
 from specdeploy.layout import PIPELINE_FILE, engine_pipeline, staging_dir
 from specdeploy.pipeline import PipelineSpec
-from specdeploy.triton.model_files import ENGINE_PARAMETER, TOKENIZER_PARAMETER
+from specdeploy.triton.llmapi_repository import MODEL_YAML, write_llmapi_repository
+from specdeploy.triton.model_files import ENGINE_PARAMETER, TOKENIZER_PARAMETER, WEIGHTS, link_or_copy
 from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
 from specdeploy.triton.trtllm_models import tensorrtllm_model
 
 MODEL_CODE = Path(specdeploy.__file__).resolve().parent.parent / "model_repo"
 VERSION = "1"
 ENGINE_FOLDER, TOKENIZER_FOLDER = "engine", "tokenizer"
-WEIGHTS = "model.safetensors"
 MODEL_FILES = {WEIGHTS, "config.json"}  # a component's files that are not its tokenizer's
 WEIGHTS_PATTERN = "*.safetensors"  # a Hugging Face export's weights (possibly sharded), which the orchestration skips
 # The trtllm flavour: the tensorrtllm models' names (upstream's), the orchestration's parameters and files.
@@ -37,6 +36,7 @@ TARGET_MODEL, DRAFT_MODEL = "tensorrt_llm", "tensorrt_llm_draft"
 TARGET_MODEL_PARAMETER, DRAFT_MODEL_PARAMETER = "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name"
 PIPELINE_PARAMETER = "pipeline_file"
 TARGET_FOLDER = "target"  # the target's tokenizer and config.json (vocabulary size, end-of-sequence ids)
+MARKERS = ("ensemble/config.pbtxt", f"tensorrt_llm/1/{MODEL_YAML}")  # files that only a written repository has
 
 
 def add_tensor(tensors, name: str, kind: str, dims: list[int], optional: bool = False) -> None:
@@ -136,29 +136,20 @@ def trtllm_engines(pipeline: PipelineSpec) -> dict[str, str]:
     return {TARGET_MODEL: "target"}
 
 
-def link_or_copy(source: str, destination: str) -> None:
-    """Weights as a hard link (no second copy on disk; a build never rewrites a file in place, it renames a new
-    engine over the old one) where the file system allows it; every other file as a copy, so editing the
-    repository's pipeline.json cannot change the engine's."""
-    if Path(source).name == WEIGHTS or Path(source).suffix == ".engine":  # a TensorRT engine: one per GPU rank
-        try:
-            os.link(source, destination)
-            return
-        except OSError:
-            pass
-    shutil.copy2(source, destination)
-
-
-def write_repository(engine_dir: Path, output: Path, served_at: Path | None = None) -> Path:
+def write_repository(engine_dir: Path, output: Path, served_at: Path | None = None,
+                     trtllm_source: Path | None = None) -> Path:
     """Write the model repository at `output` for the engine at `engine_dir`, replacing one written before as a
     whole (no model of an older layout lingers). A directory there that is neither empty nor a model repository is
     refused, never removed. served_at: where a trtllm repository will be on the server (default: `output`).
-    Returns `output`."""
+    trtllm_source: a TensorRT-LLM checkout, for the llm_api line's model code. Returns `output`."""
     engine_dir, output = Path(engine_dir), Path(output)
-    if output.exists() and any(output.iterdir()) and not (output / "ensemble" / "config.pbtxt").is_file():
+    if output.exists() and any(output.iterdir()) and not any((output / marker).is_file() for marker in MARKERS):
         raise SpecdeployError(f"{output}: exists and is not a model repository (choose another --output)")
     pipeline = engine_pipeline(engine_dir)
-    configs = model_configs(pipeline, Path(served_at) if served_at else output.resolve())
+    served_at = Path(served_at) if served_at else output.resolve()
+    if pipeline.backend.kind == "trtllm" and pipeline.backend.settings.line == "llm_api":
+        return write_llmapi_repository(engine_dir, pipeline, output, served_at, trtllm_source)
+    configs = model_configs(pipeline, served_at)
     trtllm = pipeline.backend.kind == "trtllm"
     # The files a model reads: folder in its version directory → where they come from (the engine's components,
     # the tokenizer without the weights, the engines TensorRT-LLM built).
