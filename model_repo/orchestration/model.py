@@ -6,12 +6,12 @@ import json
 
 import triton_python_backend_utils as pb_utils
 
-from specdeploy.triton.model_files import parameter_path
-from specdeploy.triton.repository import (
+from specdeploy.triton.model_files import (
     DRAFT_MODEL_PARAMETER,
     PIPELINE_PARAMETER,
     TARGET_MODEL_PARAMETER,
     TOKENIZER_PARAMETER,
+    parameter_path,
 )
 from specdeploy.triton.trtllm_server import OrchestrationServer
 

@@ -16,6 +16,10 @@ DRAIN_FILE_VARIABLE = "SPECDEPLOY_DRAIN_FILE"  # set by the launcher: where a sh
 ENGINE_PARAMETER = "engine_dir"
 TOKENIZER_PARAMETER = "tokenizer_dir"
 WEIGHTS = "model.safetensors"
+# The trtllm flavour's orchestration: the served pipeline's file, and the tensorrtllm models it calls (upstream's BLS
+# names its parameters the same way).
+PIPELINE_PARAMETER = "pipeline_file"
+TARGET_MODEL_PARAMETER, DRAFT_MODEL_PARAMETER = "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name"
 
 
 def parameter_path(args: dict, name: str) -> Path:

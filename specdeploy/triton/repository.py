@@ -22,7 +22,15 @@ from specdeploy.errors import SpecdeployError
 from specdeploy.layout import PIPELINE_FILE, engine_pipeline, staging_dir
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.triton.llmapi_repository import MODEL_YAML, write_llmapi_repository
-from specdeploy.triton.model_files import ENGINE_PARAMETER, TOKENIZER_PARAMETER, WEIGHTS, link_or_copy
+from specdeploy.triton.model_files import (
+    DRAFT_MODEL_PARAMETER,
+    ENGINE_PARAMETER,
+    PIPELINE_PARAMETER,
+    TARGET_MODEL_PARAMETER,
+    TOKENIZER_PARAMETER,
+    WEIGHTS,
+    link_or_copy,
+)
 from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
 from specdeploy.triton.trtllm_models import tensorrtllm_model
 
@@ -33,8 +41,6 @@ MODEL_FILES = {WEIGHTS, "config.json"}  # a component's files that are not its t
 WEIGHTS_PATTERN = "*.safetensors"  # a Hugging Face export's weights (possibly sharded), which the orchestration skips
 # The trtllm flavour: the tensorrtllm models' names (upstream's), the orchestration's parameters and files.
 TARGET_MODEL, DRAFT_MODEL = "tensorrt_llm", "tensorrt_llm_draft"
-TARGET_MODEL_PARAMETER, DRAFT_MODEL_PARAMETER = "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name"
-PIPELINE_PARAMETER = "pipeline_file"
 TARGET_FOLDER = "target"  # the target's tokenizer and config.json (vocabulary size, end-of-sequence ids)
 MARKERS = ("ensemble/config.pbtxt", f"tensorrt_llm/1/{MODEL_YAML}")  # files that only a written repository has
 
