@@ -71,8 +71,9 @@ def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
     assert stopped == expected[:expected.index("\n") + 1]
 
 
-def test_sixteen_concurrent_streams_are_correct_and_independent(served):
-    server, engine = served
+def run_concurrent_streams(server, engine, count: int) -> None:
+    """`count` concurrent streaming clients over the prompts: each gets plain greedy text, the drafted and accepted
+    counters move by exactly what the clients' statistics say, and each request is counted as finished."""
     expected = {p: plain_text(engine, p) for p in PROMPTS}
     before = scrape(server.metrics_url)
     results: dict[int, tuple[str, dict]] = {}
@@ -85,14 +86,13 @@ def test_sixteen_concurrent_streams_are_correct_and_independent(served):
         except Exception as exc:  # collected, so a failure names the client
             errors.append((index, exc))
 
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(16)]
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(count)]
     for thread in threads:
         thread.start()
     for thread in threads:
         thread.join(300)
     assert not errors
-    assert {i: text for i, (text, _) in results.items()} == {i: expected[PROMPTS[i % 4]] for i in range(16)}
-    # The metrics agree with what the clients saw.
+    assert {i: text for i, (text, _) in results.items()} == {i: expected[PROMPTS[i % 4]] for i in range(count)}
     labels = {"model": "speculative", "method": "draft_target"}
     for name, key in (("specdeploy_drafted_tokens_total", "total_draft_tokens"),
                       ("specdeploy_accepted_tokens_total", "total_accepted_draft_tokens")):
@@ -102,10 +102,14 @@ def test_sixteen_concurrent_streams_are_correct_and_independent(served):
             assert time.monotonic() < deadline, name
             time.sleep(0.2)
     after = scrape(server.metrics_url)
-    assert total(after, "specdeploy_requests_total", outcome="length") + total(
-        after, "specdeploy_requests_total", outcome="stop") - total(
-        before, "specdeploy_requests_total", outcome="length") - total(
-        before, "specdeploy_requests_total", outcome="stop") == 16
+    finished = sum(total(after, "specdeploy_requests_total", outcome=outcome)
+                   - total(before, "specdeploy_requests_total", outcome=outcome) for outcome in ("length", "stop"))
+    assert finished == count
+
+
+def test_sixteen_concurrent_streams_are_correct_and_independent(served):
+    server, engine = served
+    run_concurrent_streams(server, engine, 16)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -288,3 +288,8 @@ def test_tensorrtllm_model_configs_use_the_upstream_template_keys(path):
         assert parse_choices(values["medusa_choices"]) == [list(p) for p in pipeline.speculation.medusa.choices]
     else:
         assert "medusa_choices" not in values and values["decoding_mode"] == "top_k_top_p"
+    # The draft's KV cache: capped at what it can hold, so it never takes the target's share of the GPU.
+    draft_values = {key: value.string_value for key, value in draft.parameters.items()}
+    limits = pipeline.limits
+    assert int(draft_values["max_tokens_in_paged_kv_cache"]) == limits.max_batch_size * limits.max_sequence_length
+    assert "max_tokens_in_paged_kv_cache" not in values

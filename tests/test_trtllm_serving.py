@@ -9,15 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
 import yaml
 from conftest import REPO, write_pipeline
 from google.protobuf import text_format
-from test_triton import LONG, PROMPTS, plain_text, read_config, wait_for_idle
+from test_triton import LONG, PROMPTS, plain_text, read_config, run_concurrent_streams, wait_for_idle
 from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.builders import trtllm, trtllm_plan
@@ -123,31 +121,7 @@ def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
 
 def test_eight_concurrent_streams_are_correct_and_counted(served):
     server, engine, _ = served
-    expected = {p: plain_text(engine, p) for p in PROMPTS}
-    before = scrape(server.metrics_url)
-    results, errors = {}, []
-
-    def client(index: int) -> None:
-        try:
-            chunks = list(generate(server.grpc_url, PROMPTS[index % 4], MAX_TOKENS, stream=True))
-            results[index] = ("".join(c.text for c in chunks), chunks[-1].statistics)
-        except Exception as exc:
-            errors.append((index, exc))
-
-    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(300)
-    assert not errors
-    assert {i: text for i, (text, _) in results.items()} == {i: expected[PROMPTS[i % 4]] for i in range(8)}
-    for name, key in (("specdeploy_drafted_tokens_total", "total_draft_tokens"),
-                      ("specdeploy_accepted_tokens_total", "total_accepted_draft_tokens")):
-        seen = sum(stats[key] for _, stats in results.values())
-        deadline = time.monotonic() + 10
-        while total(scrape(server.metrics_url), name, **LABELS) - total(before, name, **LABELS) != seen:
-            assert time.monotonic() < deadline, name
-            time.sleep(0.2)
+    run_concurrent_streams(server, engine, 8)
 
 
 @pytest.mark.parametrize("fields, message", [

@@ -13,10 +13,11 @@ from specdeploy.triton.model_files import (
     TOKENIZER_PARAMETER,
     parameter_path,
 )
+from specdeploy.triton.serving import ServedModel
 from specdeploy.triton.trtllm_server import OrchestrationServer
 
 
-class TritonPythonModel:
+class TritonPythonModel(ServedModel):
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config["parameters"].items()}
@@ -24,11 +25,3 @@ class TritonPythonModel:
                                           parameter_path(args, TOKENIZER_PARAMETER),
                                           parameters[TARGET_MODEL_PARAMETER],
                                           parameters[DRAFT_MODEL_PARAMETER] or None, config["name"], pb_utils)
-
-    def execute(self, requests):
-        for request in requests:
-            self.server.submit(request)
-        return None
-
-    def finalize(self):
-        self.server.stop()

@@ -9,18 +9,11 @@ import json
 import triton_python_backend_utils as pb_utils
 
 from specdeploy.triton.model_files import ENGINE_PARAMETER, parameter_path
+from specdeploy.triton.serving import ServedModel
 from specdeploy.triton.speculative_model import SpeculativeServer
 
 
-class TritonPythonModel:
+class TritonPythonModel(ServedModel):
     def initialize(self, args):
         name = json.loads(args["model_config"])["name"]
         self.server = SpeculativeServer(parameter_path(args, ENGINE_PARAMETER), name, pb_utils)
-
-    def execute(self, requests):
-        for request in requests:
-            self.server.submit(request)
-        return None
-
-    def finalize(self):
-        self.server.stop()

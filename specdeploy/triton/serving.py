@@ -215,3 +215,19 @@ class Responder:
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
         self.sender.send(response, flags=flags)
         self.sent = len(self.ids)
+
+
+class ServedModel:
+    """The Triton Python model's request loop, shared by both flavours' model files: `initialize` sets
+    `self.server` (whose submit answers each request on its own time, the model being decoupled) and this does the
+    rest."""
+
+    server = None
+
+    def execute(self, requests):
+        for request in requests:
+            self.server.submit(request)
+        return None
+
+    def finalize(self):
+        self.server.stop()

@@ -43,6 +43,12 @@ def tensorrtllm_model(name: str, pipeline: PipelineSpec, engine_path: str, draft
     }
     if medusa:
         parameters["medusa_choices"] = medusa_choices(pipeline.speculation.medusa.choices)
+    if draft:
+        # Both executors share the GPU and take their fraction of the memory free when each loads, in no fixed
+        # order: a draft loading first would take the target's KV space. Its KV cache is capped in tokens instead
+        # at what it can ever hold (every row at full length); the backend uses the smaller of the two limits.
+        limits = pipeline.limits
+        parameters["max_tokens_in_paged_kv_cache"] = str(limits.max_batch_size * limits.max_sequence_length)
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config
