@@ -308,3 +308,27 @@ def test_medusa_streams_the_engines_steps_and_counts_them(tiny_engines):
     assert stats.steps == 5 and stats.accepted == 2 + 0 + 1 + 2 + 1  # the last step was cut to max_tokens
     assert stats.drafted == 5 * 3 and stats.drafted_per_position == [5, 5]  # tree: 3 nodes, depth 2
     orch.stop()
+
+
+def test_a_drain_refuses_new_requests_and_ends_running_ones_at_the_deadline(tiny_engines):
+    import time
+
+    from specdeploy.errors import ShuttingDown
+
+    engine = tiny_engines["draft_target"]
+    orch, _ = orchestrator(engine)
+    started, collector = threading.Event(), Collector()
+
+    def on_tokens(tokens, finished, stats):
+        collector(tokens, finished, stats)
+        started.set()
+
+    orch.submit(GenerationRequest(engine.encode_prompt(PROMPTS[0]), 200, SamplingParams(), end_id=-1), on_tokens)
+    assert started.wait(30)
+    orch.drain(time.time())
+    with pytest.raises(ShuttingDown):
+        orch.submit(GenerationRequest(engine.encode_prompt(PROMPTS[1]), 8, SamplingParams()), Collector())
+    assert collector.done.wait(30)
+    assert collector.reason.startswith("shutdown") and len(collector.tokens) < 200
+    assert orch.counters.outcomes == {"shutdown": 1}
+    orch.stop()

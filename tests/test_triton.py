@@ -52,10 +52,9 @@ def test_generated_configs_parse_as_triton_model_configs(served):
         assert read_config(server.model_repository / name / "config.pbtxt").name == name
 
 
-@pytest.mark.parametrize("model", ["speculative", "ensemble"])
-def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
-    """Both entry points: the speculative model called with text, and tensorrtllm_backend's ensemble."""
-    server, engine = served
+def check_greedy_entry_point(server, engine, model: str) -> dict:
+    """Through `model`: streamed and single-response greedy text equal to plain decoding in-process, consistent
+    statistics, and a stop word ending the text. Returns the single response's statistics."""
     expected = plain_text(engine, PROMPTS[0])
     chunks = list(generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stream=True, temperature=0.0, model=model))
     assert len(chunks) > 2 and chunks[-1].final
@@ -69,6 +68,14 @@ def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
     stopped = "".join(c.text for c in generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, model=model,
                                                stop_words=["\n"]))
     assert stopped == expected[:expected.index("\n") + 1]
+    return stats
+
+
+@pytest.mark.parametrize("model", ["speculative", "ensemble"])
+def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
+    """Both entry points: the speculative model called with text, and tensorrtllm_backend's ensemble."""
+    server, engine = served
+    check_greedy_entry_point(server, engine, model)
 
 
 def run_concurrent_streams(server, engine, count: int) -> None:

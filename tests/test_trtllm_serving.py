@@ -15,7 +15,16 @@ import pytest
 import yaml
 from conftest import REPO, write_pipeline
 from google.protobuf import text_format
-from test_triton import LONG, PROMPTS, plain_text, read_config, run_concurrent_streams, wait_for_idle
+from test_triton import (
+    LONG,
+    MAX_TOKENS,
+    PROMPTS,
+    check_greedy_entry_point,
+    plain_text,
+    read_config,
+    run_concurrent_streams,
+    wait_for_idle,
+)
 from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.builders import trtllm, trtllm_plan
@@ -30,7 +39,6 @@ from specdeploy.triton.server import TritonServer
 
 pytestmark = pytest.mark.smollm2
 DOUBLE = REPO / "tests" / "trtllm_double"
-MAX_TOKENS = 24
 LABELS = {"model": "speculative", "method": "draft_target"}
 
 
@@ -104,19 +112,9 @@ def test_the_repository_has_the_torch_flavours_ensemble_and_upstream_engine_mode
 @pytest.mark.parametrize("model", ["speculative", "ensemble"])
 def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
     server, engine, _ = served
-    expected = plain_text(engine, PROMPTS[0])
-    chunks = list(generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stream=True, temperature=0.0, model=model))
-    assert len(chunks) > 2 and chunks[-1].final
-    assert "".join(c.text for c in chunks) == expected
-    single = list(generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, stream=False, model=model))
-    assert len(single) == 1 and single[0].text == expected
-    stats = single[0].statistics
-    assert 0 < stats["total_accepted_draft_tokens"] <= stats["total_draft_tokens"]
+    stats = check_greedy_entry_point(server, engine, model)
     assert stats["generated_tokens"] == MAX_TOKENS
     assert stats["verification_steps"] < MAX_TOKENS - 1  # speculation committed more than one token a step
-    stopped = "".join(c.text for c in generate(server.grpc_url, PROMPTS[0], MAX_TOKENS, model=model,
-                                               stop_words=["\n"]))
-    assert stopped == expected[:expected.index("\n") + 1]
 
 
 def test_eight_concurrent_streams_are_correct_and_counted(served):
