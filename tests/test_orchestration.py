@@ -332,3 +332,37 @@ def test_a_drain_refuses_new_requests_and_ends_running_ones_at_the_deadline(tiny
     assert collector.reason.startswith("shutdown") and len(collector.tokens) < 200
     assert orch.counters.outcomes == {"shutdown": 1}
     orch.stop()
+
+
+def test_queued_requests_end_at_once_on_a_drain_or_cancel_without_an_engine_call(tiny_engines):
+    """With one row (limits.max_batch_size 1) later requests queue: one cancelled while it waits never reaches an
+    engine, and a drain ends a queued one at once while the running one finishes."""
+    import time
+
+    engine = tiny_engines["draft_target"]
+    pipeline = dataclasses.replace(engine.pipeline, limits=dataclasses.replace(engine.pipeline.limits,
+                                                                                max_batch_size=1))
+    orch, bls = orchestrator(engine, pipeline=pipeline)
+    prompt = engine.encode_prompt(PROMPTS[0])
+    first, cancelled = Collector(), Collector()
+    orch.submit(GenerationRequest(prompt, 40, SamplingParams(), end_id=-1), first)
+    orch.submit(GenerationRequest(prompt, 8, SamplingParams(), end_id=-1), cancelled, lambda: True)
+    assert first.done.wait(60) and first.reason == "length"
+    assert cancelled.done.wait(5) and cancelled.reason == "cancelled" and cancelled.tokens == []
+    prefills = [i for _, i in bls.requests if i["input_ids"].shape[1] == len(prompt)]
+    assert len(prefills) == 1  # the first request's only
+
+    running, queued, started = Collector(), Collector(), threading.Event()
+
+    def on_running(tokens, finished, stats):
+        running(tokens, finished, stats)
+        started.set()
+
+    orch.submit(GenerationRequest(prompt, 60, SamplingParams(), end_id=-1), on_running)
+    assert started.wait(30)  # running, not queued
+    orch.submit(GenerationRequest(prompt, 8, SamplingParams(), end_id=-1), queued)
+    orch.drain(time.time() + 60)
+    assert queued.done.wait(5) and queued.reason.startswith("shutdown") and queued.tokens == []
+    assert running.done.wait(60) and running.reason == "length" and len(running.tokens) == 60
+    assert orch.counters.outcomes == {"length": 2, "cancelled": 1, "shutdown": 1}
+    orch.stop()

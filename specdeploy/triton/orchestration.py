@@ -125,8 +125,17 @@ class Orchestrator:
         self.workers.submit(self._run, job)
 
     def drain(self, deadline: float) -> None:
-        """Take no new requests; running ones end with "shutdown: ..." if not finished by `deadline` (time.time())."""
+        """Take no new requests, end the queued ones now and the running ones at `deadline` (time.time()) if they
+        have not finished by then, each with finish reason "shutdown: ..." (as the torch flavour's scheduler)."""
         self.drain_deadline = deadline
+        with self.lock:
+            queued = list(self.waiting)
+            self.waiting.clear()
+            for job in queued:
+                job.sequence.finish_reason = "shutdown: the server is shutting down before this request started"
+                self.counters.count_outcome(job.sequence.finish_reason)
+        for job in queued:
+            job.on_tokens([], job.sequence.finish_reason, job.sequence.stats)
 
     def stop(self) -> None:
         self.drain(time.time())
@@ -139,12 +148,15 @@ class Orchestrator:
     # ---- one request --------------------------------------------------------------------------------------------
     def _run(self, job: Job) -> None:
         with self.lock:
+            if job not in self.waiting:
+                return  # ended by a drain while it waited
             self.waiting.remove(job)
             self.active.append(job)
         self._changed()
         sequence = job.sequence
         try:
-            self._emit(job, self._target(job, 1))  # prefill: the first token
+            if not self._interrupted(job):  # cancelled while it waited: no engine call at all
+                self._emit(job, self._target(job, 1))  # prefill: the first token
             while sequence.finish_reason is None:
                 if self._interrupted(job):
                     break
