@@ -37,7 +37,7 @@ bench: venv
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-moe-draft-target.yaml --json bench-results/moe-draft-target.json --no-transformers
 
 lint: venv
-	$(VENV)/bin/ruff check specdeploy tests model_repo
+	$(VENV)/bin/ruff check specdeploy tests
 	$(VENV)/bin/lint-imports
 
 clean-engines:

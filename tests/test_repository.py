@@ -38,3 +38,25 @@ def test_weights_are_linked_and_everything_else_copied(tiny_engines, tmp_path):
 
     assert inode(copied / "target" / "model.safetensors") == inode(engine / "target" / "model.safetensors")
     assert inode(copied / "pipeline.json") != inode(engine / "pipeline.json")
+
+
+def test_an_installed_specdeploy_carries_the_model_code(tmp_path):
+    """`specdeploy package` copies the Triton model files from the installed package: the wheel must hold them."""
+    import shutil
+    import subprocess
+    import sys
+    import zipfile
+
+    from conftest import REPO
+
+    source = tmp_path / "source"  # a copy: setuptools writes build/ beside the sources, and ours holds Dockerfiles
+    shutil.copytree(REPO / "specdeploy", source / "specdeploy", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        shutil.copy2(REPO / name, source / name)
+    result = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                             "-w", str(tmp_path / "wheel"), str(source)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    (wheel,) = (tmp_path / "wheel").glob("specdeploy-*.whl")
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for model in ("preprocessing", "speculative", "orchestration"):
+        assert f"specdeploy/model_repo/{model}/model.py" in names

@@ -5,7 +5,7 @@ owns draft + target, detokenises). Each model carries its files in its version d
 to it (model_files.py): the engine in `speculative/1/engine/` (its weights hard-linked to the built engine's where
 the file system allows, everything else copied), the tokenizer in `preprocessing/1/tokenizer/`. The repository
 therefore serves from wherever it is copied or mounted. Every config.pbtxt is built as Triton's ModelConfig
-protobuf message and written with protobuf's text format; the Python model files come from model_repo/ (thin
+protobuf message and written with protobuf's text format; the Python model files come from specdeploy/model_repo/ (thin
 wrappers importing specdeploy).
 """
 
@@ -34,7 +34,7 @@ from specdeploy.triton.model_files import (
 from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
 from specdeploy.triton.trtllm_models import tensorrtllm_model
 
-MODEL_CODE = Path(specdeploy.__file__).resolve().parent.parent / "model_repo"
+MODEL_CODE = Path(specdeploy.__file__).resolve().parent / "model_repo"
 VERSION = "1"
 ENGINE_FOLDER, TOKENIZER_FOLDER = "engine", "tokenizer"
 MODEL_FILES = {WEIGHTS, "config.json"}  # a component's files that are not its tokenizer's
