@@ -145,20 +145,46 @@ def test_end_id_and_stop_words_end_the_request(tiny_engines):
     orch.stop()
 
 
-def test_seeded_requests_repeat_and_each_call_gets_its_own_seed(tiny_engines):
+def test_every_call_brings_its_own_seed_and_seeded_requests_repeat(tiny_engines):
+    """The executor seeds a call without a seed with 0: every call must bring its own, seeded requests derived
+    from their seed (reproducible), the others from a random one."""
     engine = tiny_engines["draft_target"]
     orch, bls = orchestrator(engine)
     prompt = engine.encode_prompt(PROMPTS[2])
     request = GenerationRequest(prompt, 24, SamplingParams(temperature=0.8, seed=7), end_id=-1)
     first = run(orch, request).tokens
     seeds = [int(inputs["seed"][0, 0]) for _, inputs in bls.requests]
-    assert len(set(seeds)) == len(seeds), "two engine calls of one request share a random stream"
+    assert len(seeds) > 3 and len(set(seeds)) == len(seeds), "two engine calls of one request share a random stream"
     assert run(orch, request).tokens == first
+    assert [int(inputs["seed"][0, 0]) for _, inputs in bls.requests[len(seeds):]] == seeds
+    bls.requests.clear()
+    unseeded = GenerationRequest(prompt, 24, SamplingParams(temperature=0.8), end_id=-1)
+    run(orch, unseeded), run(orch, unseeded)
+    seeds = [inputs.get("seed") for _, inputs in bls.requests]
+    assert all(seed is not None for seed in seeds)
+    assert len({int(seed[0, 0]) for seed in seeds}) == len(seeds)
+    assert all(int(inputs["end_id"][0, 0]) == -1 for _, inputs in bls.requests)  # ends are this loop's to see
+    orch.stop()
+
+
+def test_draft_logits_go_to_the_target_only_when_every_reading_of_them_gives_the_drafts_q(tiny_engines):
+    """At temperature 1 with no top-k, top-p or penalty the draft's raw logits are q however the executor reads
+    them, and they are sent, one row per drafted token; with any processing the drafts go alone (token matching,
+    exact whatever q is)."""
+    engine = tiny_engines["draft_target"]
+    orch, bls = orchestrator(engine)
+    prompt = engine.encode_prompt(PROMPTS[2])
+    run(orch, GenerationRequest(prompt, 24, SamplingParams(temperature=1.0, seed=3), end_id=-1))
     drafts = [inputs for model, inputs in bls.requests if model == DRAFT]
-    assert all(bool(inputs["return_generation_logits"][0, 0]) for inputs in drafts)  # q for the exact rule
     verifications = [inputs for model, inputs in bls.requests if "draft_input_ids" in inputs]
+    assert drafts and all(bool(inputs["return_generation_logits"][0, 0]) for inputs in drafts)
     assert verifications and all(inputs["draft_logits"].shape == (1, inputs["draft_input_ids"].shape[1],
                                                                   engine.vocab_size) for inputs in verifications)
+    bls.requests.clear()
+    run(orch, GenerationRequest(prompt, 24, SamplingParams(temperature=0.7, top_k=20, seed=3), end_id=-1))
+    assert not any(bool(inputs["return_generation_logits"][0, 0]) for model, inputs in bls.requests
+                   if model == DRAFT)
+    assert not any("draft_logits" in inputs for _, inputs in bls.requests)
     orch.stop()
 
 
@@ -212,26 +238,23 @@ def exact_next(model: TensorrtllmDouble, tokens: list[int], params: SamplingPara
     return sampling_distribution(model.logits(tokens, 1), params)[0]
 
 
-class DraftSamplesUnprocessed(BlsCalls):
-    """A broken orchestration: the draft engine samples with its defaults (temperature 1, no top-k) instead of the
-    request's sampling, while the target judges the drafts by the request's processing of the draft logits. q must
-    be the distribution the drafts were really drawn from."""
+class EngineSeeds(BlsCalls):
+    """A broken orchestration: it sends no seeds and leaves the randomness to the engine, which seeds every such
+    call with 0, so the prefill, the draft and the verification all draw the same random stream."""
 
-    def draft(self, tokens, count, sampling, with_logits):
-        return super().draft(tokens, count, dataclasses.replace(sampling, params=SamplingParams(temperature=1.0)),
-                             with_logits)
+    def sampling_tensors(self, sampling):
+        return [tensor for tensor in super().sampling_tensors(sampling) if tensor.name() != "seed"]
 
 
 TRIALS = 1000
 
 
-@pytest.mark.parametrize("calls_class, exact", [(BlsCalls, True), (DraftSamplesUnprocessed, False)],
-                         ids=["orchestration", "broken-draft-sampling"])
+@pytest.mark.parametrize("calls_class, exact", [(BlsCalls, True), (EngineSeeds, False)],
+                         ids=["orchestration", "broken-engine-seeds"])
 def test_sampled_tokens_follow_the_target_distribution(tiny_engines, calls_class, exact):
-    """Through the whole loop (prefill, draft call with logits, verification with draft_logits) at temperature
-    0.5 with top-k 4: the second and third generated tokens, both drafted positions of the first speculative step,
-    conditioned on the most frequent prefix, follow the target's own next-token distribution; a broken variant
-    fails the same check."""
+    """Through the whole loop (prefill, draft call, verification) at temperature 0.5 with top-k 4: the second
+    and third generated tokens, both drafted positions of the first speculative step, conditioned on the most
+    frequent prefix, follow the target's own next-token distribution; a broken variant fails the same check."""
     engine = tiny_engines["draft_target"]
     params = SamplingParams(temperature=0.5, top_k=4)
     orch, bls = orchestrator(engine, full_up_to=64, off_above=64)  # speculate at any concurrency

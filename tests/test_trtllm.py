@@ -83,6 +83,8 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, tmp_pa
     target = builds["target"]
     assert target["--max_batch_size"] == str(pipeline.limits.max_batch_size)
     assert target["--max_seq_len"] == str(pipeline.limits.max_sequence_length)
+    # every call brings the whole sequence so far, so an engine's input may be as long as a sequence
+    assert all(build["--max_input_len"] == str(pipeline.limits.max_sequence_length) for build in builds.values())
     assert target["--max_draft_len"] == str(pipeline.limits.max_draft_tokens)
     assert target["--use_paged_context_fmha"] == "enable"
     settings = pipeline.backend.settings
@@ -278,6 +280,7 @@ def test_tensorrtllm_model_configs_use_the_upstream_template_keys(path):
         for key in ("enable_kv_cache_reuse", "exclude_input_in_output"):  # the backend parses only these spellings
             assert values[key] in ("true", "false", "1", "0")
         assert values["decoding_mode"] in DECODING_MODES and values["gpt_model_type"] == "inflight_fused_batching"
+        assert values["enable_chunked_context"] == "true"  # a long sequence is prefilled in chunks
         assert {t.name for t in parsed.input} <= set(TENSORRTLLM_INPUTS)
         assert {t.name for t in parsed.input if not t.optional} == {"input_lengths", "request_output_len"}
         assert parsed.max_batch_size == pipeline.limits.max_batch_size

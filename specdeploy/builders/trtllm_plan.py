@@ -88,11 +88,15 @@ def convert_command(spec: TrtllmSpec, model_dir: Path, output: Path, weight_only
 
 
 def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode: str | None) -> tuple[str, ...]:
-    """trtllm-build for one component; mode: the target's speculative_decoding_mode (None for a draft)."""
+    """trtllm-build for one component; mode: the target's speculative_decoding_mode (None for a draft).
+
+    --max_input_len is the whole sequence, not the prompt limit: the orchestration sends every call the sequence so
+    far (the executor finds its prefix in the reuse cache), which grows to max_sequence_length; the models enable
+    chunked context, so a context longer than --max_num_tokens is processed in pieces."""
     spec, limits = pipeline.backend.settings, pipeline.limits
     command = ["trtllm-build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(output),
                "--gemm_plugin", "auto", "--max_batch_size", str(limits.max_batch_size),
-               "--max_input_len", str(limits.max_input_length), "--max_seq_len", str(limits.max_sequence_length),
+               "--max_input_len", str(limits.max_sequence_length), "--max_seq_len", str(limits.max_sequence_length),
                "--max_num_tokens", str(spec.max_num_tokens), "--use_paged_context_fmha", "enable",
                "--workers", str(spec.tp_size * spec.pp_size)]
     if mode is not None:

@@ -16,8 +16,12 @@ is tested without a server. Nothing here reads a tensor name.
 
 from __future__ import annotations
 
+import copy
+import hashlib
+import secrets
 import threading
 import time
+import traceback
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -39,17 +43,34 @@ from specdeploy.stats import RequestStats
 # Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
 # cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
 STREAM_CHUNK = 16
-SEED_STRIDE = 0x9E3779B97F4A7C15  # odd, so call k of a seeded request gets its own seed (mod 2**64)
 
 
 @dataclass(frozen=True)
 class Sampling:
-    """What an engine call samples with. seed: None for the engine's own randomness. end_id: the token the engine
-    stops at (-1: none)."""
+    """What an engine call samples with: the request's processing and this call's own seed. Engines get no end
+    token: the executor stops at one without returning it, so this loop, which must see every token to stop at the
+    request's end tokens and stop sequences, ends requests itself."""
 
     params: SamplingParams
-    seed: int | None
-    end_id: int
+    seed: int
+
+
+def call_seed(base: int, call: int) -> int:
+    """Call `call`'s seed of a request whose base seed is `base`: a hash, so no two calls (of this request or of
+    another, whatever their bases) share a random stream, which the exact rule's independent draws need. The
+    executor seeds a call that brings no seed with 0, so every call brings one."""
+    digest = hashlib.blake2b(f"{base}:{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+def sends_draft_logits(params: SamplingParams) -> bool:
+    """Whether the draft's raw logits go to the target with the drafts. The exact rule compares the target's p with
+    the q each drafted token was drawn from; the executor turns `draft_logits` into q itself, and whether it applies
+    the request's temperature, top-k, top-p and penalty as the draft did is not settled from the sources read. With
+    none of them in effect every reading gives the same q; otherwise the drafts go without logits and the target
+    accepts those equal to its own samples, which is exact whatever q is (it accepts less)."""
+    return not params.greedy and (params.temperature, params.top_k, params.top_p,
+                                  params.repetition_penalty) == (1.0, 0, 1.0, 1.0)
 
 
 class EngineCalls(Protocol):
@@ -73,17 +94,15 @@ class Job:
     on_tokens: TokenCallback
     is_cancelled: Callable[[], bool]
     reserved: int
-    seed: int | None
+    seed: int  # the request's seed, or a random one: every engine call's seed derives from it
     calls: int = 0
     pending: list[int] = field(default_factory=list)  # the last tokens, sent with the final callback
     submitted: float = field(default_factory=time.perf_counter)
 
-    def sampling(self, end_id: int) -> Sampling:
-        """The sampling of this request's next engine call: a seeded request gives every call its own seed, so
-        no two calls (nor two steps' acceptance draws) repeat one random stream."""
-        seed = None if self.seed is None else (self.seed + self.calls * SEED_STRIDE) % 2**64
+    def sampling(self) -> Sampling:
+        """The sampling of this request's next engine call, with that call's own seed."""
         self.calls += 1
-        return Sampling(self.sequence.params, seed, end_id)
+        return Sampling(self.sequence.params, call_seed(self.seed, self.calls))
 
 
 class Orchestrator:
@@ -119,7 +138,8 @@ class Orchestrator:
         sequence = Sequence(prompt, len(prompt), request.sampling, request.max_tokens,
                             ProposalLength(self.pipeline.speculation.schedule, gamma),
                             RequestStats(prompt_tokens=len(prompt)), end_ids, request.stop_sequences)
-        job = Job(sequence, on_tokens, is_cancelled, request.kv_slots(self.pipeline), request.sampling.seed)
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
+        job = Job(sequence, on_tokens, is_cancelled, request.kv_slots(self.pipeline), seed)
         with self.lock:
             self.waiting.append(job)
         self.workers.submit(self._run, job)
@@ -167,7 +187,10 @@ class Orchestrator:
                 else:
                     self._speculate(job, gamma)
         except Exception as exc:  # an engine error ends this request only
-            sequence.finish_reason = f"error: {exc}"
+            if sequence.finish_reason is None:
+                sequence.finish_reason = f"error: {exc}"
+            else:  # finished, then failed sending: its outcome stands
+                traceback.print_exc()
         self._finish(job)
 
     def _interrupted(self, job: Job) -> bool:
@@ -187,19 +210,11 @@ class Orchestrator:
         cap = self.policy.gamma(sequence.proposal.gamma, running)
         return max(0, min(sequence.proposal.current, cap, sequence.remaining - 1))
 
-    @staticmethod
-    def _end_id(job: Job) -> int:
-        """The one end token an engine call stops at (-1: none). With several (a chat model's end of turn and end
-        of text) the engine gets one and this loop stops at any: an engine that decodes past another costs a few
-        tokens, never a wrong one."""
-        ends = job.sequence.end_ids
-        return min(ends) if ends else NO_END_ID
-
     def _target(self, job: Job, count: int, draft_ids: list[int] | None = None,
                 draft_logits: np.ndarray | None = None) -> list[int]:
         """One target call's tokens, all of them (prefill or verification)."""
         tokens: list[int] = []
-        for new in self.calls.target(list(job.sequence.committed), count, job.sampling(self._end_id(job)),
+        for new in self.calls.target(list(job.sequence.committed), count, job.sampling(),
                                      draft_ids, draft_logits):
             tokens.extend(new)
         if not tokens:
@@ -211,7 +226,7 @@ class Orchestrator:
         that ends short of `count` stopped at the engine's end token."""
         sequence = job.sequence
         started, received, ended = time.perf_counter(), 0, False
-        for new in self.calls.target(list(sequence.committed), count, job.sampling(self._end_id(job))):
+        for new in self.calls.target(list(sequence.committed), count, job.sampling()):
             if ended:
                 continue  # read to its end: a BLS stream cannot be cancelled, and an abandoned one corrupts the stub
             received += len(new)
@@ -244,8 +259,8 @@ class Orchestrator:
         if self.ngram is not None:
             drafts, logits = self.ngram.continuation(sequence.committed, gamma), None
         else:
-            with_logits = not sequence.params.greedy  # the exact rule at temperature > 0 needs q
-            drafts, logits = self.calls.draft(list(sequence.committed), gamma, job.sampling(self._end_id(job)),
+            with_logits = sends_draft_logits(sequence.params)
+            drafts, logits = self.calls.draft(list(sequence.committed), gamma, job.sampling(),
                                               with_logits)
             sequence.stats.draft_forwards += len(drafts)
         drafted_at = time.perf_counter()
@@ -280,9 +295,21 @@ class Orchestrator:
         with self.lock:
             self.active.remove(job)
             self.counters.add(stats, job.sequence.finish_reason)
-        self._changed()
-        job.on_tokens(job.pending, job.sequence.finish_reason, stats)
+        try:
+            job.on_tokens(job.pending, job.sequence.finish_reason, stats)  # the client's answer comes first
+        finally:
+            self._changed()
 
     def _changed(self) -> None:
-        if self.on_change is not None:
+        """Tell the metrics; a failure there is logged, never allowed to strand a request."""
+        if self.on_change is None:
+            return
+        try:
             self.on_change(self)
+        except Exception:
+            traceback.print_exc()
+
+    def snapshot(self) -> tuple[SchedulerCounters, int, int]:
+        """(a copy of the counters, running requests, free KV slots), read together under the lock."""
+        with self.lock:
+            return copy.deepcopy(self.counters), len(self.active), self.free_kv_slots

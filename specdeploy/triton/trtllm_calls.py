@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import numpy as np
 
+from specdeploy.request import NO_END_ID
 from specdeploy.triton.orchestration import Sampling
 
 OUTPUTS = ["output_ids", "sequence_length"]
@@ -24,18 +25,16 @@ def scalar(pb, name: str, value, dtype) -> object:
 
 
 def sampling_tensors(pb, sampling: Sampling) -> list:
-    """The request's sampling as the backend's inputs. Greedy is top-k 1 at temperature 1 (the engine divides by
-    the temperature; top_k 0 means no top-k)."""
+    """The request's sampling as the backend's inputs, with the call's seed and no end token (end_id -1: the
+    orchestration ends requests itself). Greedy is top-k 1 at temperature 1 (the engine divides by the
+    temperature; top_k 0 means no top-k)."""
     params = sampling.params
-    tensors = [scalar(pb, "end_id", sampling.end_id, np.int32),
-               scalar(pb, "pad_id", max(sampling.end_id, 0), np.int32),
-               scalar(pb, "temperature", 1.0 if params.greedy else params.temperature, np.float32),
-               scalar(pb, "runtime_top_k", 1 if params.greedy else params.top_k, np.int32),
-               scalar(pb, "runtime_top_p", params.top_p, np.float32),
-               scalar(pb, "repetition_penalty", params.repetition_penalty, np.float32)]
-    if sampling.seed is not None:
-        tensors.append(scalar(pb, "seed", sampling.seed, np.uint64))
-    return tensors
+    return [scalar(pb, "end_id", NO_END_ID, np.int32), scalar(pb, "pad_id", 0, np.int32),
+            scalar(pb, "temperature", 1.0 if params.greedy else params.temperature, np.float32),
+            scalar(pb, "runtime_top_k", 1 if params.greedy else params.top_k, np.int32),
+            scalar(pb, "runtime_top_p", params.top_p, np.float32),
+            scalar(pb, "repetition_penalty", params.repetition_penalty, np.float32),
+            scalar(pb, "seed", sampling.seed, np.uint64)]
 
 
 class BlsCalls:
@@ -44,6 +43,9 @@ class BlsCalls:
     def __init__(self, pb, target_model: str, draft_model: str | None) -> None:
         self.pb, self.target_model, self.draft_model = pb, target_model, draft_model
 
+    def sampling_tensors(self, sampling: Sampling) -> list:
+        return sampling_tensors(self.pb, sampling)
+
     def _request(self, model: str, tokens: list[int], count: int, sampling: Sampling, streaming: bool,
                  extra: list, outputs: list[str]) -> Iterator:
         pb = self.pb
@@ -51,7 +53,7 @@ class BlsCalls:
                   scalar(pb, "input_lengths", len(tokens), np.int32),
                   scalar(pb, "request_output_len", count, np.int32),
                   scalar(pb, "streaming", streaming, np.bool_),
-                  *sampling_tensors(pb, sampling), *extra]
+                  *self.sampling_tensors(sampling), *extra]
         request = pb.InferenceRequest(model_name=model, inputs=inputs, requested_output_names=outputs)
         for response in request.exec(decoupled=True):
             if response.has_error():

@@ -40,6 +40,8 @@ def tensorrtllm_model(name: str, pipeline: PipelineSpec, engine_path: str, draft
         "kv_cache_free_gpu_mem_fraction": str(settings.kv_cache_free_gpu_mem_fraction),
         "enable_kv_cache_reuse": "true" if settings.enable_kv_cache_reuse else "false",
         "exclude_input_in_output": "true", "decoding_mode": "medusa" if medusa else "top_k_top_p",
+        # Each call brings the whole sequence, mostly from the reuse cache: a long one is prefilled in chunks.
+        "enable_chunked_context": "true",
     }
     if medusa:
         parameters["medusa_choices"] = medusa_choices(pipeline.speculation.medusa.choices)

@@ -37,9 +37,7 @@ class OrchestrationServer:
 
     def _on_change(self, orchestrator: Orchestrator) -> None:
         if hasattr(self, "metrics"):
-            with orchestrator.lock:
-                running, free_kv = len(orchestrator.active), orchestrator.free_kv_slots
-            self.metrics.update(orchestrator.counters, running, free_kv)
+            self.metrics.update(*orchestrator.snapshot())
 
     def stop(self) -> None:
         self.watcher.stop()

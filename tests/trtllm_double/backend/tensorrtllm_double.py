@@ -5,10 +5,11 @@ What it implements, as the backend documents it (tensorrtllm_backend docs/model_
 builders/trtllm_upstream.py):
 - `input_ids` [1, L] int32 with `input_lengths` L: the whole sequence; the prefix cached by the previous request is
   reused (the backend's KV block reuse), the rest is prefilled.
-- `request_output_len` n: at most n new tokens; generation stops after `end_id` (which is sent) unless it is -1.
+- `request_output_len` n: at most n new tokens; generation stops at `end_id` (not returned, as the executor
+  does: it never counts the end token in the sequence length) unless it is -1.
 - `streaming`: one response per engine step with that step's new tokens, else one response at the end.
 - sampling: `temperature`, `runtime_top_k` (1: greedy; 0: off), `runtime_top_p`, `repetition_penalty`, `seed`
-  (absent: fresh randomness).
+  (absent: 0, as the executor seeds it, so calls without one repeat one random stream).
 - `return_generation_logits`: `generation_logits` [1, 1, n, V], the raw logits each new token was sampled from.
 - `draft_input_ids` [1, k] (`draft_tokens_external`): one verification step over the k drafted tokens, answering
   the accepted prefix plus one token. With `draft_logits` [1, k, V] the acceptance test compares the target's
@@ -103,24 +104,28 @@ class TensorrtllmDouble:
         params = SamplingParams(temperature=0.0 if top_k == 1 else one(inputs, "temperature", 1.0),
                                 top_k=0 if top_k == 1 else top_k, top_p=one(inputs, "runtime_top_p", 1.0),
                                 repetition_penalty=one(inputs, "repetition_penalty", 1.0),
-                                seed=inputs["seed"].reshape(-1)[0].item() if "seed" in inputs else None)
+                                seed=inputs["seed"].reshape(-1)[0].item() if "seed" in inputs else 0)
         generator = request_generator(params)
         end_id = one(inputs, "end_id", -1)
         with_logits = bool(one(inputs, "return_generation_logits", False))
         drafts = inputs.get("draft_input_ids")
         with self.lock:
             if drafts is not None and drafts.size:
-                yield self.verify(tokens, drafts.reshape(-1).astype(int).tolist(), inputs.get("draft_logits"),
-                                  params, generator)
+                step = self.verify(tokens, drafts.reshape(-1).astype(int).tolist(), inputs.get("draft_logits"),
+                                   params, generator)
+                if end_id in step.tokens:  # not returned, and nothing after it
+                    step.tokens = step.tokens[:step.tokens.index(end_id)]
+                if step.tokens:
+                    yield step
                 return
             for _ in range(count):
                 logits = self.logits(tokens, 1)
                 seen = seen_mask(tokens, self.vocab_size)[None]
                 token = int(sample(sampling_distribution(logits, params, seen), generator)[0])
+                if token == end_id:
+                    return  # the executor stops at the end token without returning it
                 tokens.append(token)
                 yield Step([token], logits.numpy() if with_logits else None)
-                if token == end_id:
-                    return
 
     def verify(self, tokens: list[int], drafts: list[int], draft_logits: np.ndarray | None,
                params: SamplingParams, generator) -> Step:
