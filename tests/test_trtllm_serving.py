@@ -153,9 +153,9 @@ def test_a_cancelled_stream_ends_its_request(served):
     assert total(scrape(server.metrics_url), "specdeploy_requests_total", outcome="cancelled") == cancelled_before + 1
 
 
-def test_sampled_requests_run_with_draft_logits(served):
-    """At temperature > 0 the draft returns its logits and the target judges the drafts with them: the run
-    completes, reproducibly with a seed, and accepts some drafts."""
+def test_sampled_requests_are_reproducible_with_a_seed_and_accept_drafts(served):
+    """At temperature > 0 every engine call brings a seed derived from the request's: the same seed gives the same
+    text, and drafts are accepted."""
     server, _, _ = served
     runs = [list(generate(server.grpc_url, PROMPTS[2], MAX_TOKENS, temperature=0.7, random_seed=11,
                           end_id=-1, stream=False)) for _ in range(2)]
