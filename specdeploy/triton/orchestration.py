@@ -222,16 +222,18 @@ class Orchestrator:
         return tokens
 
     def _stream(self, job: Job, count: int, record: Callable[[list[int]], None]) -> None:
-        """A streamed target call of up to `count` tokens, each response recorded and sent as it arrives. A stream
-        that ends short of `count` stopped at the engine's end token."""
+        """A streamed target call of up to `count` tokens: each response's tokens committed, recorded as what was kept
+        of them (an end token, a stop sequence or max_tokens may cut it) and sent. A stream that ends short of
+        `count` ended at a limit of the engine's, and so does the request."""
         sequence = job.sequence
         started, received, ended = time.perf_counter(), 0, False
         for new in self.calls.target(list(sequence.committed), count, job.sampling()):
-            if ended:
+            if ended or not new:
                 continue  # read to its end: a BLS stream cannot be cancelled, and an abandoned one corrupts the stub
             received += len(new)
-            record(new)
-            self._emit(job, new)
+            kept = self._commit(job, new)
+            record(kept)
+            self._send(job, kept)
             ended = sequence.finish_reason is not None or self._interrupted(job)
         if not ended and received < count:
             sequence.finish_reason = "stop"
@@ -242,7 +244,7 @@ class Orchestrator:
         at most one chunk). Each token is one engine step."""
         sequence = job.sequence
         self._stream(job, min(sequence.remaining, STREAM_CHUNK),
-                     lambda new: [sequence.stats.record_step(0, 0) for _ in new])
+                     lambda kept: [sequence.stats.record_step(0, 0) for _ in kept])
 
     def _medusa(self, job: Job) -> None:
         """Medusa runs inside the target engine: streamed calls of a chunk each, each response one engine step (the
@@ -251,7 +253,7 @@ class Orchestrator:
         paths = self.pipeline.speculation.medusa.choices
         nodes, depth = len(paths), max(len(path) for path in paths)
         self._stream(job, min(sequence.remaining, STREAM_CHUNK),
-                     lambda new: sequence.stats.record_step(nodes, len(new) - 1, positions=depth) if new else None)
+                     lambda kept: sequence.stats.record_step(nodes, len(kept) - 1, positions=depth) if kept else None)
 
     def _speculate(self, job: Job, gamma: int) -> None:
         sequence = job.sequence
@@ -279,15 +281,22 @@ class Orchestrator:
         self._emit(job, tokens)
 
     def _emit(self, job: Job, tokens: list[int]) -> None:
-        """Commit tokens (up to an end token, a stop sequence or max_tokens) and send them unless the request is
-        finished, in which case _finish sends them with the final callback."""
-        sequence = job.sequence
-        emitted = sequence.append(tokens)
-        sequence.stats.generated_tokens = sequence.generated
-        if sequence.finish_reason is None:
-            job.on_tokens(emitted, None, sequence.stats)
+        self._send(job, self._commit(job, tokens))
+
+    @staticmethod
+    def _commit(job: Job, tokens: list[int]) -> list[int]:
+        """Commit tokens up to an end token, a stop sequence or max_tokens; returns those kept."""
+        kept = job.sequence.append(tokens)
+        job.sequence.stats.generated_tokens = job.sequence.generated
+        return kept
+
+    @staticmethod
+    def _send(job: Job, tokens: list[int]) -> None:
+        """Send committed tokens, unless the request is finished: _finish sends those with the final callback."""
+        if job.sequence.finish_reason is None:
+            job.on_tokens(tokens, None, job.sequence.stats)
         else:
-            job.pending = emitted
+            job.pending = tokens
 
     def _finish(self, job: Job) -> None:
         stats = job.sequence.stats
