@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdeploy.request import NO_END_ID, GenerationRequest
 from specdeploy.sampling_params import SamplingParams
 from specdeploy.stats import RequestStats
 
@@ -33,6 +34,19 @@ class Sequence:
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None  # [V] bool, for the repetition penalty
     finish_reason: str | None = None
+
+    @classmethod
+    def for_request(cls, request: GenerationRequest, proposal: ProposalLength, end_ids: frozenset[int],
+                    generator: torch.Generator | None = None, seen: torch.Tensor | None = None) -> Sequence:
+        """A checked request's sequence, before its prefill. end_ids: the model's end tokens, which the request's
+        end_id replaces (-1: none)."""
+        if request.end_id is not None:
+            end_ids = frozenset() if request.end_id == NO_END_ID else frozenset([request.end_id])
+        prompt = list(request.prompt_ids)
+        return cls(committed=prompt, prompt_length=len(prompt), params=request.sampling,
+                   max_tokens=request.max_tokens, proposal=proposal, stats=RequestStats(prompt_tokens=len(prompt)),
+                   end_ids=end_ids, stop_sequences=[list(s) for s in request.stop_sequences if s],
+                   generator=generator, seen=seen)
 
     @property
     def cache_length(self) -> int:

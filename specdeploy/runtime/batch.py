@@ -21,7 +21,7 @@ from specdeploy.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel, ragged_forward_all, tree_forward_all
 from specdeploy.pipeline import Acceptance, Schedule
 from specdeploy.reductions import argmax
-from specdeploy.request import NO_END_ID, GenerationRequest
+from specdeploy.request import GenerationRequest
 from specdeploy.sampling import (
     RowStreams,
     penalised,
@@ -36,7 +36,6 @@ from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_g
 from specdeploy.speculative.proposer import Proposal, Proposer
 from specdeploy.speculative.schedule import ProposalLength
 from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_greedy, accept_tree_typical
-from specdeploy.stats import RequestStats
 
 
 def outcome_rows(result: AcceptanceResult) -> torch.Tensor:
@@ -94,15 +93,11 @@ class BatchDecoder:
         """A sequence for a checked request, ready for prefill. end_ids: the model's end tokens (the request's
         end_id replaces them)."""
         params = request.sampling
-        if request.end_id is not None:
-            end_ids = frozenset() if request.end_id == NO_END_ID else frozenset([request.end_id])
         penalised_request = params.repetition_penalty != 1.0
-        return Sequence(committed=list(request.prompt_ids), prompt_length=len(request.prompt_ids), params=params,
-                        max_tokens=request.max_tokens, proposal=ProposalLength(schedule, gamma),
-                        stats=RequestStats(prompt_tokens=len(request.prompt_ids)), end_ids=end_ids,
-                        stop_sequences=[list(s) for s in request.stop_sequences if s],
-                        generator=request_generator(params, self.device),
-                        seen=seen_mask(request.prompt_ids, self.vocab_size, self.device) if penalised_request else None)
+        return Sequence.for_request(request, ProposalLength(schedule, gamma), end_ids,
+                                    generator=request_generator(params, self.device),
+                                    seen=seen_mask(request.prompt_ids, self.vocab_size, self.device)
+                                    if penalised_request else None)
 
     def prefill(self, sequence: Sequence, row: int) -> list[int]:
         """Run the prompt into cache row `row` and commit the first token. Returns the emitted tokens."""

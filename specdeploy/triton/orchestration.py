@@ -32,13 +32,12 @@ import numpy as np
 
 from specdeploy.errors import ShuttingDown
 from specdeploy.pipeline import PipelineSpec
-from specdeploy.request import NO_END_ID, GenerationRequest, check_request
+from specdeploy.request import GenerationRequest, check_request
 from specdeploy.runtime.scheduler import SchedulerCounters, TokenCallback
 from specdeploy.sampling_params import SamplingParams
 from specdeploy.sequence import Sequence
 from specdeploy.speculative.ngram import NgramProposer, common_prefix_length
 from specdeploy.speculative.schedule import ProposalLength
-from specdeploy.stats import RequestStats
 
 # Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
 # cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
@@ -131,13 +130,8 @@ class Orchestrator:
         if self.drain_deadline is not None:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
-        end_ids = self.end_ids if request.end_id is None else (
-            frozenset() if request.end_id == NO_END_ID else frozenset({request.end_id}))
-        gamma = request.gamma(self.pipeline)
-        prompt = list(request.prompt_ids)
-        sequence = Sequence(prompt, len(prompt), request.sampling, request.max_tokens,
-                            ProposalLength(self.pipeline.speculation.schedule, gamma),
-                            RequestStats(prompt_tokens=len(prompt)), end_ids, request.stop_sequences)
+        proposal = ProposalLength(self.pipeline.speculation.schedule, request.gamma(self.pipeline))
+        sequence = Sequence.for_request(request, proposal, self.end_ids)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
         job = Job(sequence, on_tokens, is_cancelled, request.kv_slots(self.pipeline), seed)
         with self.lock:
