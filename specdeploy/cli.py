@@ -319,8 +319,9 @@ def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: 
 @click.option("--trtllm-source", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="trtllm llm_api line: a NVIDIA/TensorRT-LLM checkout at the served release's tag, whose "
                    "Triton LLM-API model code the repository takes.")
+@click.option("--force", is_flag=True, help="Write the repository even when it was packaged from the same inputs.")
 def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_at: Path | None,
-            trtllm_source: Path | None) -> None:
+            trtllm_source: Path | None, force: bool) -> None:
     """Write a Triton model repository: the ensemble preprocessing → speculative, and for a trtllm pipeline the
     tensorrtllm backend's tensorrt_llm (and tensorrt_llm_draft) models that speculative orchestrates (on the
     llm_api line: Triton's LLM-API model with its model.yaml)."""
@@ -329,7 +330,8 @@ def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_a
     if served_at is not None and not served_at.is_absolute():
         raise click.BadParameter("must be an absolute path (the backend reads engine paths as they are)",
                                  param_hint="--served-at")
-    click.echo(f"wrote {package_pipeline(pipeline_path, engines_dir, output, served_at, trtllm_source)}")
+    directory, written = package_pipeline(pipeline_path, engines_dir, output, served_at, trtllm_source, force)
+    click.echo(f"wrote {directory}" if written else f"{directory}: up to date, nothing to package")
 
 
 @cli.command()
@@ -354,7 +356,7 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
     if model_repository is None:
         if pipeline_path is None:
             raise click.UsageError("give PIPELINE.yaml or --model-repository")
-        model_repository = package_pipeline(pipeline_path, engines_dir)
+        model_repository = package_pipeline(pipeline_path, engines_dir).directory
     server = TritonServer(model_repository, grpc_port, http_port, metrics_port, address,
                           drain_timeout=DRAIN_TIMEOUT if drain_timeout is None else drain_timeout)
     # The handlers only start the drain (a second signal kills): the main thread is the one waiting on the server.
@@ -384,7 +386,7 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
     from specdeploy.workflows import RequestOptions, generate_over_grpc
     from specdeploy.workflows import package as package_pipeline
 
-    repository = package_pipeline(pipeline_path, engines_dir)
+    repository = package_pipeline(pipeline_path, engines_dir).directory
     click.echo(f"model repository: {repository}; starting tritonserver ...")
     with TritonServer(repository, log_file=repository.with_name(repository.name + ".tritonserver.log")) as server:
         click.echo(f"tritonserver ready on {server.grpc_url} (log: {server.log_file})\n")
@@ -392,6 +394,39 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
                                     echo_text)
         print_generation(report, server.grpc_url)
     click.echo("tritonserver stopped")
+
+
+@cli.command()
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=Path("k8s"), show_default=True,
+              help="Writes OUTPUT/base, OUTPUT/monitoring and OUTPUT/overlays/NAME.")
+@click.option("--name", default=None, help="The overlay's folder name (default: the pipeline's name).")
+@click.option("--image", default=None, help="Image repository:tag (default: specdeploy-cpu or specdeploy-gpu at this "
+              "version).")
+@click.option("--namespace", default="specdeploy", show_default=True)
+@click.option("--weights-gib", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="The model's weights in GiB (default: estimated from the target's configuration; required when "
+                   "its checkpoint is not readable here).")
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+              help="trtllm: more ranks than this span nodes (a LeaderWorkerSet).")
+@click.option("--longest-generation", type=click.IntRange(min=1), default=120, show_default=True,
+              help="Seconds the longest generation takes: the drain on shutdown (the grace period adds to it).")
+@click.option("--draft-cost-ratio", type=click.FloatRange(min=0), default=None,
+              help="c, for the acceptance alert's break-even (default: 0.1 with a draft model, else 0).")
+@click.option("--verify-cost-ratio", type=click.FloatRange(min=0), default=1.1, show_default=True,
+              help="v, for the acceptance alert's break-even (gamma × c + v).")
+def k8s(pipeline_path: str, output: Path, name: str | None, image: str | None, namespace: str,
+        weights_gib: float | None, gpus_per_node: int, longest_generation: int, draft_cost_ratio: float | None,
+        verify_cost_ratio: float) -> None:
+    """Write a kustomize overlay for the pipeline (and the shared base): the pipeline ConfigMap, the engine-build
+    Job, the Triton Deployment (a LeaderWorkerSet across nodes), Service, PDB, NetworkPolicy, HPA, PodMonitor and
+    PrometheusRule, sized from the model."""
+    from specdeploy.deploy.k8s import OverlayOptions, write_overlay
+
+    options = OverlayOptions(name, image, namespace, weights_gib, gpus_per_node, longest_generation,
+                             draft_cost_ratio, verify_cost_ratio)
+    overlay = write_overlay(Path(pipeline_path), output, options)
+    click.echo(f"wrote {overlay}: kubectl apply -k {overlay}")
 
 
 def main() -> None:

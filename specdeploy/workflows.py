@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NamedTuple
 
 from specdeploy.builders.torch import BuildResult, build
 from specdeploy.errors import SpecdeployError
@@ -58,19 +59,31 @@ def load_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = Fals
     return Engine(prepare_engine(pipeline_path, engines_dir, quiet).directory)
 
 
+class PackageResult(NamedTuple):
+    directory: Path
+    written: bool  # False: the repository was already packaged from the same inputs
+
+
 def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = None,
-            served_at: Path | None = None, trtllm_source: Path | None = None) -> Path:
+            served_at: Path | None = None, trtllm_source: Path | None = None, force: bool = False) -> PackageResult:
     """Build the pipeline's engine if needed (TensorRT-LLM engines for a trtllm pipeline) and write its model
-    repository (default model_repository/<name>). served_at: where a trtllm repository will be mounted on the
-    server, which its engine paths name (default: where it is written); trtllm_source: a TensorRT-LLM checkout
-    (the llm_api line's model code)."""
+    repository (default model_repository/<name>), unless it was packaged from the same inputs already (force:
+    write it anyway). served_at: where a trtllm repository will be mounted on the server, which its engine paths
+    name (default: where it is written); trtllm_source: a TensorRT-LLM checkout (the llm_api line's model code)."""
     from specdeploy.builders import trtllm
+    from specdeploy.triton.package_stamp import is_current, package_stamp, write_stamp
     from specdeploy.triton.repository import write_repository
 
     pipeline = load_pipeline(pipeline_path)
     builder = trtllm.build if pipeline.backend.kind == "trtllm" else build
     engine_dir = builder(pipeline, engines_dir).directory
-    return write_repository(engine_dir, output or MODEL_REPOSITORIES_DIR / pipeline.name, served_at, trtllm_source)
+    output = Path(output or MODEL_REPOSITORIES_DIR / pipeline.name)
+    stamp = package_stamp(engine_dir, served_at or output.resolve(), trtllm_source)
+    if not force and is_current(output, stamp):
+        return PackageResult(output, False)
+    write_repository(engine_dir, output, served_at, trtllm_source)
+    write_stamp(output, stamp)
+    return PackageResult(output, True)
 
 
 def export_component(pipeline_path: str | Path, engines_dir: Path, component: str, output: Path,

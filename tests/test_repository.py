@@ -60,3 +60,23 @@ def test_an_installed_specdeploy_carries_the_model_code(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for model in ("preprocessing", "speculative", "orchestration"):
         assert f"specdeploy/model_repo/{model}/model.py" in names
+
+
+def test_package_skips_unchanged_inputs_and_repackages_a_change(tiny_checkpoints, tmp_path):
+    """What the Kubernetes build Job relies on: a second `package` with the same inputs writes nothing; a change in
+    the pipeline (here a serving setting, which does not rebuild the engine) or --force writes it again."""
+    from conftest import tiny_pipeline
+
+    from specdeploy.workflows import package
+
+    path = tiny_pipeline(tmp_path, "tiny-package", tiny_checkpoints["target"], method="ngram")
+    output = tmp_path / "repository"
+    assert package(path, tmp_path / "engines", output) == (output, True)
+    marker = output / "speculative" / "config.pbtxt"
+    written = marker.stat().st_mtime_ns
+    assert package(path, tmp_path / "engines", output) == (output, False)
+    assert marker.stat().st_mtime_ns == written
+    assert package(path, tmp_path / "engines", output, force=True).written
+    path.write_text(path.read_text() + "serving: {kv_capacity_tokens: 1000}\n")
+    assert package(path, tmp_path / "engines", output).written
+    assert package(path, tmp_path / "engines", output, served_at=tmp_path / "elsewhere").written

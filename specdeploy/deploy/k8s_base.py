@@ -1,0 +1,184 @@
+"""The kustomize base every overlay builds on: the objects and settings that do not depend on the pipeline.
+
+The base alone is the CPU shape (torch backend, no GPUs); an overlay (deploy/k8s.py) names the pipeline, the image,
+the commands, the resources and, for GPUs, the devices. Object names are fixed here and patched by name there.
+Paths inside the containers: the data volume (PVC) at DATA_DIR holds engines/ and models/ (hard links between them
+need one file system), the pipeline ConfigMap is mounted at PIPELINE_DIR.
+"""
+
+from __future__ import annotations
+
+APP = "specdeploy"
+SERVER = "specdeploy-triton"  # Deployment (or LeaderWorkerSet), Service, PDB, HPA, PodMonitor, NetworkPolicy
+BUILD_JOB = "specdeploy-build"
+DATA_CLAIM = "specdeploy-data"
+PIPELINE_CONFIGMAP = "specdeploy-pipeline"
+SERVICE_ACCOUNT = "specdeploy"
+IMAGE = "specdeploy"  # the name overlays replace through kustomize's `images`
+DATA_DIR = "/var/lib/specdeploy"
+ENGINES_DIR = f"{DATA_DIR}/engines"
+MODELS_DIR = f"{DATA_DIR}/models"
+PIPELINE_DIR = "/etc/specdeploy"
+PIPELINE_KEY = "pipeline.yaml"
+UID = 10001  # the images' user (build/Dockerfile.*)
+PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+SERVER_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "server"}
+BUILD_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "engine-build"}
+PRESTOP_SECONDS = 10  # endpoints stop routing to a terminating pod before the server starts draining
+QUEUE_COMPUTE_METRIC = "triton:queue_compute:ratio"
+
+
+def pod_security() -> dict:
+    return {"runAsNonRoot": True, "runAsUser": UID, "runAsGroup": UID, "fsGroup": UID,
+            "seccompProfile": {"type": "RuntimeDefault"}}
+
+
+def container_security() -> dict:
+    return {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True, "privileged": False,
+            "runAsNonRoot": True, "runAsUser": UID, "capabilities": {"drop": ["ALL"]}}
+
+
+def environment() -> list[dict]:
+    """What every specdeploy container sees: no model hub, engines on the volume, a writable home."""
+    return [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "SPECDEPLOY_ENGINES", "value": ENGINES_DIR},
+            {"name": "HOME", "value": "/tmp"}]
+
+
+def mounts(pipeline: bool = True) -> list[dict]:
+    volumes = [{"name": "data", "mountPath": DATA_DIR}, {"name": "tmp", "mountPath": "/tmp"}]
+    if pipeline:
+        volumes.append({"name": "pipeline", "mountPath": PIPELINE_DIR, "readOnly": True})
+    return volumes
+
+
+def volumes() -> list[dict]:
+    return [{"name": "data", "persistentVolumeClaim": {"claimName": DATA_CLAIM}},
+            {"name": "pipeline", "configMap": {"name": PIPELINE_CONFIGMAP}},
+            {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
+
+
+def service_account() -> dict:
+    return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVICE_ACCOUNT},
+            "automountServiceAccountToken": False}
+
+
+def data_claim() -> dict:
+    """Engines and model repositories. ReadWriteMany so that replicas on several nodes mount it; a single-node
+    cluster's ReadWriteOnce class also works (every pod is on that node)."""
+    return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": DATA_CLAIM},
+            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}}}
+
+
+def build_job() -> dict:
+    """`specdeploy build` (an init container) then `specdeploy package`: both skip when their inputs are unchanged,
+    so rerunning the Job, or applying it again, does nothing. Overlays set the arguments and resources."""
+    def step(name: str) -> dict:
+        return {"name": name, "image": IMAGE, "imagePullPolicy": "IfNotPresent", "command": ["specdeploy"],
+                "args": [name], "env": environment(), "volumeMounts": mounts(),
+                "securityContext": container_security(),
+                "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}}
+
+    return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": BUILD_JOB, "labels": BUILD_LABELS},
+            "spec": {"backoffLimit": 2, "template": {
+                "metadata": {"labels": BUILD_LABELS},
+                "spec": {"restartPolicy": "Never", "serviceAccountName": SERVICE_ACCOUNT,
+                         "automountServiceAccountToken": False, "securityContext": pod_security(),
+                         "initContainers": [step("build")], "containers": [step("package")],
+                         "volumes": volumes()}}}}
+
+
+def probe(path: str, period: int, failures: int) -> dict:
+    return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period, "failureThreshold": failures,
+            "timeoutSeconds": 5}
+
+
+def server_container() -> dict:
+    """The serving container: Triton's ports, its health endpoints as probes (the startup probe covers loading),
+    /dev/shm for the Python backend's stubs, the preStop pause before the drain."""
+    return {"name": "triton", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
+            "command": ["specdeploy"], "args": ["serve"], "env": environment(),
+            "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in PORTS.items()],
+            "startupProbe": probe("/v2/health/ready", 10, 60),
+            "livenessProbe": probe("/v2/health/live", 10, 3),
+            "readinessProbe": probe("/v2/health/ready", 5, 3),
+            "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SECONDS}}},
+            "volumeMounts": [*mounts(pipeline=False), {"name": "dshm", "mountPath": "/dev/shm"}],
+            "securityContext": container_security(),
+            "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}}
+
+
+def wait_container(repository: str = MODELS_DIR) -> dict:
+    """Holds the server back until the build Job has packaged the repository (its stamp is written last)."""
+    return {"name": "wait-for-repository", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
+            "command": ["sh", "-c", 'until [ -f "$REPOSITORY/.specdeploy-package.json" ]; do sleep 5; done'],
+            "env": [{"name": "REPOSITORY", "value": repository}], "volumeMounts": mounts(pipeline=False),
+            "securityContext": container_security(),
+            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}}}
+
+
+def server_pod(grace_seconds: int = 60) -> dict:
+    return {"serviceAccountName": SERVICE_ACCOUNT, "automountServiceAccountToken": False,
+            "securityContext": pod_security(), "terminationGracePeriodSeconds": grace_seconds,
+            "initContainers": [wait_container()], "containers": [server_container()],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": DATA_CLAIM, "readOnly": True}},
+                        {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
+                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]}
+
+
+def deployment() -> dict:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": SERVER, "labels": SERVER_LABELS},
+            "spec": {"replicas": 1, "selector": {"matchLabels": SERVER_LABELS},
+                     "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+                     "template": {"metadata": {"labels": SERVER_LABELS}, "spec": server_pod()}}}
+
+
+def service() -> dict:
+    return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": SERVER, "labels": SERVER_LABELS},
+            "spec": {"type": "ClusterIP", "selector": SERVER_LABELS,
+                     "ports": [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                               for name, port in PORTS.items()]}}
+
+
+def disruption_budget() -> dict:
+    return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": SERVER},
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": SERVER_LABELS}}}
+
+
+def network_policy() -> dict:
+    """Only Triton's ports, and only from inside the cluster (clients, Prometheus)."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": SERVER},
+            "spec": {"podSelector": {"matchLabels": SERVER_LABELS}, "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"namespaceSelector": {}}],
+                                  "ports": [{"protocol": "TCP", "port": name} for name in PORTS]}]}}
+
+
+def build_network_policy() -> dict:
+    """The build Job's pods serve nothing: no ingress at all."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": BUILD_JOB},
+            "spec": {"podSelector": {"matchLabels": BUILD_LABELS}, "policyTypes": ["Ingress"]}}
+
+
+def autoscaler() -> dict:
+    """Scales on queue time over compute time (the Prometheus adapter serves the recording rule as a pods metric):
+    above 1, requests wait longer than they compute."""
+    return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": SERVER},
+            "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": SERVER},
+                     "minReplicas": 1, "maxReplicas": 4,
+                     "metrics": [{"type": "Pods", "pods": {"metric": {"name": QUEUE_COMPUTE_METRIC},
+                                                           "target": {"type": "AverageValue",
+                                                                      "averageValue": "1000m"}}}],
+                     "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
+
+
+def pod_monitor() -> dict:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor", "metadata": {"name": SERVER},
+            "spec": {"selector": {"matchLabels": SERVER_LABELS},
+                     "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]}}
+
+
+def base_objects() -> dict[str, dict]:
+    """File name → object."""
+    return {"serviceaccount.yaml": service_account(), "pvc.yaml": data_claim(), "build-job.yaml": build_job(),
+            "deployment.yaml": deployment(), "service.yaml": service(), "pdb.yaml": disruption_budget(),
+            "networkpolicy.yaml": network_policy(), "build-networkpolicy.yaml": build_network_policy(),
+            "hpa.yaml": autoscaler(), "podmonitor.yaml": pod_monitor()}

@@ -1,0 +1,66 @@
+"""Prometheus rules for a deployment, and the Prometheus adapter rule behind the autoscaler.
+
+Recording rules (per namespace and pod, as the adapter serves them to the HPA):
+- `triton:queue_compute:ratio`: Triton's queue time over its compute time, the autoscaling signal of Triton's
+  Kubernetes tutorials.
+- `specdeploy:acceptance_rate:rate5m` = accepted / drafted tokens, and `specdeploy:mean_accepted_length:rate5m` =
+  tokens per verification step = (accepted + steps) / steps, from the `specdeploy_` counters.
+Alert `SpeculationAcceptanceCollapsed`: the mean accepted length fell below the break-even length, gamma × c + v
+(c: draft cost ratio, v: verify cost over a plain decode step; the speedup algebra in DESIGN.md), for 10 minutes:
+speculation then costs more than it saves.
+"""
+
+from __future__ import annotations
+
+from specdeploy.deploy.k8s_base import QUEUE_COMPUTE_METRIC, SERVER
+
+# The exported series the rules read (tests check each against a real server's scrape).
+TRITON_QUEUE = "nv_inference_queue_duration_us"
+TRITON_COMPUTE = "nv_inference_compute_infer_duration_us"
+ACCEPTED, DRAFTED, STEPS = ("specdeploy_accepted_tokens_total", "specdeploy_drafted_tokens_total",
+                            "specdeploy_verification_steps_total")
+ACCEPTANCE_RATE = "specdeploy:acceptance_rate:rate5m"
+MEAN_ACCEPTED_LENGTH = "specdeploy:mean_accepted_length:rate5m"
+BY = "namespace, pod"
+WINDOW = "5m"
+
+
+def rate(metric: str, window: str = WINDOW) -> str:
+    return f"sum by ({BY}) (rate({metric}[{window}]))"
+
+
+def recording_rules() -> list[dict]:
+    # `> 0` drops idle pods instead of dividing by zero
+    return [{"record": QUEUE_COMPUTE_METRIC,
+             "expr": f"{rate(TRITON_QUEUE, '1m')} / ({rate(TRITON_COMPUTE, '1m')} > 0)"},
+            {"record": ACCEPTANCE_RATE, "expr": f"{rate(ACCEPTED)} / ({rate(DRAFTED)} > 0)"},
+            {"record": MEAN_ACCEPTED_LENGTH, "expr": f"({rate(ACCEPTED)} + {rate(STEPS)}) / ({rate(STEPS)} > 0)"}]
+
+
+def collapse_alert(break_even_length: float) -> dict:
+    return {"alert": "SpeculationAcceptanceCollapsed",
+            "expr": f"{MEAN_ACCEPTED_LENGTH} < {break_even_length:g}", "for": "10m",
+            "labels": {"severity": "warning"},
+            "annotations": {
+                "summary": "Speculation costs more than it saves on {{ $labels.pod }}",
+                "description": f"Mean accepted length {{{{ $value | printf \"%.2f\" }}}} tokens per step is below "
+                               f"the break-even {break_even_length:g} (gamma × draft cost + verify cost) for 10 "
+                               f"minutes. Check the traffic's acceptance ({ACCEPTANCE_RATE}); lower gamma or turn "
+                               f"speculation off (num_draft_tokens 0) until it recovers."}}
+
+
+def prometheus_rule(break_even_length: float) -> dict:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": SERVER},
+            "spec": {"groups": [{"name": "specdeploy.rules", "interval": "15s", "rules": recording_rules()},
+                                {"name": "specdeploy.alerts", "rules": [collapse_alert(break_even_length)]}]}}
+
+
+def adapter_values() -> dict:
+    """Helm values for prometheus-community/prometheus-adapter: serve the queue/compute recording rule as a pods
+    metric of the custom metrics API, which the HPA reads."""
+    return {"metricsRelistInterval": "15s",
+            "rules": {"default": False, "custom": [{
+                "seriesQuery": f'{QUEUE_COMPUTE_METRIC}{{namespace!="",pod!=""}}',
+                "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+                "name": {"matches": "^(.*)$", "as": QUEUE_COMPUTE_METRIC},
+                "metricsQuery": "avg(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}]}}

