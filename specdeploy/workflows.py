@@ -78,7 +78,7 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
     builder = trtllm.build if pipeline.backend.kind == "trtllm" else build
     engine_dir = builder(pipeline, engines_dir).directory
     output = Path(output or MODEL_REPOSITORIES_DIR / pipeline.name)
-    stamp = package_stamp(engine_dir, served_at or output.resolve(), trtllm_source)
+    stamp = package_stamp(pipeline_path, engine_dir, served_at or output.resolve(), trtllm_source)
     if not force and is_current(output, stamp):
         return PackageResult(output, False)
     write_repository(engine_dir, output, served_at, trtllm_source)

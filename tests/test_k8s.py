@@ -420,6 +420,12 @@ def test_rendered_cpu_overlay_runs(rendered, tmp_path):
     template = one(documents, "Deployment")["spec"]["template"]
     wait = template["spec"]["initContainers"][0]
     assert volume.run(wait, timeout=30).returncode == 0
+    pipeline_file = tmp_path / "pipeline" / base.PIPELINE_KEY
+    packaged = pipeline_file.read_text()
+    pipeline_file.write_text(packaged + "# a changed pipeline, not yet packaged\n")
+    with pytest.raises(subprocess.TimeoutExpired):  # pods of a new pipeline wait for its repository
+        volume.run(wait, timeout=8)
+    pipeline_file.write_text(packaged)
     triton = serving_container(template)
     named = {p["name"]: volume.ports[p["containerPort"]] for p in triton["ports"]}
     service = one(documents, "Service")

@@ -8,6 +8,8 @@ need one file system), the pipeline ConfigMap is mounted at PIPELINE_DIR.
 
 from __future__ import annotations
 
+from specdeploy.triton.package_stamp import STAMP_FILE
+
 APP = "specdeploy"
 SERVER = "specdeploy-triton"  # Deployment (or LeaderWorkerSet), Service, PDB, HPA, PodMonitor, NetworkPolicy
 BUILD_JOB = "specdeploy-build"
@@ -108,11 +110,15 @@ def server_container() -> dict:
 
 
 def wait_container(repository: str = MODELS_DIR) -> dict:
-    """Holds the server back until the build Job has packaged the repository (its stamp is written last)."""
+    """Holds the server back until the build Job has packaged the repository from this pipeline: the package stamp
+    (written last) records the pipeline file's SHA-256, which a pod of an older pipeline's repository lacks."""
+    wait = ('digest=$(sha256sum "$PIPELINE" | cut -d " " -f 1); '
+            f'until grep -qs "$digest" "$REPOSITORY/{STAMP_FILE}"; do sleep 5; done')
     return {"name": "wait-for-repository", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
-            "command": ["sh", "-c", 'until [ -f "$REPOSITORY/.specdeploy-package.json" ]; do sleep 5; done'],
-            "env": [{"name": "REPOSITORY", "value": repository}], "volumeMounts": mounts(pipeline=False),
-            "securityContext": container_security(),
+            "command": ["sh", "-c", wait],
+            "env": [{"name": "REPOSITORY", "value": repository},
+                    {"name": "PIPELINE", "value": f"{PIPELINE_DIR}/{PIPELINE_KEY}"}],
+            "volumeMounts": mounts(), "securityContext": container_security(),
             "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}}}
 
 
@@ -121,6 +127,7 @@ def server_pod(grace_seconds: int = 60) -> dict:
             "securityContext": pod_security(), "terminationGracePeriodSeconds": grace_seconds,
             "initContainers": [wait_container()], "containers": [server_container()],
             "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": DATA_CLAIM, "readOnly": True}},
+                        {"name": "pipeline", "configMap": {"name": PIPELINE_CONFIGMAP}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
                         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]}
 

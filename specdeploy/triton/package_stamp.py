@@ -24,10 +24,12 @@ def digest(path: Path) -> str | None:
     return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
 
 
-def package_stamp(engine_dir: Path, served_at: Path, trtllm_source: Path | None) -> dict:
-    """The inputs of packaging `engine_dir`, as the stamp records them."""
+def package_stamp(pipeline_file: Path, engine_dir: Path, served_at: Path, trtllm_source: Path | None) -> dict:
+    """The inputs of packaging `engine_dir` (built from `pipeline_file`), as the stamp records them. The pipeline
+    file's own digest lets a deployment wait for the repository of the pipeline it was given (k8s_base.py)."""
     engine_dir = Path(engine_dir).resolve()
-    files = {name: digest(engine_dir / name) for name in (MANIFEST_FILE, PIPELINE_FILE, MEASURED_POLICY_FILE)}
+    files = {"pipeline_file": digest(Path(pipeline_file))}
+    files.update({name: digest(engine_dir / name) for name in (MANIFEST_FILE, PIPELINE_FILE, MEASURED_POLICY_FILE)})
     files.update({f"model_repo/{path.relative_to(MODEL_CODE)}": digest(path)
                   for path in sorted(MODEL_CODE.rglob("*.py"))})
     return {"specdeploy": specdeploy.__version__, "engine": str(engine_dir), "served_at": str(served_at),
