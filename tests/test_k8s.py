@@ -292,7 +292,8 @@ def test_rollout_drain_and_selectors(rendered):
         hpa = one(documents, "HorizontalPodAutoscaler")
         target = hpa["spec"]["scaleTargetRef"]
         assert any(d["kind"] == target["kind"] and d["metadata"]["name"] == target["name"] for d in documents)
-        assert hpa["spec"]["metrics"][0]["pods"]["metric"]["name"] == base.QUEUE_COMPUTE_METRIC
+        assert [m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]] == [base.QUEUE_COMPUTE_METRIC,
+                                                                                 base.WAITING_METRIC]
         if name != "multinode":
             strategy = one(documents, "Deployment")["spec"]["strategy"]
             assert strategy["rollingUpdate"]["maxUnavailable"] == 0, name
@@ -303,10 +304,11 @@ def test_rollout_drain_and_selectors(rendered):
 def test_the_adapter_rule_serves_the_autoscalers_metric():
     values = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
     assert values == adapter_values()
-    rule = values["rules"]["custom"][0]
-    assert rule["seriesQuery"].startswith(base.QUEUE_COMPUTE_METRIC + "{")
-    assert rule["name"]["as"] == base.QUEUE_COMPUTE_METRIC
-    assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
+    served = {rule["name"]["as"]: rule for rule in values["rules"]["custom"]}
+    assert set(served) == {base.QUEUE_COMPUTE_METRIC, base.WAITING_METRIC}
+    for name, rule in served.items():
+        assert rule["seriesQuery"].startswith(name + "{")
+        assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
 
 
 def test_checkov_passes_with_each_skip_justified(rendered, tmp_path):
@@ -455,8 +457,8 @@ def test_rendered_cpu_overlay_runs(rendered, tmp_path):
         with urllib.request.urlopen(metrics, timeout=10) as reply:
             exported = {line.split("{")[0].split(" ")[0] for line in reply.read().decode().splitlines()
                         if line and not line.startswith("#")}
-        missing = rule_metric_names() - exported
-        assert not missing, f"the rules read series the server does not export: {missing}"
+        missing = (rule_metric_names() | {base.WAITING_METRIC}) - exported
+        assert not missing, f"the rules and the autoscaler read series the server does not export: {missing}"
         assert any(v > 0 for k, v in scrape(metrics).items() if k.startswith("specdeploy_accepted_tokens_total"))
     finally:
         os.killpg(server.pid, signal.SIGTERM)

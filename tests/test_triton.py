@@ -214,6 +214,38 @@ def test_a_cancelled_stream_frees_its_row_at_once(served):
     assert total(scrape(server.metrics_url), "specdeploy_requests_total", outcome="cancelled") == cancelled_before + 1
 
 
+def test_requests_beyond_the_batch_show_as_waiting(served):
+    """specdeploy_waiting_requests (the autoscaler's queue signal for a decoupled model, whose requests Triton hands
+    over at once) counts the requests queued behind a full batch, and returns to 0 when they have run."""
+    server, _ = served
+    labels = {"model": "speculative", "method": "draft_target"}
+    capacity = total(scrape(server.metrics_url), "specdeploy_free_kv_slots", **labels)
+    assert total(scrape(server.metrics_url), "specdeploy_waiting_requests", **labels) == 0
+    rows, extra = 8, 3  # limits.max_batch_size, and requests beyond it
+    seen, errors = [], []
+
+    def client() -> None:
+        try:
+            for _ in generate(server.grpc_url, LONG, 64, end_id=-1):
+                pass
+        except Exception as error:  # noqa: BLE001 - reported below
+            errors.append(error)
+
+    threads = [threading.Thread(target=client) for _ in range(rows + extra)]
+    for thread in threads:
+        thread.start()
+    while any(thread.is_alive() for thread in threads):
+        seen.append(total(scrape(server.metrics_url), "specdeploy_waiting_requests", **labels))
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join()
+    assert not errors
+    # Requests arriving while a step runs wait for the next admission too, so more than `extra` may show at once
+    assert 1 <= max(seen) < rows + extra
+    wait_for_idle(server, capacity, 5)
+    assert total(scrape(server.metrics_url), "specdeploy_waiting_requests", **labels) == 0
+
+
 def test_a_disconnected_client_frees_its_row(served, tmp_path):
     """A client process killed mid-stream (no cancel sent, the connection just drops)."""
     import signal

@@ -93,6 +93,9 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, tmp_pa
         convert = flags(next(s.command for s in steps if s.command and "--medusa_model_dir" in s.command))
         assert convert["--num_medusa_heads"] == str(pipeline.speculation.medusa.num_heads)
         assert convert["--max_medusa_token_len"] == str(pipeline.limits.max_draft_tokens)
+    elif pipeline.speculation.method == "ngram":  # drafts from the text, verified by the one engine
+        assert target["--speculative_decoding_mode"] == "draft_tokens_external" and set(builds) == {"target"}
+        assert "--gather_generation_logits" not in target
     else:
         assert target["--speculative_decoding_mode"] == "draft_tokens_external"
         # exact acceptance at temperature > 0 needs both engines' generation logits

@@ -111,8 +111,8 @@ def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp
     result = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
                      "--served-at", "/models/medusa")
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in repository.iterdir()) == ["ensemble", "preprocessing", "speculative",
-                                                            "tensorrt_llm"]
+    models = sorted(p.name for p in repository.iterdir() if p.is_dir())  # beside them: the package stamp
+    assert models == ["ensemble", "preprocessing", "speculative", "tensorrt_llm"]
     config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
     parameters = {key: value.string_value for key, value in config.parameters.items()}
     assert parameters["decoding_mode"] == "medusa" and parameters["medusa_choices"] == "{0}, {0, 0}"

@@ -28,6 +28,7 @@ SERVER_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "
 BUILD_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "engine-build"}
 PRESTOP_SECONDS = 10  # endpoints stop routing to a terminating pod before the server starts draining
 QUEUE_COMPUTE_METRIC = "triton:queue_compute:ratio"
+WAITING_METRIC = "specdeploy_waiting_requests"
 
 
 def pod_security() -> dict:
@@ -165,15 +166,20 @@ def build_network_policy() -> dict:
             "spec": {"podSelector": {"matchLabels": BUILD_LABELS}, "policyTypes": ["Ingress"]}}
 
 
+def pods_metric(name: str, average: str) -> dict:
+    return {"type": "Pods", "pods": {"metric": {"name": name}, "target": {"type": "AverageValue",
+                                                                          "averageValue": average}}}
+
+
 def autoscaler() -> dict:
-    """Scales on queue time over compute time (the Prometheus adapter serves the recording rule as a pods metric):
-    above 1, requests wait longer than they compute."""
+    """Scales on Triton's queue time over compute time (the Prometheus adapter serves the recording rule as a pods
+    metric): above 1, requests wait longer than they compute. The speculative model is decoupled, so Triton hands it
+    every request at once and the queueing happens in specdeploy's scheduler: its queued requests are the second
+    signal (above 1 per pod on average). The HPA follows whichever asks for more replicas."""
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": SERVER},
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": SERVER},
                      "minReplicas": 1, "maxReplicas": 4,
-                     "metrics": [{"type": "Pods", "pods": {"metric": {"name": QUEUE_COMPUTE_METRIC},
-                                                           "target": {"type": "AverageValue",
-                                                                      "averageValue": "1000m"}}}],
+                     "metrics": [pods_metric(QUEUE_COMPUTE_METRIC, "1000m"), pods_metric(WAITING_METRIC, "1")],
                      "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
 
 

@@ -12,7 +12,7 @@ speculation then costs more than it saves.
 
 from __future__ import annotations
 
-from specdeploy.deploy.k8s_base import QUEUE_COMPUTE_METRIC, SERVER
+from specdeploy.deploy.k8s_base import QUEUE_COMPUTE_METRIC, SERVER, WAITING_METRIC
 
 # The exported series the rules read (tests check each against a real server's scrape).
 TRITON_QUEUE = "nv_inference_queue_duration_us"
@@ -55,12 +55,15 @@ def prometheus_rule(break_even_length: float) -> dict:
                                 {"name": "specdeploy.alerts", "rules": [collapse_alert(break_even_length)]}]}}
 
 
+def adapter_rule(series: str) -> dict:
+    return {"seriesQuery": f'{series}{{namespace!="",pod!=""}}',
+            "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
+            "name": {"matches": "^(.*)$", "as": series},
+            "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}
+
+
 def adapter_values() -> dict:
-    """Helm values for prometheus-community/prometheus-adapter: serve the queue/compute recording rule as a pods
-    metric of the custom metrics API, which the HPA reads."""
+    """Helm values for prometheus-community/prometheus-adapter: serve the autoscaler's two signals (the
+    queue/compute recording rule, the scheduler's queued requests) as pods metrics of the custom metrics API."""
     return {"metricsRelistInterval": "15s",
-            "rules": {"default": False, "custom": [{
-                "seriesQuery": f'{QUEUE_COMPUTE_METRIC}{{namespace!="",pod!=""}}',
-                "resources": {"overrides": {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}},
-                "name": {"matches": "^(.*)$", "as": QUEUE_COMPUTE_METRIC},
-                "metricsQuery": "avg(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}]}}
+            "rules": {"default": False, "custom": [adapter_rule(QUEUE_COMPUTE_METRIC), adapter_rule(WAITING_METRIC)]}}

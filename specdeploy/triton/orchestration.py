@@ -136,6 +136,7 @@ class Orchestrator:
         job = Job(sequence, on_tokens, is_cancelled, request.kv_slots(self.pipeline), seed)
         with self.lock:
             self.waiting.append(job)
+        self._changed()  # the queued-requests gauge
         self.workers.submit(self._run, job)
 
     def drain(self, deadline: float) -> None:
@@ -312,7 +313,8 @@ class Orchestrator:
         except Exception:
             traceback.print_exc()
 
-    def snapshot(self) -> tuple[SchedulerCounters, int, int]:
-        """(a copy of the counters, running requests, free KV slots), read together under the lock."""
+    def snapshot(self) -> tuple[SchedulerCounters, int, int, int]:
+        """(a copy of the counters, running requests, free KV slots, queued requests), read together under the
+        lock."""
         with self.lock:
-            return copy.deepcopy(self.counters), len(self.active), self.free_kv_slots
+            return copy.deepcopy(self.counters), len(self.active), self.free_kv_slots, len(self.waiting)

@@ -64,8 +64,12 @@ class Metrics:
                                              "batch", kind=family.GAUGE)
         self.families["free_kv"] = family(name="specdeploy_free_kv_slots", description="KV slots not reserved by "
                                           "active sequences", kind=family.GAUGE)
+        # Triton's queue time misses these: the decoupled model hands every request over at once
+        self.families["waiting"] = family(name="specdeploy_waiting_requests", description="Requests accepted and "
+                                          "queued for a batch row, not yet running", kind=family.GAUGE)
         self.batch_size = self.families["batch_size"].Metric(labels=labels)
         self.free_kv = self.families["free_kv"].Metric(labels=labels)
+        self.waiting = self.families["waiting"].Metric(labels=labels)
         self.gauges: dict[str, int] = {}
         self.series: dict[tuple, object] = {}
         self.pushed: dict[tuple, int] = {}
@@ -87,7 +91,7 @@ class Metrics:
             self.invalid += 1
             self._advance("requests", self.invalid, outcome="invalid")
 
-    def update(self, counters: SchedulerCounters, batch_size: int, free_kv: int) -> None:
+    def update(self, counters: SchedulerCounters, batch_size: int, free_kv: int, waiting: int) -> None:
         """Bring the metrics up to the totals in `counters` and set the gauges."""
         with self.lock:
             for key in ("drafted", "accepted", "steps"):
@@ -98,6 +102,7 @@ class Metrics:
                 self._advance("requests", total, outcome=outcome)
             self._set("batch_size", batch_size)
             self._set("free_kv", free_kv)
+            self._set("waiting", waiting)
 
     def _set(self, gauge: str, value: int) -> None:
         """Set a gauge when its value changed: each set is a round trip to the backend process, and the scheduler

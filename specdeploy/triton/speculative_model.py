@@ -35,7 +35,8 @@ class SpeculativeServer:
 
     def _on_step(self, scheduler: Scheduler) -> None:
         if hasattr(self, "metrics"):  # steps only run once requests arrive, after __init__ has finished
-            self.metrics.update(scheduler.counters, len(scheduler.active), scheduler.free_kv_slots)
+            self.metrics.update(scheduler.counters, len(scheduler.active), scheduler.free_kv_slots,
+                                len(scheduler.waiting))
 
     def stop(self) -> None:
         self.watcher.stop()
