@@ -33,6 +33,7 @@ from specdeploy.pipeline import PipelineSpec, load_pipeline
 
 EXIT_MARGIN = 10  # seconds tritonserver's exit timeout exceeds the drain (triton/server.py's margin)
 GPU_RESOURCE = "nvidia.com/gpu"
+CHECKPOINTS_CLAIM = "specdeploy-checkpoints"  # the user's volume holding the checkpoints a pipeline names
 DEFAULT_IMAGES = {"torch": "specdeploy-cpu", "trtllm": "specdeploy-gpu"}
 KUSTOMIZATION = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
 
@@ -49,10 +50,18 @@ class OverlayOptions:
     verify_cost_ratio: float = 1.1  # v
 
 
+class PlainDumper(yaml.SafeDumper):
+    """Writes a value shared between two places twice, never as a YAML anchor and alias."""
+
+    def ignore_aliases(self, data) -> bool:
+        return True
+
+
 def dump(path: Path, documents: dict | list[dict], comment: str = "") -> None:
     documents = documents if isinstance(documents, list) else [documents]
     header = "".join(f"# {line}\n" for line in comment.splitlines())
-    path.write_text(header + "---\n".join(yaml.safe_dump(d, sort_keys=False, width=120) for d in documents))
+    path.write_text(header + "---\n".join(yaml.dump(d, Dumper=PlainDumper, sort_keys=False, width=120)
+                                          for d in documents))
 
 
 def write_base(directory: Path) -> None:
@@ -64,31 +73,32 @@ def write_base(directory: Path) -> None:
          "The shared base (written by `specdeploy k8s`; overlays patch it by name).")
 
 
+def volume_files(pipeline: PipelineSpec) -> dict[str, str]:
+    """The files a build reads from volumes, by pipeline key: checkpoints not embedded in a package, Medusa heads."""
+    files = {}
+    if pipeline.target.checkpoint.source != "package":
+        files["target.checkpoint.path"] = pipeline.target.checkpoint.path
+    draft = pipeline.speculation.draft
+    if draft is not None and draft.checkpoint is not None and draft.checkpoint.source != "package":
+        files["speculation.draft.checkpoint.path"] = draft.checkpoint.path
+    if pipeline.speculation.method == "medusa":
+        files["speculation.medusa.heads"] = pipeline.speculation.medusa.heads
+    return files
+
+
 def checked_pipeline(path: Path) -> PipelineSpec:
     """The pipeline, refused when the cluster could not read a path it names: the ConfigMap holds the file alone."""
     pipeline = load_pipeline(path)
-    paths = {"target.checkpoint.path": pipeline.target.checkpoint}
-    if pipeline.speculation.draft is not None:
-        paths["speculation.draft.checkpoint.path"] = pipeline.speculation.draft.checkpoint
-    for key, checkpoint in paths.items():
-        if checkpoint is not None and checkpoint.source != "package" and not Path(checkpoint.path).is_absolute():
-            raise SpecdeployError(f"{path}: {key} {checkpoint.path!r} is relative; in the cluster the pipeline is "
-                                  f"read from a ConfigMap, so name the checkpoint by its absolute path on a volume")
-    if pipeline.speculation.method == "medusa" and not Path(pipeline.speculation.medusa.heads).is_absolute():
-        raise SpecdeployError(f"{path}: speculation.medusa.heads {pipeline.speculation.medusa.heads!r} is relative; "
-                              f"name the heads by their absolute path on a volume")
+    for key, file in volume_files(pipeline).items():
+        if not Path(file).is_absolute():
+            raise SpecdeployError(f"{path}: {key} {file!r} is relative; in the cluster the pipeline is read from a "
+                                  f"ConfigMap, so name it by its absolute path on a volume")
     return pipeline
 
 
 def checkpoint_roots(pipeline: PipelineSpec) -> list[str]:
     """The top directories of the files the build reads from volumes (/models for /models/Llama-3.1-8B)."""
-    paths = [pipeline.target.checkpoint]
-    if pipeline.speculation.draft is not None and pipeline.speculation.draft.checkpoint is not None:
-        paths.append(pipeline.speculation.draft.checkpoint)
-    files = [c.path for c in paths if c.source != "package"]
-    if pipeline.speculation.method == "medusa":
-        files.append(pipeline.speculation.medusa.heads)
-    return sorted({"/" + Path(f).parts[1] for f in files})
+    return sorted({"/" + Path(file).parts[1] for file in volume_files(pipeline).values()})
 
 
 def target_dimensions(pipeline: PipelineSpec, weights_gib: float | None):
@@ -172,9 +182,12 @@ def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize) -> d
     step = {"resources": resources(size), **({"volumeMounts": mounts} if mounts else {})}
     spec = {"initContainers": [{"name": "build", "args": ["build", pipeline_file], **step}],
             "containers": [{"name": "package", "args": package, **step}], **gpu_scheduling(size)}
-    if roots:
-        spec["volumes"] = [{"name": f"checkpoints-{i}", "persistentVolumeClaim": {
-            "claimName": "specdeploy-checkpoints", "readOnly": True}} for i, _ in enumerate(roots)]
+    spec["volumes"] = [{"name": f"checkpoints-{i}", "persistentVolumeClaim": {
+        "claimName": CHECKPOINTS_CLAIM, "readOnly": True}} for i, _ in enumerate(roots)]
+    if pipeline.backend.kind == "trtllm":  # TensorRT's builder and the conversions write scratch files
+        spec["volumes"].append({"name": "tmp", "emptyDir": {"sizeLimit": "32Gi"}})
+    if not spec["volumes"]:
+        del spec["volumes"]
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": base.BUILD_JOB},
             "spec": {"template": {"spec": spec}}}
 
@@ -331,8 +344,11 @@ def write_overlay(pipeline_path: Path, output: Path, options: OverlayOptions = O
                      "configMapGenerator": [{"name": base.PIPELINE_CONFIGMAP, "files": [base.PIPELINE_KEY]}],
                      "generatorOptions": {"disableNameSuffixHash": True},
                      "images": [{"name": base.IMAGE, "newName": name, "newTag": tag}], "patches": patches}
+    roots = checkpoint_roots(pipeline)
+    needs = (f"\nThe build Job mounts the PersistentVolumeClaim {CHECKPOINTS_CLAIM} (yours, holding the checkpoints) "
+             f"at {', '.join(roots)}." if roots else "")
     dump(overlay / "kustomization.yaml", kustomization,
-         f"specdeploy k8s {pipeline_path.name}: {size.comment()}.\n"
+         f"specdeploy k8s {pipeline_path.name}: {size.comment()}.{needs}\n"
          "Render: kubectl kustomize <this folder>; apply: kubectl apply -k <this folder>")
     return overlay
 
