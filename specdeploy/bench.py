@@ -272,7 +272,8 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> dict:
         chosen = [r for r in runs if r.kind == kind]
         base, rate = decode_rate([r.plain for r in chosen]), decode_rate([r.speculative for r in chosen])
         if base and rate:  # a kind whose answers ended at once decoded nothing: there is no speed to compare
-            report["by_kind"][kind] = {"speedup": rate / base, "prompts": len(chosen)}
+            report["by_kind"][kind] = {"speedup": rate / base, "prompts": len(chosen), "plain_tokens_per_s": base,
+                                       "speculative_tokens_per_s": rate}
     return report
 
 

@@ -172,6 +172,8 @@ def print_generation(report: dict, url: str | None) -> None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+              help="In-process: also write DIR/report.md with PNG plots (needs the report extra: matplotlib).")
 @click.option("--measure-gamma-cap", is_flag=True,
               help="MoE targets: bench at the pipeline's full gamma (whatever its cap), predict every gamma from the "
                    "expert-union verify cost and write the best into the engine, where serving.policy.gamma_cap: "
@@ -180,7 +182,7 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
-          json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool) -> None:
+          json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool, report_dir: Path | None) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
@@ -191,6 +193,12 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
     prompts = benchmarks.load_prompts(prompts_path)
     if url is not None and measure_gamma_cap:
         raise click.UsageError("--measure-gamma-cap measures in-process: give PIPELINE.yaml without --url")
+    if url is not None and report_dir is not None:
+        raise click.UsageError("--report writes the in-process bench's report: give PIPELINE.yaml without --url")
+    if report_dir is not None:
+        from specdeploy.bench_report import pyplot
+
+        pyplot()  # before measuring: a missing matplotlib is an error now, not after minutes of benchmarking
     if url is not None and len(pipeline_paths) > 1:
         raise click.UsageError("--url compares a server with one pipeline in-process: give one PIPELINE.yaml")
     engines = [load_engine(path, engines_dir) for path in pipeline_paths]
@@ -208,6 +216,10 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         if measure_gamma_cap:
             for one, measured in zip(engines, reports):
                 click.echo(bench_moe.save_gamma_cap(one, measured))
+        if report_dir is not None:
+            from specdeploy.bench_report import write_report
+
+            click.echo(f"wrote {write_report(reports, report_dir, list(pipeline_paths))}")
         report = reports[0]
         if len(reports) > 1:
             from specdeploy.bench_comparison import compare, print_comparison

@@ -1,0 +1,72 @@
+"""`bench --report DIR`: report.md with every figure and the PNG plots, from real bench reports of tiny engines."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+from PIL import Image
+
+from specdeploy.bench import predicted_speedup, run_benches
+from specdeploy.bench_report import gamma_curves, write_report
+from specdeploy.errors import SpecdeployError
+
+PROMPTS = [{"prompt": "abcabcabcabc", "kind": "copy"}, {"prompt": "hello world, hello", "kind": "open-ended"}]
+
+
+@pytest.fixture(scope="module")
+def reports(tiny_engines):
+    engines = [tiny_engines["draft_target"], tiny_engines["ngram"]]
+    return run_benches(engines, PROMPTS, 12, 0.0, 0, with_transformers=False, quiet=True)
+
+
+def test_the_report_holds_every_figure_and_readable_plots(reports, tmp_path):
+    path = write_report(reports, tmp_path / "report", ["a.yaml", "b.yaml"])
+    text = path.read_text()
+    for report in reports:
+        assert f"{report['pipeline']} ({report['method']})" in text
+        assert f"{report['speedup']:.2f}×" in text and f"{report['baseline_tokens_per_s']:.1f}" in text
+        for kind, figures in report["by_kind"].items():
+            assert f"| {kind} | {figures['prompts']} | {figures['plain_tokens_per_s']:.1f} |" in text
+    assert "torch threads" in text and "- torch " in text
+    for name in ("speedup.png", "acceptance.png", "tokens_by_kind.png"):
+        assert f"]({name})" in text
+        with Image.open(tmp_path / "report" / name) as image:
+            assert image.format == "PNG" and image.size[0] >= 800
+    assert not list((tmp_path / "report").glob("moe-*.png"))  # no MoE pipeline in this run
+
+
+def test_by_kind_carries_both_speeds(reports):
+    for report in reports:
+        for figures in report["by_kind"].values():
+            assert figures["speedup"] == pytest.approx(figures["speculative_tokens_per_s"]
+                                                       / figures["plain_tokens_per_s"])
+
+
+def test_the_two_predictions_agree_when_acceptance_is_geometric():
+    """The line from acceptance by position and the seed's formula are the same curve when position i is accepted
+    with probability alpha^i (independent acceptance): the plot's two lines then coincide."""
+    alpha, c, v = 0.7, 0.1, 1.05
+    report = {"draft_cost_ratio": c, "verify_cost_ratio": v, "num_draft_tokens": 5, "acceptance_rate": alpha,
+              "per_position_acceptance": [alpha ** i for i in range(1, 6)]}
+    curves = gamma_curves(report)
+    assert list(curves["by_position"]) == [1, 2, 3, 4, 5] and len(curves["formula"]) == 10
+    for gamma, value in curves["by_position"].items():
+        assert value == pytest.approx(curves["formula"][gamma]) == pytest.approx(predicted_speedup(alpha, gamma, c, v))
+
+
+def test_moe_reports_get_their_expert_plot(reports, tmp_path):
+    moe = dict(reports[0], pipeline="tiny-moe", moe={
+        "verification_length": [1, 2, 3, 4], "num_experts": 8, "experts_per_token": 2,
+        "distinct_experts_per_layer": [2.0, 3.4, 4.5, 5.2], "verify_cost": [1.0, 1.5, 1.9, 2.2],
+        "dense_verify_cost": [1.0, 1.05, 1.1, 1.12]})
+    path = write_report([moe], tmp_path, ["moe.yaml"])
+    assert "(moe-tiny-moe.png)" in path.read_text()
+    with Image.open(tmp_path / "moe-tiny-moe.png") as image:
+        assert image.format == "PNG"
+
+
+def test_without_matplotlib_the_report_says_which_extra_to_install(reports, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    with pytest.raises(SpecdeployError, match=r"specdeploy\[report\]"):
+        write_report(reports, tmp_path, ["a.yaml"])
