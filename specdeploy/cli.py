@@ -173,7 +173,8 @@ def print_generation(report: dict, url: str | None) -> None:
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="In-process: also write DIR/report.md with PNG plots (needs the report extra: matplotlib).")
+              help="Also write DIR/report.md with PNG plots, in-process or of --url's concurrency levels (needs the "
+                   "report extra: matplotlib).")
 @click.option("--measure-gamma-cap", is_flag=True,
               help="MoE targets: bench at the pipeline's full gamma (whatever its cap), predict every gamma from the "
                    "expert-union verify cost and write the best into the engine, where serving.policy.gamma_cap: "
@@ -193,8 +194,9 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
     prompts = benchmarks.load_prompts(prompts_path)
     if url is not None and measure_gamma_cap:
         raise click.UsageError("--measure-gamma-cap measures in-process: give PIPELINE.yaml without --url")
-    if url is not None and report_dir is not None:
-        raise click.UsageError("--report writes the in-process bench's report: give PIPELINE.yaml without --url")
+    if report_dir is not None and (stress is not None or long_stream is not None):
+        raise click.UsageError("--report plots the in-process bench or the concurrency levels of --url, not "
+                               "--stress or --long-stream")
     if report_dir is not None:
         from specdeploy.bench_report import pyplot
 
@@ -248,6 +250,11 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
             in_process = None if engine is None else load_report.in_process_tokens_per_s(engine, texts, max_tokens)
             report = load_report.run_server_bench(url, texts, levels, max_tokens, requests_per_level, in_process)
             load_report.print_server_report(report)
+            if report_dir is not None:
+                from specdeploy.bench_report import write_server_report
+
+                served = None if engine is None else engine.pipeline
+                click.echo(f"wrote {write_server_report(report, report_dir, served)}")
     if json_out:
         json_out.parent.mkdir(parents=True, exist_ok=True)
         json_out.write_text(json.dumps(report, indent=2))

@@ -70,3 +70,24 @@ def test_without_matplotlib_the_report_says_which_extra_to_install(reports, tmp_
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     with pytest.raises(SpecdeployError, match=r"specdeploy\[report\]"):
         write_report(reports, tmp_path, ["a.yaml"])
+
+
+def test_the_server_report_plots_concurrency_and_the_policy(tmp_path):
+    """bench --url --report: the levels' table and the throughput plot, with the served pipeline's policy."""
+    from conftest import REPO
+
+    from specdeploy.bench_report import write_server_report
+    from specdeploy.pipeline import load_pipeline
+
+    rows = [{"concurrency": c, "requests": 2 * c, "speculative_tokens_per_s": s, "plain_tokens_per_s": p,
+             "speedup": s / p, "acceptance_rate": a, "failed": 0, "vs_single_stream": s / 30.0}
+            for c, s, p, a in ((1, 30.0, 22.0, 0.9), (2, 50.0, 40.0, 0.9), (4, 70.0, 66.0, 0.85),
+                               (8, 90.0, 90.0, 0.0))]
+    server = {"url": "127.0.0.1:8001", "max_tokens": 64, "levels": rows}
+    pipeline = load_pipeline(REPO / "pipelines/smollm2-draft-target.yaml")
+    text = write_server_report(server, tmp_path, pipeline).read_text()
+    assert "| 2 | 50.0 | 40.0 | 1.25× | 0.90 | 0 |" in text
+    policy = pipeline.serving.policy
+    assert f"up to a batch of {policy.full_up_to}, reduced up to {policy.off_above}" in text
+    with Image.open(tmp_path / "concurrency.png") as image:
+        assert image.format == "PNG"

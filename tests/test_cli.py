@@ -200,9 +200,13 @@ def test_bench_puts_pipelines_side_by_side_from_one_run(tmp_path, tiny_checkpoin
     prompts.write_text('{"prompt": "abcabcabcabc", "kind": "copy"}\n{"prompt": "hello there", "kind": "open"}\n')
     out = tmp_path / "side.json"
     result = run_cli("bench", str(ngram), str(dt), "--prompts", str(prompts), "--max-tokens", "12", "--json",
-                     str(out), "--no-transformers", "--engines-dir", str(tmp_path / "engines"))
+                     str(out), "--no-transformers", "--engines-dir", str(tmp_path / "engines"), "--report",
+                     str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     assert "side by side" in result.stdout and "tiny-ngram-side" in result.stdout
+    report = (tmp_path / "report" / "report.md").read_text()
+    assert "tiny-ngram-side (ngram)" in report and "tiny-dt-side (draft_target)" in report
+    assert (tmp_path / "report" / "speedup.png").is_file()
     saved = json.loads(out.read_text())
     comparison, reports = saved["comparison"], saved["reports"]
     assert comparison["pipelines"] == ["tiny-ngram-side", "tiny-dt-side"]
@@ -214,6 +218,8 @@ def test_bench_puts_pipelines_side_by_side_from_one_run(tmp_path, tiny_checkpoin
         assert row["winner"] == max(row["speedup"], key=row["speedup"].get)
         assert row["speedup"] == {r["pipeline"]: r["by_kind"][kind]["speedup"] for r in reports}
     assert run_cli("bench", str(ngram), str(dt), "--url", "localhost:1").returncode == 2
+    refused = run_cli("bench", "--url", "localhost:1", "--stress", "10", "--report", str(tmp_path / "r"))
+    assert refused.returncode == 2 and "--report" in refused.stderr
 
 
 def test_bench_rejects_bad_prompt_file(tmp_path, tiny_dt):
