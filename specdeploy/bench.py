@@ -20,6 +20,7 @@ from rich.table import Table
 
 from specdeploy import machine
 from specdeploy.bench_moe import dense_source, expert_union_curve, predicted_speedups, timed_forward
+from specdeploy.bench_peers import hf_model, transformers_peers
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.moe import SparseMoE
 from specdeploy.request import GenerationRequest
@@ -85,15 +86,7 @@ def weight_bytes_per_token(engine: Engine) -> int:
 def transformers_decode_tokens_per_s(engine: Engine, prompt_ids: list[int], max_tokens: int) -> float:
     """transformers' greedy `generate` on the same weights, dtype and threads, decode phase only:
     (N - 1) / (time(N tokens) - time(1 token))."""
-    from safetensors.torch import load_file
-
-    from specdeploy.builders.hf_export import hf_model_class
-
-    model = hf_model_class(engine.target.config)(engine.target.config.to_hf())
-    state = load_file(str(engine.dir / "target" / "model.safetensors"))
-    model.load_state_dict(state, strict=False)
-    model = model.to(engine.target.dtype).eval()
-    model.tie_weights()
+    model = hf_model(engine.dir / "target", engine.target.dtype)
     ids = torch.tensor([prompt_ids])
 
     def timed(n: int) -> float:
@@ -139,10 +132,10 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, tempe
 
 
 def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | None, temperature: float | None,
-                seed: int, with_transformers: bool, quiet: bool = False) -> list[dict]:
+                seed: int, with_transformers: bool, quiet: bool = False, with_peers: bool = False) -> list[dict]:
     """One report per engine, measured in one run: for each prompt in turn every engine decodes it plain and with
     its speculation, so the machine's load drifts over all of them alike. transformers is measured once (first
-    engine)."""
+    engine); with_peers: each engine's peers (bench_peers.py) on the same prompts, greedy, after its own runs."""
     requests = [GenerationRequest.with_defaults(e.pipeline, [], max_tokens, temperature, seed=seed) for e in engines]
     encoded = [[e.encode_prompt(p["prompt"]) for p in prompts] for e in engines]
     for engine, request, ids in zip(engines, requests, encoded):
@@ -157,8 +150,12 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
             speculative_tokens = speculative.run()
             done.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens,
                                   speculative_tokens))
-    return [finish_report(engine, done, ids, request, with_transformers and number == 0)
-            for number, (engine, request, ids, done) in enumerate(zip(engines, requests, encoded, runs))]
+    reports = [finish_report(engine, done, ids, request, with_transformers and number == 0)
+               for number, (engine, request, ids, done) in enumerate(zip(engines, requests, encoded, runs))]
+    if with_peers:
+        for engine, request, ids, report in zip(engines, requests, encoded, reports):
+            report["peers"] = transformers_peers(engine, ids, request.max_tokens)
+    return reports
 
 
 def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]], request: GenerationRequest,

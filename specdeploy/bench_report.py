@@ -20,6 +20,7 @@ from pathlib import Path
 
 from specdeploy.bench import predicted_speedup
 from specdeploy.bench_moe import predicted_speedups
+from specdeploy.bench_peers import peer_ratios
 from specdeploy.errors import SpecdeployError
 
 FIGURE_SIZE = (7.5, 4.5)
@@ -187,6 +188,29 @@ def figures_table(reports: list[dict]) -> list[str]:
     return lines
 
 
+def peer_lines(reports: list[dict]) -> list[str]:
+    """The Peers section: each peer's tokens/s and ours over theirs, from the same run; where a peer is faster."""
+    lines = []
+    for report in reports:
+        if "peers" not in report:
+            continue
+        ratios = peer_ratios(report)
+        lines += [f"## Peers: {label(report)}", "", "Measured in the same run on the same weights and prompts, greedy.",
+                  "", "| peer | configuration | tokens/s | ours plain ÷ peer | ours speculative ÷ peer |",
+                  "|---|---|---|---|---|"]
+        for name, peer in report["peers"].items():
+            if "skipped" in peer:
+                lines.append(f"| {name} | skipped: {peer['skipped']} | – | – | – |")
+                continue
+            ratio = ratios[name]
+            lines.append(f"| {name} | {peer['what']} | {peer['tokens_per_s']:.1f} | {ratio['ours_plain']:.2f}× | "
+                         f"{ratio['ours_speculative']:.2f}× |")
+        faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
+        lines += ["", (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster else
+                       "No peer was faster than our speculative decoding here."), ""]
+    return lines
+
+
 def write_report(reports: list[dict], directory: Path, pipelines: list[str]) -> Path:
     """Write DIR/report.md, the plots and DIR/reports.json for the in-process bench `reports` (one per pipeline,
     measured in one run). Returns the report.md path."""
@@ -221,6 +245,7 @@ def write_report(reports: list[dict], directory: Path, pipelines: list[str]) -> 
                   f"| {v['speedup']:.2f}× |" for kind, v in kinds.items()]
         lines += ["", "Acceptance by position: " + ", ".join(f"{p:.2f}" for p in report["per_position_acceptance"]),
                   ""]
+    lines += peer_lines(reports)
     lines += ["## Plots", ""] + [f"### {title}\n\n![{title}]({name})\n" for name, title in plots.items()]
     path = directory / "report.md"
     path.write_text("\n".join(lines))

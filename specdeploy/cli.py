@@ -172,6 +172,8 @@ def print_generation(report: dict, url: str | None) -> None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
+@click.option("--peers", is_flag=True, help="In-process: also measure transformers `generate` plain, with prompt "
+              "lookup and with the draft as assistant_model, on the same weights and prompts (greedy).")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
               help="Also write DIR/report.md with PNG plots, in-process or of --url's concurrency levels (needs the "
                    "report extra: matplotlib).")
@@ -183,17 +185,21 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
-          json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool, report_dir: Path | None) -> None:
+          json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool, report_dir: Path | None,
+          peers: bool) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
     from specdeploy import bench as benchmarks
     from specdeploy import bench_moe
+    from specdeploy.bench_peers import peer_ratios
     from specdeploy.workflows import load_engine
 
     prompts = benchmarks.load_prompts(prompts_path)
     if url is not None and measure_gamma_cap:
         raise click.UsageError("--measure-gamma-cap measures in-process: give PIPELINE.yaml without --url")
+    if peers and url is not None:
+        raise click.UsageError("--peers measures in-process: give PIPELINE.yaml without --url")
     if report_dir is not None and (stress is not None or long_stream is not None):
         raise click.UsageError("--report plots the in-process bench or the concurrency levels of --url, not "
                                "--stress or --long-stream")
@@ -212,9 +218,12 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
             for one in engines:
                 bench_moe.lift_gamma_cap(one)
         reports = benchmarks.run_benches(engines, prompts, max_tokens, temperature, seed,
-                                         with_transformers=not no_transformers)
+                                         with_transformers=not no_transformers, with_peers=peers)
         for one in reports:
             benchmarks.print_report(one)
+            for name, ratio in peer_ratios(one).items():
+                click.echo(f"{one['pipeline']}: ours plain {ratio['ours_plain']:.2f}x, speculative "
+                           f"{ratio['ours_speculative']:.2f}x the tokens/s of {name}")
         if measure_gamma_cap:
             for one, measured in zip(engines, reports):
                 click.echo(bench_moe.save_gamma_cap(one, measured))

@@ -91,3 +91,24 @@ def test_the_server_report_plots_concurrency_and_the_policy(tmp_path):
     assert f"up to a batch of {policy.full_up_to}, reduced up to {policy.off_above}" in text
     with Image.open(tmp_path / "concurrency.png") as image:
         assert image.format == "PNG"
+
+
+def test_peers_run_on_the_same_weights_and_the_report_names_the_faster(tiny_engines, tmp_path):
+    """transformers plain, prompt lookup and assistant_model (a plain draft) are measured; an int4-derived draft
+    is skipped with its reason; the report gives ours over theirs and says which peer is faster."""
+    from specdeploy.bench_peers import PLAIN, peer_ratios
+
+    engines = [tiny_engines["draft_target"], tiny_engines["int4"]]
+    measured = run_benches(engines, PROMPTS, 10, 0.0, 0, with_transformers=False, quiet=True, with_peers=True)
+    plain_draft, int4 = (report["peers"] for report in measured)
+    assert plain_draft[PLAIN]["tokens_per_s"] > 0 and plain_draft["transformers assistant_model"]["tokens_per_s"] > 0
+    assert "int4" in int4["transformers assistant_model"]["skipped"]
+    assert any(name.startswith("transformers prompt lookup") for name in int4)
+    ratios = peer_ratios(measured[0])
+    assert ratios[PLAIN]["ours_plain"] == pytest.approx(measured[0]["baseline_tokens_per_s"]
+                                                        / plain_draft[PLAIN]["tokens_per_s"])
+    text = write_report(measured, tmp_path, ["a.yaml", "b.yaml"]).read_text()
+    assert "## Peers: tiny-dt (draft_target)" in text and "skipped: the draft is derived int4" in text
+    faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
+    assert (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster
+            else "No peer was faster") in text
