@@ -132,15 +132,19 @@ def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, tempe
 
 
 def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | None, temperature: float | None,
-                seed: int, with_transformers: bool, quiet: bool = False, with_peers: bool = False) -> list[dict]:
+                seed: int, with_transformers: bool, quiet: bool = False, with_peers: bool = False,
+                gammas: tuple[int, ...] = ()) -> list[dict]:
     """One report per engine, measured in one run: for each prompt in turn every engine decodes it plain and with
     its speculation, so the machine's load drifts over all of them alike. transformers is measured once (first
-    engine); with_peers: each engine's peers (bench_peers.py) on the same prompts, greedy, after its own runs."""
+    engine); with_peers: each engine's peers (bench_peers.py) on the same prompts, greedy, after its own runs;
+    gammas: each prompt also decoded at these gammas (report["gamma_sweep"]: gamma → speedup; not for Medusa, whose
+    tree sets its own width)."""
     requests = [GenerationRequest.with_defaults(e.pipeline, [], max_tokens, temperature, seed=seed) for e in engines]
     encoded = [[e.encode_prompt(p["prompt"]) for p in prompts] for e in engines]
     for engine, request, ids in zip(engines, requests, encoded):
         engine.generate(ids[0], request.sampling, 8).run()  # warm-up: first calls allocate and page in weights
     runs: list[list[PromptRun]] = [[] for _ in engines]
+    sweeps: dict[str, dict[int, list[RequestStats]]] = {e.pipeline.name: {} for e in engines}
     for index, item in enumerate(track(prompts, description="bench", disable=quiet)):
         for engine, request, ids, done in zip(engines, requests, encoded, runs):
             plain = engine.generate(ids[index], request.sampling, request.max_tokens,
@@ -150,8 +154,17 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
             speculative_tokens = speculative.run()
             done.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens,
                                   speculative_tokens))
+            if engine.method != "medusa":
+                for gamma in gammas:
+                    swept = engine.generate(ids[index], request.sampling, request.max_tokens, num_draft_tokens=gamma)
+                    swept.run()
+                    sweeps[engine.pipeline.name].setdefault(gamma, []).append(swept.stats)
     reports = [finish_report(engine, done, ids, request, with_transformers and number == 0)
                for number, (engine, request, ids, done) in enumerate(zip(engines, requests, encoded, runs))]
+    for report in reports:
+        if sweeps[report["pipeline"]]:
+            report["gamma_sweep"] = {str(gamma): decode_rate(stats) / report["baseline_tokens_per_s"]
+                                     for gamma, stats in sorted(sweeps[report["pipeline"]].items())}
     if with_peers:
         for engine, request, ids, report in zip(engines, requests, encoded, reports):
             report["peers"] = transformers_peers(engine, ids, request.max_tokens)

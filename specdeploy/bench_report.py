@@ -88,6 +88,10 @@ def plot_speedup(plt, reports: list[dict], path: Path) -> None:
         if curves["formula"]:
             axes.plot(list(curves["formula"]), list(curves["formula"].values()), color=color, linestyle="--",
                       alpha=0.6, label=f"{label(report)}: seed formula, alpha {report['acceptance_rate']:.2f}")
+        sweep = report.get("gamma_sweep", {})
+        if sweep:
+            axes.scatter([int(g) for g in sweep], list(sweep.values()), color=color, marker="^", zorder=3,
+                         label=f"{label(report)}: measured at other gammas")
         schedule = "" if report.get("schedule", "constant") == "constant" else " (mean proposal length)"
         axes.scatter([measured_gamma(report)], [report["speedup"]], color=color, zorder=3,
                      label=f"{label(report)}: measured{schedule}")

@@ -172,6 +172,8 @@ def print_generation(report: dict, url: str | None) -> None:
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
+@click.option("--gammas", default=None, metavar="G1,G2,...", help="In-process: also decode every prompt at these "
+              "gammas (the report's speedup plot shows each).")
 @click.option("--peers", is_flag=True, help="In-process: also measure transformers `generate` plain, with prompt "
               "lookup and with the draft as assistant_model, on the same weights and prompts (greedy).")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False, path_type=Path), default=None,
@@ -186,7 +188,7 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
           json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool, report_dir: Path | None,
-          peers: bool) -> None:
+          gammas: str | None, peers: bool) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
@@ -217,8 +219,17 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         if measure_gamma_cap:
             for one in engines:
                 bench_moe.lift_gamma_cap(one)
+        try:
+            swept = tuple(int(g) for g in gammas.split(",")) if gammas else ()
+        except ValueError:
+            raise click.BadParameter(f"expected comma-separated integers, got {gammas!r}", param_hint="--gammas") \
+                from None
+        most = min(one.pipeline.limits.max_draft_tokens for one in engines)
+        if any(not 1 <= g <= most for g in swept):
+            raise click.BadParameter(f"every gamma must be in 1..{most} (limits.max_draft_tokens), got {gammas!r}",
+                                     param_hint="--gammas")
         reports = benchmarks.run_benches(engines, prompts, max_tokens, temperature, seed,
-                                         with_transformers=not no_transformers, with_peers=peers)
+                                         with_transformers=not no_transformers, with_peers=peers, gammas=swept)
         for one in reports:
             benchmarks.print_report(one)
             for name, ratio in peer_ratios(one).items():

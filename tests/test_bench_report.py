@@ -112,3 +112,13 @@ def test_peers_run_on_the_same_weights_and_the_report_names_the_faster(tiny_engi
     faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
     assert (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster
             else "No peer was faster") in text
+
+
+def test_a_gamma_sweep_adds_measured_points(tiny_engines, tmp_path):
+    engines = [tiny_engines["draft_target"], tiny_engines["ngram"]]
+    swept = run_benches(engines, PROMPTS, 10, 0.0, 0, with_transformers=False, quiet=True, gammas=(1, 2))
+    for report in swept:
+        assert list(report["gamma_sweep"]) == ["1", "2"] and all(v > 0 for v in report["gamma_sweep"].values())
+    write_report(swept, tmp_path, ["a.yaml", "b.yaml"])
+    with Image.open(tmp_path / "speedup.png") as image:
+        assert image.format == "PNG"

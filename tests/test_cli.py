@@ -218,6 +218,8 @@ def test_bench_puts_pipelines_side_by_side_from_one_run(tmp_path, tiny_checkpoin
         assert row["winner"] == max(row["speedup"], key=row["speedup"].get)
         assert row["speedup"] == {r["pipeline"]: r["by_kind"][kind]["speedup"] for r in reports}
     assert run_cli("bench", str(ngram), str(dt), "--url", "localhost:1").returncode == 2
+    too_wide = run_cli("bench", str(ngram), "--gammas", "1,99", "--engines-dir", str(tmp_path / "engines"))
+    assert too_wide.returncode == 2 and "limits.max_draft_tokens" in too_wide.stderr
     refused = run_cli("bench", "--url", "localhost:1", "--stress", "10", "--report", str(tmp_path / "r"))
     assert refused.returncode == 2 and "--report" in refused.stderr
 
