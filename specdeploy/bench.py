@@ -144,9 +144,9 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
     for engine, request, ids in zip(engines, requests, encoded):
         engine.generate(ids[0], request.sampling, 8).run()  # warm-up: first calls allocate and page in weights
     runs: list[list[PromptRun]] = [[] for _ in engines]
-    sweeps: dict[str, dict[int, list[RequestStats]]] = {e.pipeline.name: {} for e in engines}
+    sweeps: list[dict[int, list[RequestStats]]] = [{} for _ in engines]  # per engine: gamma → its runs' stats
     for index, item in enumerate(track(prompts, description="bench", disable=quiet)):
-        for engine, request, ids, done in zip(engines, requests, encoded, runs):
+        for engine, request, ids, done, sweep in zip(engines, requests, encoded, runs, sweeps):
             plain = engine.generate(ids[index], request.sampling, request.max_tokens,
                                     num_draft_tokens=0)
             plain_tokens = plain.run()
@@ -158,13 +158,13 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
                 for gamma in gammas:
                     swept = engine.generate(ids[index], request.sampling, request.max_tokens, num_draft_tokens=gamma)
                     swept.run()
-                    sweeps[engine.pipeline.name].setdefault(gamma, []).append(swept.stats)
+                    sweep.setdefault(gamma, []).append(swept.stats)
     reports = [finish_report(engine, done, ids, request, with_transformers and number == 0)
                for number, (engine, request, ids, done) in enumerate(zip(engines, requests, encoded, runs))]
-    for report in reports:
-        if sweeps[report["pipeline"]]:
+    for report, sweep in zip(reports, sweeps):
+        if sweep:
             report["gamma_sweep"] = {str(gamma): decode_rate(stats) / report["baseline_tokens_per_s"]
-                                     for gamma, stats in sorted(sweeps[report["pipeline"]].items())}
+                                     for gamma, stats in sorted(sweep.items())}
     if with_peers:
         for engine, request, ids, report in zip(engines, requests, encoded, reports):
             report["peers"] = transformers_peers(engine, ids, request.max_tokens)

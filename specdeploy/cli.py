@@ -88,6 +88,14 @@ def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool) -> 
     click.echo(f"built {directory}" if built else f"{directory}: up to date, nothing to build")
 
 
+def integers(text: str, option: str) -> list[int]:
+    """An option's comma-separated integers ("1,2,4"); a usage error naming the option otherwise."""
+    try:
+        return [int(part) for part in text.split(",")]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+
+
 def echo_text(text: str) -> None:
     if text:
         click.echo(text, nl=False)
@@ -219,11 +227,7 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         if measure_gamma_cap:
             for one in engines:
                 bench_moe.lift_gamma_cap(one)
-        try:
-            swept = tuple(int(g) for g in gammas.split(",")) if gammas else ()
-        except ValueError:
-            raise click.BadParameter(f"expected comma-separated integers, got {gammas!r}", param_hint="--gammas") \
-                from None
+        swept = tuple(integers(gammas, "--gammas")) if gammas else ()
         most = min(one.pipeline.limits.max_draft_tokens for one in engines)
         if any(not 1 <= g <= most for g in swept):
             raise click.BadParameter(f"every gamma must be in 1..{most} (limits.max_draft_tokens), got {gammas!r}",
@@ -251,11 +255,7 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
     else:
         from specdeploy.triton import load_report
 
-        try:
-            levels = [int(level) for level in concurrency.split(",")]
-        except ValueError:
-            raise click.BadParameter(f"expected comma-separated integers, got {concurrency!r}",
-                                     param_hint="--concurrency") from None
+        levels = integers(concurrency, "--concurrency")
         texts = [p["prompt"] for p in prompts]
         if long_stream is not None:
             if engine is None:
@@ -310,11 +310,7 @@ def moe_quality(pipeline_path: str, ks: str | None, json_out: Path | None) -> No
     from specdeploy.pipeline import load_pipeline
 
     pipeline = load_pipeline(pipeline_path)
-    try:
-        chosen = None if ks is None else [int(k) for k in ks.split(",")]
-    except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {ks!r}",
-                                 param_hint="--experts-per-token") from None
+    chosen = None if ks is None else integers(ks, "--experts-per-token")
     if chosen is None:
         chosen = list(range(1, (pipeline.target.moe.experts if pipeline.target.moe else 0) + 1))
     report = measure(pipeline, chosen)

@@ -28,7 +28,7 @@ from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.k8s import OverlayOptions, write_overlay
 from specdeploy.deploy.k8s_monitoring import adapter_values
 from specdeploy.errors import SpecdeployError
-from specdeploy.pipeline import load_pipeline
+from specdeploy.pipeline import load_pipeline, parse_pipeline
 from specdeploy.triton.server import free_port
 
 BIN = Path(sys.executable).parent
@@ -113,20 +113,11 @@ def test_every_overlay_renders_with_the_objects_of_a_rollout(rendered):
         assert {"ConfigMap", "PersistentVolumeClaim", "Job", server, "Service", "PodDisruptionBudget",
                 "NetworkPolicy", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule"} <= kinds, name
         config_map = one(documents, "ConfigMap")
-        pipeline = load_pipeline_text(config_map["data"][base.PIPELINE_KEY])
+        pipeline = parse_pipeline(yaml.safe_load(config_map["data"][base.PIPELINE_KEY]))
         assert config_map["data"][base.PIPELINE_KEY] == (REPO / OVERLAYS[name][0]).read_text()
         assert all(d["metadata"].get("namespace") == "specdeploy" for d in documents), name
         assert all(d["metadata"]["labels"]["app.kubernetes.io/instance"] == pipeline.name
                    for d in documents if d["kind"] in ("Job", server)), name
-
-
-def load_pipeline_text(text: str):
-    import tempfile
-
-    with tempfile.NamedTemporaryFile("w", suffix=".yaml") as handle:
-        handle.write(text)
-        handle.flush()
-        return load_pipeline(handle.name)
 
 
 def test_a_users_pipeline_gets_an_overlay_that_renders(tmp_path):
