@@ -7,7 +7,7 @@ CHECKOV := $(VENV)/tools/checkov/bin/checkov
 PIPELINE ?= pipelines/smollm2-draft-target.yaml
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv demo test bench lint k8s clean-engines
+.PHONY: venv peers demo test bench report lint k8s clean-engines
 
 venv: $(STAMP)
 
@@ -26,6 +26,10 @@ $(STAMP): setup.cfg pyproject.toml
 	$(VENV)/tools/checkov/bin/pip install --quiet checkov==3.3.30
 	touch $(STAMP)
 
+# bench --peers' llama.cpp (llama-cpp-python builds llama.cpp from source: about 11 minutes on 2 cores).
+peers: venv
+	CMAKE_BUILD_PARALLEL_LEVEL=$$(nproc) $(PIP) install --quiet -e '.[peers]'
+
 demo: venv
 	$(VENV)/bin/specdeploy demo $(PIPELINE) \
 		"Write a short story about a lighthouse keeper who finds a message in a bottle."
@@ -39,6 +43,12 @@ bench: venv
 	# the MoE pipeline twice: at its full gamma, picking its gamma cap (written into the engine), then at that cap
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-moe-draft-target.yaml --measure-gamma-cap --json bench-results/moe-gamma-cap.json --no-transformers
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-moe-draft-target.yaml --json bench-results/moe-draft-target.json --no-transformers
+
+# One pipeline's report with its peers: reports/<pipeline>/report.md and PNG plots (llama.cpp after make peers).
+# transformers' plain generate is measured among the peers, so the older single-prompt baseline is left out.
+REPORT_FLAGS ?= --max-tokens 64 --gammas 1,2,4 --peers --no-transformers
+report: venv
+	$(VENV)/bin/specdeploy bench $(PIPELINE) --report reports/$(basename $(notdir $(PIPELINE))) $(REPORT_FLAGS)
 
 lint: venv
 	$(VENV)/bin/ruff check specdeploy tests

@@ -20,12 +20,13 @@ from rich.table import Table
 
 from specdeploy import machine
 from specdeploy.bench_moe import dense_source, expert_union_curve, predicted_speedups, timed_forward
-from specdeploy.bench_peers import hf_model, transformers_peers
+from specdeploy.bench_peers import hf_model, llama_cpp_peers, transformers_peers
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.moe import SparseMoE
 from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
 from specdeploy.stats import RequestStats, decode_rate
+from specdeploy.transfer import finish
 
 
 @dataclass
@@ -57,16 +58,19 @@ def load_prompts(path: str | Path | None = None) -> list[dict]:
     return prompts
 
 
-def measure_bandwidth(dtype: torch.dtype, megabytes: int = 256, repeats: int = 10) -> float:
+def measure_bandwidth(dtype: torch.dtype, device: torch.device | str = "cpu", megabytes: int = 256,
+                      repeats: int = 10) -> float:
     """Bytes/s streamed by a mat-vec over a matrix far larger than the caches (what plain decode does)."""
     columns = 1024
     rows = megabytes * 2**20 // (columns * torch.finfo(dtype).bits // 8)
-    matrix = torch.randn(rows, columns).to(dtype)
-    vector = torch.randn(1, columns).to(dtype)
+    matrix = torch.randn(rows, columns, device=device).to(dtype)
+    vector = torch.randn(1, columns, device=device).to(dtype)
     torch.nn.functional.linear(vector, matrix)
+    finish(device)
     started = time.perf_counter()
     for _ in range(repeats):
         torch.nn.functional.linear(vector, matrix)
+    finish(device)
     elapsed = (time.perf_counter() - started) / repeats
     return matrix.numel() * matrix.element_size() / elapsed
 
@@ -86,14 +90,15 @@ def weight_bytes_per_token(engine: Engine) -> int:
 def transformers_decode_tokens_per_s(engine: Engine, prompt_ids: list[int], max_tokens: int) -> float:
     """transformers' greedy `generate` on the same weights, dtype and threads, decode phase only:
     (N - 1) / (time(N tokens) - time(1 token))."""
-    model = hf_model(engine.dir / "target", engine.target.dtype)
-    ids = torch.tensor([prompt_ids])
+    model = hf_model(engine.dir / "target", engine.target.dtype, engine.device)
+    ids = torch.tensor([prompt_ids], device=engine.device)
 
     def timed(n: int) -> float:
         started = time.perf_counter()
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
                            do_sample=False, pad_token_id=0)
+        finish(engine.device)
         return time.perf_counter() - started
 
     timed(4)  # warm-up
@@ -103,7 +108,8 @@ def transformers_decode_tokens_per_s(engine: Engine, prompt_ids: list[int], max_
 def top_two_gap(engine: Engine, tokens: list[int]) -> float:
     """Gap between the target's two largest logits for the token after `tokens` (fresh prefill)."""
     cache = engine.target.new_cache(1, len(tokens) + 1)
-    hidden = engine.target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)
+    hidden = engine.target(torch.tensor([tokens], device=engine.device),
+                           torch.arange(len(tokens), device=engine.device)[None], cache)
     top = engine.target.logits(hidden[0, -1]).topk(2).values
     return float(top[0] - top[1])
 
@@ -166,8 +172,9 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
             report["gamma_sweep"] = {str(gamma): decode_rate(stats) / report["baseline_tokens_per_s"]
                                      for gamma, stats in sorted(sweep.items())}
     if with_peers:
-        for engine, request, ids, report in zip(engines, requests, encoded, reports):
-            report["peers"] = transformers_peers(engine, ids, request.max_tokens)
+        for engine, request, ids, report, done in zip(engines, requests, encoded, reports, runs):
+            report["peers"] = {**transformers_peers(engine, ids, request.max_tokens),
+                               **llama_cpp_peers(engine, ids, request.max_tokens, [r.plain_tokens for r in done])}
     return reports
 
 
@@ -185,7 +192,7 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
         report["greedy_mismatch_prompts"] = verdicts.count("mismatch")
     else:
         report["greedy_match"] = None
-    bandwidth = measure_bandwidth(engine.target.dtype)
+    bandwidth = measure_bandwidth(engine.target.dtype, engine.device)
     bytes_per_token = weight_bytes_per_token(engine)
     ceiling = bandwidth / bytes_per_token
     report.update(bandwidth_gb_per_s=bandwidth / 1e9, weight_bytes_per_token=bytes_per_token,
@@ -291,9 +298,9 @@ def measure_verify_costs(engine: Engine, prompt_ids: list[int], max_nodes: int, 
     """[n]: the time of one target forward over n + 1 positions after the prompt, in plain decode steps (n = 0),
     medians of `repeats`."""
     cache = engine.target.new_cache(1, len(prompt_ids) + max_nodes + 2)
-    tokens = torch.tensor([prompt_ids])
+    tokens = torch.tensor([prompt_ids], device=engine.device)
     with torch.inference_mode():
-        engine.target(tokens, torch.arange(len(prompt_ids))[None], cache)
+        engine.target(tokens, torch.arange(len(prompt_ids), device=engine.device)[None], cache)
         times = [timed_forward(engine.target, cache, tokens[:, -1:].expand(1, width), len(prompt_ids) - 1, repeats)
                  for width in range(1, max_nodes + 2)]
     return [t / times[0] for t in times]
@@ -350,7 +357,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
     table.add_column("value", justify="right")
     for key, value in report.items():
         if key in ("by_kind", "pipeline", "method", "num_draft_tokens", "gamma_cap", "schedule", "dtype", "temperature",
-                   "prompts", "medusa", "moe", "machine"):
+                   "prompts", "medusa", "moe", "machine", "peers"):
             continue
         if isinstance(value, float):
             value = f"{value:.3f}"

@@ -16,6 +16,7 @@ from specdeploy.models.llama import LlamaModel, ragged_forward_all
 from specdeploy.models.moe import MixtralModel
 from specdeploy.pipeline import load_pipeline
 from specdeploy.runtime.engine import Engine
+from specdeploy.transfer import finish
 
 STARTS_PER_SEQUENCE = 4  # verification windows per prompt, spread over its answer
 
@@ -31,7 +32,7 @@ def dense_source(engine: Engine) -> LlamaModel | None:
     if pipeline.target.moe is None:
         return None
     dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
-    return LlamaModel(dense.config, dense.state, engine.target.dtype).eval()
+    return LlamaModel(dense.config, dense.state, engine.target.dtype).to(engine.device).eval()
 
 
 def timed_forward(model: LlamaModel, cache, window: torch.Tensor, start: int, repeats: int) -> float:
@@ -40,6 +41,7 @@ def timed_forward(model: LlamaModel, cache, window: torch.Tensor, start: int, re
     for _ in range(repeats):
         began = time.perf_counter()
         model.logits(ragged_forward_all(model, cache, window, [start]))
+        finish(window.device)
         samples.append(time.perf_counter() - began)
     return sorted(samples)[repeats // 2]
 
@@ -51,7 +53,7 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
     reads, and its time relative to n = 1 (medians of `repeats`); n = 1 is a plain decode step. With `dense`, the
     same windows timed on it, interleaved with the MoE's: the dense verify curve beside the union's, and how fast
     the MoE's plain step is against the dense one's."""
-    model = engine.target
+    model, device = engine.target, engine.device
     models = [model] if dense is None else [model, dense]
     distinct_at: dict[int, list[float]] = {n: [] for n in range(1, max_length + 1)}
     seconds_at = [{n: [] for n in range(1, max_length + 1)} for _ in models]
@@ -62,11 +64,11 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
                 continue
             caches = [m.new_cache(1, len(ids) + 1) for m in models]
             for m, cache in zip(models, caches):
-                m(torch.tensor([ids]), torch.arange(len(ids))[None], cache)  # every position's entries, once
+                m(torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None], cache)  # once
             for j in range(STARTS_PER_SEQUENCE):
                 start = answer_start + room * j // max(STARTS_PER_SEQUENCE - 1, 1)
                 for n in range(1, max_length + 1):
-                    window = torch.tensor([ids[start:start + n]])
+                    window = torch.tensor([ids[start:start + n]], device=device)
                     for m, cache, seconds in zip(models, caches, seconds_at):
                         seconds[n].append(timed_forward(m, cache, window, start, repeats))
                         if m is model:

@@ -1,10 +1,12 @@
 """`bench --peers`: what a user would otherwise pick, measured in the same run on the same weights and prompts.
 
-transformers' `generate` on the target's weights (same dtype, same threads): plain, with prompt lookup
+transformers' `generate` on the target's weights (same dtype, same threads, same device): plain, with prompt lookup
 (`prompt_lookup_num_tokens` = the pipeline's gamma) and, when the pipeline's draft is a plain checkpoint, with it as
-`assistant_model` (an int4-derived draft is our own module, which transformers cannot run). Each speed is the decode
-rate over the bench's prompts, (tokens - 1) / (time - time of the first token), as the bench measures ours, with
-generation ending at the end-of-sequence token like ours.
+`assistant_model` (an int4-derived draft is our own module, which transformers cannot run). llama.cpp through
+llama-cpp-python on the GGUF file the target was built from (its own quantization, on the CPU, same threads): plain
+and with llama-cpp-python's prompt-lookup draft (`LlamaPromptLookupDecoding`, gamma tokens per proposal). Each speed
+is the decode rate over the bench's prompts, (tokens - 1) / (time - time of the first token), as the bench measures
+ours, greedy, with generation ending at the end-of-sequence token like ours.
 """
 
 from __future__ import annotations
@@ -16,12 +18,16 @@ import torch
 
 from specdeploy.models.registry import component_config
 from specdeploy.runtime.engine import Engine
+from specdeploy.transfer import finish
 
 PLAIN = "transformers generate"
+LLAMA_CPP = "llama.cpp"
+LLAMA_CPP_INSTALL = ("pip install 'specdeploy[peers]', which builds llama.cpp from source: a C++ compiler and cmake, "
+                     "about 11 minutes on 2 cores")
 
 
-def hf_model(component: Path, dtype: torch.dtype):
-    """An engine component's weights in transformers' model class for its architecture."""
+def hf_model(component: Path, dtype: torch.dtype, device: torch.device | str = "cpu"):
+    """An engine component's weights in transformers' model class for its architecture, on `device`."""
     from safetensors.torch import load_file
 
     from specdeploy.builders.hf_export import hf_model_class
@@ -29,7 +35,7 @@ def hf_model(component: Path, dtype: torch.dtype):
     config, _ = component_config(component)
     model = hf_model_class(config)(config.to_hf())
     model.load_state_dict(load_file(str(component / "model.safetensors")), strict=False)
-    model = model.to(dtype).eval()
+    model = model.to(device, dtype).eval()
     model.tie_weights()
     return model
 
@@ -41,6 +47,7 @@ def generated(model, ids: torch.Tensor, limit: int, end_ids: tuple[int, ...], **
         output = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=limit, do_sample=False,
                                 pad_token_id=end_ids[0] if end_ids else 0, eos_token_id=list(end_ids) or None,
                                 **options)
+    finish(ids.device)
     return output.shape[1] - ids.shape[1], time.perf_counter() - started
 
 
@@ -48,7 +55,7 @@ def decode_rate(model, encoded: list[list[int]], max_tokens: int, end_ids: tuple
     """Tokens/s of greedy `generate` over the prompts, decode phase only (the first token's time subtracted)."""
     tokens, seconds = 0, 0.0
     for prompt_ids in encoded:
-        ids = torch.tensor([prompt_ids])
+        ids = torch.tensor([prompt_ids], device=model.device)
         _, first = generated(model, ids, 1, end_ids, **options)
         count, total = generated(model, ids, max_tokens, end_ids, **options)
         if count > 1:
@@ -60,7 +67,7 @@ def decode_rate(model, encoded: list[list[int]], max_tokens: int, end_ids: tuple
 def transformers_peers(engine: Engine, encoded: list[list[int]], max_tokens: int) -> dict[str, dict]:
     """name → {"tokens_per_s", "what"} (or {"skipped": why})."""
     dtype, gamma = engine.target.dtype, engine.num_draft_tokens
-    target = hf_model(engine.dir / "target", dtype)
+    target = hf_model(engine.dir / "target", dtype, engine.device)
     end_ids = tuple(engine.target.config.eos_token_ids)
     decode_rate(target, encoded[:1], 4, end_ids)  # warm-up
     peers = {PLAIN: {"tokens_per_s": decode_rate(target, encoded, max_tokens, end_ids),
@@ -77,7 +84,7 @@ def transformers_peers(engine: Engine, encoded: list[list[int]], max_tokens: int
         peers["transformers assistant_model"] = {"skipped": "the draft is derived int4, our own module, which "
                                                             "transformers cannot run"}
     else:
-        assistant = hf_model(draft, dtype)
+        assistant = hf_model(draft, dtype, engine.device)
         peers["transformers assistant_model"] = {
             "tokens_per_s": decode_rate(target, encoded, max_tokens, end_ids, assistant_model=assistant),
             "what": "generate with the pipeline's draft as assistant_model (transformers' own schedule)"}
@@ -92,3 +99,78 @@ def peer_ratios(report: dict) -> dict[str, dict]:
             ratios[name] = {"ours_plain": report["baseline_tokens_per_s"] / peer["tokens_per_s"],
                             "ours_speculative": report["speculative_tokens_per_s"] / peer["tokens_per_s"]}
     return ratios
+
+
+def target_gguf(engine: Engine) -> tuple[Path | None, str]:
+    """(the GGUF file the engine's target was built from, "") or (None, why there is none)."""
+    from specdeploy.builders.checkpoints import locate
+    from specdeploy.errors import BuildError
+
+    pipeline = engine.pipeline
+    if pipeline.target.moe is not None:
+        return None, "the target is an MoE derived at build, which has no GGUF file"
+    try:
+        path = locate(pipeline.target.checkpoint, pipeline)
+    except BuildError as error:
+        return None, f"the target's checkpoint is not readable here ({error})"
+    if path.suffix != ".gguf":
+        return None, f"the target's checkpoint is not a GGUF file ({path.name})"
+    return path, ""
+
+
+def streamed_rate(llm, encoded: list[list[int]], max_tokens: int, end_ids: tuple[int, ...]) -> tuple[float, list]:
+    """(decode tokens/s, each prompt's tokens) of llama.cpp's greedy generation over the prompts: (tokens - 1) over
+    the time from the first token to the last, each prompt from an empty cache."""
+    tokens, seconds, outputs = 0, 0.0, []
+    for prompt_ids in encoded:
+        llm.reset()
+        output, first = [], 0.0
+        for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
+            output.append(token)
+            if len(output) == 1:
+                first = time.perf_counter()
+            if token in end_ids or len(output) >= max_tokens:
+                break
+        if len(output) > 1:
+            tokens += len(output) - 1
+            seconds += time.perf_counter() - first
+        outputs.append(output)
+    return (tokens / seconds if seconds else 0.0), outputs
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens two outputs share."""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def llama_cpp_peers(engine: Engine, encoded: list[list[int]], max_tokens: int,
+                    ours: list[list[int]]) -> dict[str, dict]:
+    """name → {"tokens_per_s", "what", "common_prefix_tokens"} (or {"skipped": why}) for llama.cpp plain and with
+    its prompt lookup. ours: our plain greedy tokens per prompt; common_prefix_tokens is the mean number of leading
+    tokens llama.cpp's greedy output shares with ours. Its Q4_1 kernels round activations to 8 bits, so the two part
+    at some near tie, but the same prompt on the same weights starts alike (a wrong template would part at once)."""
+    lookup = max(engine.num_draft_tokens, 1)
+    names = (LLAMA_CPP, f"llama.cpp prompt lookup ({lookup})")
+    try:
+        import llama_cpp
+        from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+    except ImportError:
+        return dict.fromkeys(names, {"skipped": f"llama-cpp-python is not installed ({LLAMA_CPP_INSTALL})"})
+    gguf, why = target_gguf(engine)
+    if gguf is None:
+        return dict.fromkeys(names, {"skipped": why})
+    threads = torch.get_num_threads()
+    end_ids = tuple(engine.target.config.eos_token_ids)
+    where = f"llama.cpp {llama_cpp.__version__} (llama-cpp-python) on {gguf.name}, CPU, {threads} threads"
+    peers = {}
+    for name, draft in zip(names, (None, LlamaPromptLookupDecoding(num_pred_tokens=lookup))):
+        llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=engine.max_length + lookup + 1, n_threads=threads,
+                              n_threads_batch=threads, verbose=False, draft_model=draft)
+        streamed_rate(llm, encoded[:1], 4, end_ids)  # warm-up
+        rate, outputs = streamed_rate(llm, encoded, max_tokens, end_ids)
+        peers[name] = {"tokens_per_s": rate,
+                       "common_prefix_tokens": sum(map(common_prefix, outputs, ours)) / max(len(outputs), 1),
+                       "what": where + ("" if draft is None else f", prompt lookup of {lookup} tokens "
+                                                                 f"(max_ngram_size 2)")}
+        llm.close()
+    return peers

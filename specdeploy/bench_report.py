@@ -207,7 +207,10 @@ def peer_lines(reports: list[dict]) -> list[str]:
                 lines.append(f"| {name} | skipped: {peer['skipped']} | – | – | – |")
                 continue
             ratio = ratios[name]
-            lines.append(f"| {name} | {peer['what']} | {peer['tokens_per_s']:.1f} | {ratio['ours_plain']:.2f}× | "
+            what = peer["what"]
+            if "common_prefix_tokens" in peer:
+                what += f"; its greedy output follows ours for {peer['common_prefix_tokens']:.1f} tokens on average"
+            lines.append(f"| {name} | {what} | {peer['tokens_per_s']:.1f} | {ratio['ours_plain']:.2f}× | "
                          f"{ratio['ours_speculative']:.2f}× |")
         faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
         lines += ["", (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster else

@@ -23,6 +23,12 @@ def engines_option(function):
                         help=ENGINES_HELP)(function)
 
 
+def device_option(function):
+    return click.option("--device", type=click.Choice(["cpu", "cuda"]), default=None,
+                        help="Run the torch engine here (default: the pipeline's backend.torch.device, else cpu); "
+                             "the engine records it, and a repository packaged for cuda gets KIND_GPU.")(function)
+
+
 def sampling_options(function):
     """The request fields a pipeline's sampling section defaults."""
     for option in reversed([
@@ -67,12 +73,13 @@ def cli() -> None:
 @click.option("--force", is_flag=True, help="Rebuild even when the inputs are unchanged.")
 @click.option("--dry-run", is_flag=True, help="backend trtllm: print every conversion and engine build with its "
               "arguments and paths, and run nothing (needs no TensorRT-LLM).")
-def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool) -> None:
+@device_option
+def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool, device: str | None) -> None:
     """Build the pipeline's target (and draft) engines."""
     from specdeploy.builders.torch import build as build_engine
-    from specdeploy.pipeline import load_pipeline
+    from specdeploy.workflows import load_spec
 
-    pipeline = load_pipeline(pipeline_path)
+    pipeline = load_spec(pipeline_path, device)
     if pipeline.backend.kind == "trtllm":
         from specdeploy.builders import trtllm
 
@@ -114,10 +121,11 @@ def echo_text(text: str) -> None:
               "(-1: none, generate --max-tokens).")
 @click.option("--compare", is_flag=True, help="Also run plain decode on the same prompt and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
+@device_option
 def generate(arguments: tuple[str, ...], url: str | None, stream: bool, engines_dir: Path, max_tokens: int | None,
              temperature: float | None, top_k: int | None, top_p: float | None,
              repetition_penalty: float | None, seed: int | None, num_draft_tokens: int | None,
-             no_speculation: bool, end_id: int | None, compare: bool, as_json: bool) -> None:
+             no_speculation: bool, end_id: int | None, compare: bool, as_json: bool, device: str | None) -> None:
     """Generate in-process (PIPELINE.yaml PROMPT) or over gRPC (--url HOST:PORT PROMPT), streaming the text."""
     from specdeploy.workflows import RequestOptions, generate_in_process, generate_over_grpc, load_engine
 
@@ -131,7 +139,7 @@ def generate(arguments: tuple[str, ...], url: str | None, stream: bool, engines_
     else:
         if len(arguments) != 2:
             raise click.UsageError("give PIPELINE.yaml and PROMPT (or --url HOST:PORT and PROMPT)")
-        engine = load_engine(arguments[0], engines_dir, quiet=as_json)
+        engine = load_engine(arguments[0], engines_dir, quiet=as_json, device=device)
         report = generate_in_process(engine, arguments[1], options, compare, show)
     if as_json:
         click.echo(json.dumps(report))
@@ -191,12 +199,13 @@ def print_generation(report: dict, url: str | None) -> None:
               help="MoE targets: bench at the pipeline's full gamma (whatever its cap), predict every gamma from the "
                    "expert-union verify cost and write the best into the engine, where serving.policy.gamma_cap: "
                    "measured serves with it.")
+@device_option
 def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, concurrency: str,
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
           json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool, report_dir: Path | None,
-          gammas: str | None, peers: bool) -> None:
+          gammas: str | None, peers: bool, device: str | None) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
@@ -219,7 +228,7 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         pyplot()  # before measuring: a missing matplotlib is an error now, not after minutes of benchmarking
     if url is not None and len(pipeline_paths) > 1:
         raise click.UsageError("--url compares a server with one pipeline in-process: give one PIPELINE.yaml")
-    engines = [load_engine(path, engines_dir) for path in pipeline_paths]
+    engines = [load_engine(path, engines_dir, device=device) for path in pipeline_paths]
     engine = engines[0] if engines else None
     if url is None:
         if engine is None:
@@ -355,8 +364,9 @@ def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: 
               help="trtllm llm_api line: a NVIDIA/TensorRT-LLM checkout at the served release's tag, whose "
                    "Triton LLM-API model code the repository takes.")
 @click.option("--force", is_flag=True, help="Write the repository even when it was packaged from the same inputs.")
+@device_option
 def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_at: Path | None,
-            trtllm_source: Path | None, force: bool) -> None:
+            trtllm_source: Path | None, force: bool, device: str | None) -> None:
     """Write a Triton model repository: the ensemble preprocessing → speculative, and for a trtllm pipeline the
     tensorrtllm backend's tensorrt_llm (and tensorrt_llm_draft) models that speculative orchestrates (on the
     llm_api line: Triton's LLM-API model with its model.yaml)."""
@@ -365,7 +375,8 @@ def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_a
     if served_at is not None and not served_at.is_absolute():
         raise click.BadParameter("must be an absolute path (the backend reads engine paths as they are)",
                                  param_hint="--served-at")
-    directory, written = package_pipeline(pipeline_path, engines_dir, output, served_at, trtllm_source, force)
+    directory, written = package_pipeline(pipeline_path, engines_dir, output, served_at, trtllm_source, force,
+                                          device)
     click.echo(f"wrote {directory}" if written else f"{directory}: up to date, nothing to package")
 
 
@@ -380,8 +391,9 @@ def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_a
 @click.option("--address", default="127.0.0.1", show_default=True, help="Interface to bind (0.0.0.0: all).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
               help="Seconds running requests get to finish after SIGTERM or Ctrl-C (default: 30).")
+@device_option
 def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path | None, grpc_port: int,
-          http_port: int, metrics_port: int, address: str, drain_timeout: float | None) -> None:
+          http_port: int, metrics_port: int, address: str, drain_timeout: float | None, device: str | None) -> None:
     """Run tritonserver on the pipeline's model repository until SIGTERM or Ctrl-C, then drain and exit."""
     import signal
 
@@ -391,7 +403,10 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
     if model_repository is None:
         if pipeline_path is None:
             raise click.UsageError("give PIPELINE.yaml or --model-repository")
-        model_repository = package_pipeline(pipeline_path, engines_dir).directory
+        model_repository = package_pipeline(pipeline_path, engines_dir, device=device).directory
+    elif device is not None:
+        raise click.UsageError("--device applies when packaging PIPELINE.yaml; a given --model-repository runs "
+                               "where it was packaged for")
     server = TritonServer(model_repository, grpc_port, http_port, metrics_port, address,
                           drain_timeout=DRAIN_TIMEOUT if drain_timeout is None else drain_timeout)
     # The handlers only start the drain (a second signal kills): the main thread is the one waiting on the server.
@@ -414,14 +429,15 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
 @click.argument("prompt")
 @engines_option
 @click.option("--max-tokens", type=int, default=None, help="Tokens to generate (default: the pipeline's).")
-def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | None) -> None:
+@device_option
+def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | None, device: str | None) -> None:
     """The main job end to end: build, package, serve on free local ports, stream a generation over gRPC with the
     acceptance statistics and a plain-vs-speculative comparison, then stop the server."""
     from specdeploy.triton.server import TritonServer
     from specdeploy.workflows import RequestOptions, generate_over_grpc
     from specdeploy.workflows import package as package_pipeline
 
-    repository = package_pipeline(pipeline_path, engines_dir).directory
+    repository = package_pipeline(pipeline_path, engines_dir, device=device).directory
     click.echo(f"model repository: {repository}; starting tritonserver ...")
     with TritonServer(repository, log_file=repository.with_name(repository.name + ".tritonserver.log")) as server:
         click.echo(f"tritonserver ready on {server.grpc_url} (log: {server.log_file})\n")

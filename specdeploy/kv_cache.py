@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from specdeploy.transfer import from_host
+
 
 class KVCache:
     """Keys and values for every layer: `keys[layer]`, `values[layer]` are [batch, kv_heads, max_length, head_dim]."""
@@ -51,8 +53,8 @@ class KVCache:
         accepted path, moved from where its nodes were written to the positions it now holds)."""
         if sources == destinations:
             return
-        source = torch.tensor(sources, device=self.keys.device)
-        destination = torch.tensor(destinations, device=self.keys.device)
+        source = from_host(sources, self.keys.device)
+        destination = from_host(destinations, self.keys.device)
         self.keys[:, row, :, destination] = self.keys[:, row, :, source]
         self.values[:, row, :, destination] = self.values[:, row, :, source]
 

@@ -65,7 +65,10 @@ def fingerprint(pipeline: PipelineSpec, files: list[Path], versions: dict, engin
     for record in records:
         combined.update(Path(record["path"]).name.encode())
         combined.update(record["sha256"].encode())
-    return {"spec": {key: spec[key] for key in ENGINE_SECTIONS}, "source_checksum": combined.hexdigest(),
+    engine = {key: spec[key] for key in ENGINE_SECTIONS}
+    # where a torch engine runs is not what it is: the same files serve on a CPU and a GPU
+    engine["backend"] = {key: value for key, value in spec["backend"].items() if key != "torch"}
+    return {"spec": engine, "source_checksum": combined.hexdigest(),
             "sources": records, "versions": versions}
 
 

@@ -33,6 +33,7 @@ Method = Literal["draft_target", "ngram", "medusa", "none"]
 Acceptance = Literal["exact", "typical"]
 Schedule = Literal["constant", "heuristic"]  # proposal length per step: always gamma, or adaptive up to gamma
 BackendKind = Literal["torch", "trtllm"]
+Device = Literal["cpu", "cuda"]  # where the torch backend runs: the CPU, or an NVIDIA GPU
 
 _NEUTRAL = SamplingParams()
 
@@ -352,15 +353,39 @@ class TrtllmSpec(Section):
 
 
 @dataclass(frozen=True)
+class TorchSpec(Section):
+    """Torch backend settings (backend.kind: torch). device: cuda runs build measurements, generate, bench and serve
+    on an NVIDIA GPU (Triton gives the engine's model KIND_GPU instances); the engine files are the same on both, so
+    changing it rebuilds nothing."""
+
+    device: Device = "cpu"
+
+
+@dataclass(frozen=True)
 class BackendSpec(Section):
     """Which engine the build produces and the Triton repository serves; each kind brings its own settings."""
 
     kind: BackendKind = "torch"
     trtllm: TrtllmSpec | None = None  # kind trtllm only; None there: every default
+    torch: TorchSpec | None = None  # kind torch only; None there: every default
 
     def check(self) -> None:
         if self.kind != "trtllm" and self.trtllm is not None:
             raise Problem("trtllm", f"only with kind: trtllm (kind is {self.kind!r})")
+        if self.kind != "torch" and self.torch is not None:
+            raise Problem("torch", f"only with kind: torch (kind is {self.kind!r}; TensorRT-LLM always runs on "
+                                   f"GPUs)")
+
+    @property
+    def device(self) -> Device:
+        """Where the torch backend's engine runs."""
+        return self.torch.device if self.torch else "cpu"
+
+    def with_device(self, device: Device) -> BackendSpec:
+        """The same backend run on `device` (the CLI's --device); only the torch backend has a choice."""
+        if self.kind != "torch":
+            raise PipelineError(f"--device is for the torch backend (this pipeline's backend.kind is {self.kind!r})")
+        return dataclasses.replace(self, torch=TorchSpec(device=device))
 
     @property
     def settings(self) -> TrtllmSpec:

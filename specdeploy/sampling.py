@@ -11,6 +11,7 @@ import torch
 
 from specdeploy.reductions import argmax
 from specdeploy.sampling_params import SamplingParams
+from specdeploy.transfer import from_host
 
 
 def request_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator | None:
@@ -105,7 +106,7 @@ def sample(probs: torch.Tensor, randomness: Randomness) -> torch.Tensor:
 def seen_mask(tokens: list[int] | torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
     """[V] bool: which tokens occur in `tokens`."""
     mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    mask[torch.as_tensor(tokens, dtype=torch.long, device=device)] = True
+    mask[tokens.to(device) if isinstance(tokens, torch.Tensor) else from_host(tokens, device, torch.long)] = True
     return mask
 
 

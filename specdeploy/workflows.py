@@ -19,7 +19,7 @@ from typing import NamedTuple
 from specdeploy.builders.torch import BuildResult, build
 from specdeploy.errors import SpecdeployError
 from specdeploy.layout import MODEL_REPOSITORIES_DIR
-from specdeploy.pipeline import load_pipeline
+from specdeploy.pipeline import Device, PipelineSpec, load_pipeline
 from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
 from specdeploy.text import IncrementalDetokenizer
@@ -50,13 +50,22 @@ class RequestOptions:
                 "num_draft_tokens": self.num_draft_tokens, "end_id": self.end_id}
 
 
-def prepare_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False) -> BuildResult:
+def load_spec(pipeline_path: str | Path, device: Device | None = None) -> PipelineSpec:
+    """The pipeline file, its torch backend run on `device` when one is given (the CLI's --device). The engine's
+    saved pipeline records the device, so the engine, its repository and the server follow it without a rebuild."""
+    pipeline = load_pipeline(pipeline_path)
+    return pipeline if device is None else dataclasses.replace(pipeline, backend=pipeline.backend.with_device(device))
+
+
+def prepare_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False,
+                   device: Device | None = None) -> BuildResult:
     """Build the pipeline's engine if it is missing or stale."""
-    return build(load_pipeline(pipeline_path), engines_dir, quiet=quiet)
+    return build(load_spec(pipeline_path, device), engines_dir, quiet=quiet)
 
 
-def load_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False) -> Engine:
-    return Engine(prepare_engine(pipeline_path, engines_dir, quiet).directory)
+def load_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False,
+                device: Device | None = None) -> Engine:
+    return Engine(prepare_engine(pipeline_path, engines_dir, quiet, device).directory)
 
 
 class PackageResult(NamedTuple):
@@ -65,7 +74,8 @@ class PackageResult(NamedTuple):
 
 
 def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = None,
-            served_at: Path | None = None, trtllm_source: Path | None = None, force: bool = False) -> PackageResult:
+            served_at: Path | None = None, trtllm_source: Path | None = None, force: bool = False,
+            device: Device | None = None) -> PackageResult:
     """Build the pipeline's engine if needed (TensorRT-LLM engines for a trtllm pipeline) and write its model
     repository (default model_repository/<name>), unless it was packaged from the same inputs already (force:
     write it anyway). served_at: where a trtllm repository will be mounted on the server, which its engine paths
@@ -74,7 +84,7 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
     from specdeploy.triton.package_stamp import is_current, package_stamp, write_stamp
     from specdeploy.triton.repository import write_repository
 
-    pipeline = load_pipeline(pipeline_path)
+    pipeline = load_spec(pipeline_path, device)
     builder = trtllm.build if pipeline.backend.kind == "trtllm" else build
     engine_dir = builder(pipeline, engines_dir).directory
     output = Path(output or MODEL_REPOSITORIES_DIR / pipeline.name)

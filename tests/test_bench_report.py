@@ -104,6 +104,9 @@ def test_peers_run_on_the_same_weights_and_the_report_names_the_faster(tiny_engi
     assert plain_draft[PLAIN]["tokens_per_s"] > 0 and plain_draft["transformers assistant_model"]["tokens_per_s"] > 0
     assert "int4" in int4["transformers assistant_model"]["skipped"]
     assert any(name.startswith("transformers prompt lookup") for name in int4)
+    llama_cpp = [peer for name, peer in int4.items() if name.startswith("llama.cpp")]
+    assert len(llama_cpp) == 2 and all("not a GGUF file" in peer["skipped"] or "not installed" in peer["skipped"]
+                                       for peer in llama_cpp)
     ratios = peer_ratios(measured[0])
     assert ratios[PLAIN]["ours_plain"] == pytest.approx(measured[0]["baseline_tokens_per_s"]
                                                         / plain_draft[PLAIN]["tokens_per_s"])
@@ -122,3 +125,32 @@ def test_a_gamma_sweep_adds_measured_points(tiny_engines, tmp_path):
     write_report(swept, tmp_path, ["a.yaml", "b.yaml"])
     with Image.open(tmp_path / "speedup.png") as image:
         assert image.format == "PNG"
+
+
+def test_without_llama_cpp_python_its_peers_say_how_to_install_it(tiny_engines, monkeypatch):
+    from specdeploy.bench_peers import llama_cpp_peers
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
+    peers = llama_cpp_peers(tiny_engines["ngram"], [[5, 6, 7]], 4, [[8]])
+    assert set(peers) == {"llama.cpp", "llama.cpp prompt lookup (3)"}
+    assert all("pip install 'specdeploy[peers]'" in peer["skipped"] for peer in peers.values())
+
+
+@pytest.mark.smollm2
+def test_llama_cpp_runs_the_gguf_the_target_was_built_from(smollm2_fp32_engines):
+    """Where llama-cpp-python is installed (make peers): plain and prompt lookup on the package's GGUF, greedy, at
+    our thread count; its Q4_1 weights are the ones our target was dequantized from, so its greedy output starts
+    as ours does (its 8-bit activations part from ours later, at some near tie)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (make peers builds it)")
+    from specdeploy.bench_peers import llama_cpp_peers
+    from specdeploy.sampling_params import SamplingParams
+
+    engine = smollm2_fp32_engines["draft-target"]
+    prompts = ["Write a Python function that adds two numbers.", "Name three colours of the rainbow."]
+    encoded = [engine.encode_prompt(prompt) for prompt in prompts]
+    ours = [engine.generate(ids, SamplingParams(), 16, num_draft_tokens=0).run() for ids in encoded]
+    peers = llama_cpp_peers(engine, encoded, 16, ours)
+    assert set(peers) == {"llama.cpp", "llama.cpp prompt lookup (5)"}
+    for peer in peers.values():
+        assert peer["tokens_per_s"] > 0 and "SmolLM2-135M-Instruct.Q4_1.gguf" in peer["what"]
+        assert peer["common_prefix_tokens"] >= 3

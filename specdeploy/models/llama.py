@@ -22,6 +22,7 @@ from specdeploy.kv_cache import KVCache, write_entries
 from specdeploy.machine import onednn_bf16
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.quantize import Int4Linear, Int8Linear, RescoredHead
+from specdeploy.transfer import from_host
 
 
 def packs_for_cpu(weight: torch.Tensor) -> bool:
@@ -235,7 +236,7 @@ class LlamaModel(nn.Module):
 def pad_rows(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
     """Token lists of different lengths → [B, W] long, each padded at its end with token 0."""
     width = max(len(row) for row in rows)
-    return torch.tensor([row + [0] * (width - len(row)) for row in rows], dtype=torch.long, device=device)
+    return from_host([row + [0] * (width - len(row)) for row in rows], device, torch.long)
 
 
 def ragged_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int]) -> torch.Tensor:
@@ -247,7 +248,7 @@ def ragged_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, 
     Returns every position's hidden state: [B, W, hidden] (padding positions included).
     """
     width = tokens.shape[1]
-    positions = torch.tensor(starts, device=tokens.device)[:, None] + torch.arange(width, device=tokens.device)
+    positions = from_host(starts, tokens.device)[:, None] + torch.arange(width, device=tokens.device)
     cache.lengths = list(starts)
     return model(tokens, positions, cache)
 
@@ -257,7 +258,7 @@ def ragged_forward(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, star
     """As ragged_forward_all, returning the hidden state of each row's last real token (row r has lengths[r]):
     [B, hidden]."""
     hidden = ragged_forward_all(model, cache, tokens, starts)
-    last = torch.tensor([length - 1 for length in lengths], device=hidden.device)
+    last = from_host([length - 1 for length in lengths], hidden.device)
     return hidden[torch.arange(len(lengths), device=hidden.device), last]
 
 
@@ -269,8 +270,8 @@ def tree_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, st
     A row with fewer real nodes than W-1 pads at its end, as in `ragged_forward_all`. Returns [B, W, hidden]."""
     batch, width = tokens.shape
     device = tokens.device
-    start = torch.tensor(starts, device=device)[:, None]  # [B, 1]
-    positions = start + torch.tensor(depths[:width], device=device)[None, :]
+    start = from_host(starts, device)[:, None]  # [B, 1]
+    positions = start + from_host(depths[:width], device)[None, :]
     slots = start + torch.arange(width, device=device)[None, :]
     relative = torch.arange(max(starts) + width, device=device)[None, :] - start  # [B, S]: key slot - start
     in_tree = (relative >= 0) & (relative < width)

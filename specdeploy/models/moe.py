@@ -59,9 +59,11 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         weights, experts = route(self.router.forward(flat), self.experts_per_token)  # [N, k] each
         assignments = experts.flatten()  # [N * k]: token n's j-th expert at n * k + j
-        order = assignments.argsort(stable=True)  # assignments grouped by expert
         counts = torch.bincount(assignments, minlength=self.num_experts)
         self.expert_tokens = counts
+        if flat.device.type != "cpu":
+            return self.every_expert(flat, weights, experts).view_as(x)
+        order = assignments.argsort(stable=True)  # assignments grouped by expert
         tokens_in_order = order // self.experts_per_token
         routed = flat[tokens_in_order]  # [N * k, H]: each token once per expert it goes to, grouped by expert
         outputs, start = [], 0
@@ -75,6 +77,18 @@ class SparseMoE(nn.Module):
         weighted = (torch.cat(outputs) * weights.flatten()[order, None]).to(flat.dtype)
         out = torch.zeros_like(flat).index_add_(0, tokens_in_order, weighted)
         return out.view_as(x)
+
+    def every_expert(self, flat: torch.Tensor, weights: torch.Tensor, experts: torch.Tensor) -> torch.Tensor:
+        """flat: [N, H], weights and experts: [N, k] → [N, H]. Every expert over every token, each output weighted by
+        its routing weight (0 where the token is not routed to it). Skipping the idle experts needs their token counts
+        on the host, a sync per layer on a GPU; a verification's few tokens touch most experts anyway."""
+        dense = torch.zeros(flat.shape[0], self.num_experts, dtype=weights.dtype, device=flat.device)
+        dense.scatter_(1, experts, weights)  # [N, E]
+        out = torch.zeros(flat.shape, dtype=torch.float32, device=flat.device)
+        for expert in range(self.num_experts):
+            gate, up = self.gate_up[expert].forward(flat).chunk(2, dim=-1)
+            out += self.down[expert].forward(F.silu(gate) * up).float() * dense[:, expert, None]
+        return out.to(flat.dtype)
 
 
 class MixtralModel(LlamaModel):

@@ -7,7 +7,8 @@ and an int4 head costs the draft most of its agreement with the target (alpha 0.
 keeps it for little more cost. A derived draft's head is therefore two-stage (`RescoredHead`): int4 logits for
 every token, then the top few recomputed from int8 rows. Reading half the bytes saves the draft about 0.9 ms of its
 13 ms forward here, and the int8 argmax is always among the int4 top 4 in our measurements, so the draft agrees with
-the target as often as with a full int8 head. The matmuls run in torch's CPU weight-only kernels.
+the target as often as with a full int8 head. The matmuls run in torch's weight-only kernels (CPU, or tinygemm on
+an NVIDIA GPU).
 """
 
 from __future__ import annotations
@@ -51,23 +52,54 @@ def dequantize_int4(codes: torch.Tensor, scales: torch.Tensor, minimums: torch.T
 
 
 class Int4Linear(nn.Module):
-    """y = x @ dequant(W).T with W stored as int4 groups. x: [..., K] → [..., N] in x's dtype."""
+    """y = x @ dequant(W).T with W stored as int4 groups. x: [..., K] → [..., N] in x's dtype.
+
+    The codes are packed at construction for the kernel of the device they are on: torch's CPU int4 kernel, or on a
+    GPU the tinygemm kernel (`_weight_int4pack_mm`), which takes the first of two codes in a byte's high nibble
+    (ours keep it in the low one) and needs N a multiple of 8 and K of 16 × its inner K tiles. A GPU layer outside
+    those shapes is dequantized to bf16 once instead."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> None:
         super().__init__()
         self.out_features = codes.shape[0]
         self.in_features = codes.shape[1] * 2
         self.group_size = self.in_features // scales.shape[1]
-        # torch's kernel computes (q - 8) * scale + zero, so zero = minimum + 8 * scale.
+        self.on_gpu = codes.device.type == "cuda"
+        tiles = inner_k_tiles(self.in_features)
+        self.dense = None
+        if self.on_gpu and (tiles is None or self.out_features % 8):
+            self.dense = dequantize_int4(codes, scales, minimums).to(torch.bfloat16)
+            return
+        # the kernels compute (q - 8) * scale + zero, so zero = minimum + 8 * scale.
         zeros = minimums + 8 * scales
         self.register_buffer("scales_and_zeros",
                              torch.stack([scales, zeros], dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16))
-        self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(unpack_codes(codes), 1))
+        if self.on_gpu:
+            self.register_buffer("packed", torch._convert_weight_to_int4pack(high_nibble_first(codes), tiles))
+        else:
+            self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(unpack_codes(codes), 1))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch._weight_int4pack_mm_for_cpu(as_bf16_rows(x), self.packed, self.group_size,
-                                                self.scales_and_zeros)
+        rows = as_bf16_rows(x)
+        if self.dense is not None:
+            out = rows @ self.dense.T
+        elif self.on_gpu:
+            out = torch._weight_int4pack_mm(rows, self.packed, self.group_size, self.scales_and_zeros)
+        else:
+            out = torch._weight_int4pack_mm_for_cpu(rows, self.packed, self.group_size, self.scales_and_zeros)
         return from_bf16_rows(out, x)
+
+
+def inner_k_tiles(in_features: int) -> int | None:
+    """The GPU int4 kernel's inner K tiles for rows of in_features (the largest of 8, 4, 2 that divides them into
+    tiles of 16), or None when none does."""
+    return next((tiles for tiles in (8, 4, 2) if in_features % (tiles * 16) == 0), None)
+
+
+def high_nibble_first(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [N, K/2] with code 2i in the low nibble → the same codes with code 2i in the high nibble (the GPU
+    kernel's order)."""
+    return (packed << 4) | (packed >> 4)
 
 
 def quantize_int8(weight: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -36,6 +36,7 @@ from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_g
 from specdeploy.speculative.proposer import Proposal, Proposer
 from specdeploy.speculative.schedule import ProposalLength
 from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_greedy, accept_tree_typical
+from specdeploy.transfer import PhaseClock, from_host
 
 
 def outcome_rows(result: AcceptanceResult) -> torch.Tensor:
@@ -87,6 +88,7 @@ class BatchDecoder:
         self.tree_rule = accept_tree_typical if acceptance == "typical" else accept_tree
         self.vocab_size = target.config.vocab_size
         self.device = target.embed.device
+        self.clock = PhaseClock(self.device)
 
     def new_sequence(self, request: GenerationRequest, gamma: int, schedule: Schedule,
                      end_ids: frozenset[int]) -> Sequence:
@@ -106,7 +108,7 @@ class BatchDecoder:
         with torch.inference_mode():
             view = self.cache.rows(row, row + 1)
             view.lengths[0] = 0
-            hidden = self.target(torch.tensor([prompt], device=self.device),
+            hidden = self.target(from_host([prompt], self.device),
                                  torch.arange(len(prompt), device=self.device)[None], view)[0]  # [T, H]
             logits = self.target.logits(hidden[-1:])
             probs = sampling_distribution(logits, sequence.params,
@@ -122,18 +124,18 @@ class BatchDecoder:
         """One decode step for rows 0..B-1. caps[r] caps row r's proposal (default: its schedule's length).
         Returns the tokens each row emitted."""
         gammas = [self._gamma(s, None if caps is None else caps[r]) for r, s in enumerate(sequences)]
-        started = time.perf_counter()
+        self.clock.start()
         with torch.inference_mode():
             proposal = (self.proposer.propose(sequences, gammas) if max(gammas) > 0
                         else Proposal.empty(len(sequences), self.device))
-            proposed = time.perf_counter()
+            self.clock.drafted()
             verdict = self.verify(sequences, proposal)
-            verified = time.perf_counter()
+            draft_seconds, verify_seconds = self.clock.verified()
             emitted = [self.commit(sequence, row, proposal.counts[row], verdict, proposal.positions(row))
                        for row, sequence in enumerate(sequences)]
         for sequence in sequences:
-            sequence.stats.draft_seconds += proposed - started
-            sequence.stats.verify_seconds += verified - proposed
+            sequence.stats.draft_seconds += draft_seconds
+            sequence.stats.verify_seconds += verify_seconds
         return emitted
 
     def verify(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
@@ -141,10 +143,10 @@ class BatchDecoder:
         attention mask), then the exact rule for all rows."""
         batch, counts, tree = len(sequences), proposal.counts, proposal.tree
         width = max(counts) + 1
-        pending = torch.tensor([[s.committed[-1]] for s in sequences], device=self.device)
+        pending = from_host([[s.committed[-1]] for s in sequences], self.device)
         tokens = torch.cat([pending, proposal.tokens[:, :width - 1]], dim=1)  # [B, W]
         starts = [s.cache_length for s in sequences]
-        ancestry = None if tree is None else torch.tensor(tree.ancestry, device=self.device)[:width, :width]
+        ancestry = None if tree is None else from_host(tree.ancestry, self.device)[:width, :width]
         if tree is None:
             hidden = ragged_forward_all(self.target, self.cache.rows(0, batch), tokens, starts)  # [B, W, H]
         else:
@@ -158,12 +160,15 @@ class BatchDecoder:
         if offsets[-1] == batch * width:  # every row verifies W positions
             real = hidden.reshape(batch * width, -1)
         else:
-            real = hidden[[r for r in range(batch) for _ in range(counts[r] + 1)],
-                          [c for r in range(batch) for c in range(counts[r] + 1)]]
+            real = hidden[from_host([r for r in range(batch) for _ in range(counts[r] + 1)], self.device),
+                          from_host([c for r in range(batch) for c in range(counts[r] + 1)], self.device)]
         logits = self._penalised(sequences, proposal, offsets, self.target.logits(real), ancestry)  # [N, V] fp32
-        num_drafted = torch.tensor(counts, device=self.device)
+        num_drafted = from_host(counts, self.device)
         greedy = [r for r, s in enumerate(sequences) if s.params.greedy]
         sampled = [r for r, s in enumerate(sequences) if not s.params.greedy]
+        # Row lists index device tensors as device tensors: a Python list would be copied over with a host sync.
+        greedy_rows, sampled_rows = from_host(greedy, self.device, torch.long), from_host(sampled, self.device,
+                                                                                           torch.long)
         outcomes = []  # (rows, [len(rows), W + 1]: the emitted tokens, then the accepted count)
         if greedy:  # the logits are final (penalties applied): each position's target token is their argmax
             if len(greedy) == batch and offsets[-1] == batch * width:
@@ -171,25 +176,27 @@ class BatchDecoder:
             else:
                 places = [(i, c, offsets[r] + c) for i, r in enumerate(greedy) for c in range(counts[r] + 1)]
                 target_tokens = torch.zeros(len(greedy), width, dtype=torch.long, device=self.device)
-                at_row, at_column, flat = (list(column) for column in zip(*places))
+                at_row, at_column, flat = (from_host(list(column), self.device) for column in zip(*places))
                 target_tokens[at_row, at_column] = argmax(logits[flat])
             if tree is None:
-                result = accept_greedy(tokens[greedy, 1:], target_tokens, num_drafted[greedy])
+                result = accept_greedy(tokens[greedy_rows, 1:], target_tokens, num_drafted[greedy_rows])
             else:
-                result = accept_tree_greedy(tree, tokens[greedy, 1:], target_tokens, num_drafted[greedy])
-            outcomes.append((greedy, outcome_rows(result)))
+                result = accept_tree_greedy(tree, tokens[greedy_rows, 1:], target_tokens, num_drafted[greedy_rows])
+            outcomes.append((greedy_rows, outcome_rows(result)))
         if sampled:
             target_probs = torch.zeros(len(sampled), width, self.vocab_size, device=self.device)
             for i, r in enumerate(sampled):
                 target_probs[i, :counts[r] + 1] = sampling_distribution(logits[offsets[r]:offsets[r + 1]],
                                                                         sequences[r].params)
-            draft_probs = None if proposal.q is None else proposal.q[sampled, :width - 1]
+            draft_probs = None if proposal.q is None else proposal.q[sampled_rows, :width - 1]
             streams = RowStreams([sequences[r].generator for r in sampled], [counts[r] for r in sampled])
             if tree is None:
-                result = accept(tokens[sampled, 1:], draft_probs, target_probs, num_drafted[sampled], streams)
+                result = accept(tokens[sampled_rows, 1:], draft_probs, target_probs, num_drafted[sampled_rows],
+                                streams)
             else:
-                result = self.tree_rule(tree, tokens[sampled, 1:], target_probs, num_drafted[sampled], streams)
-            outcomes.append((sampled, outcome_rows(result)))
+                result = self.tree_rule(tree, tokens[sampled_rows, 1:], target_probs, num_drafted[sampled_rows],
+                                        streams)
+            outcomes.append((sampled_rows, outcome_rows(result)))
         if len(outcomes) == 1:
             outcome = outcomes[0][1]  # one kind of row, already in row order
         else:

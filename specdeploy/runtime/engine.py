@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from specdeploy import text
 from specdeploy.errors import SpecdeployError
 from specdeploy.layout import engine_pipeline
@@ -63,26 +65,36 @@ def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:
                                                                          acceptance=acceptance))
 
 
+def check_device(device: str) -> None:
+    """SpecdeployError when torch cannot run on `device` here."""
+    if torch.device(device).type == "cuda" and not torch.cuda.is_available():
+        raise SpecdeployError(f"device {device!r} (backend.torch.device or --device) needs an NVIDIA GPU, and torch "
+                              f"sees none (torch {torch.__version__}, CUDA build: {torch.version.cuda or 'no'}); "
+                              f"use device cpu")
+
+
 class Engine:
-    def __init__(self, engine_dir: str | Path, device: str = "cpu", method: Method | None = None,
+    def __init__(self, engine_dir: str | Path, device: str | None = None, method: Method | None = None,
                  batch_size: int = 1) -> None:
-        """method: run with another speculation method than the one built ("ngram" and "none" need no draft).
-        batch_size: cache rows, i.e. how many sequences `decoder` can step together (a server uses
-        limits.max_batch_size; one in-process generation needs one)."""
+        """device: "cpu", "cuda" or "cuda:N" (None: the pipeline's backend.torch.device). method: run with another
+        speculation method than the one built ("ngram" and "none" need no draft). batch_size: cache rows, i.e. how
+        many sequences `decoder` can step together (a server uses limits.max_batch_size; one in-process generation
+        needs one)."""
         from transformers import AutoTokenizer
 
         self.dir = Path(engine_dir)
         pipeline = engine_pipeline(self.dir)
         self.pipeline = pipeline if method is None else with_method(pipeline, method)
         check_outputs(self.dir, ["target", *COMPONENTS.get(self.method, [])])
-        self.device = device
-        self.target = load_component(self.dir / "target", device)
+        self.device = device or self.pipeline.backend.device
+        check_device(self.device)
+        self.target = load_component(self.dir / "target", self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
         limits = self.pipeline.limits
         # Headroom past the limit: ragged batches pad short rows by up to max_draft_tokens + 1 positions.
         self.cache = self.target.new_cache(batch_size, limits.max_sequence_length + limits.max_draft_tokens + 1)
         self.proposer = create_proposer(self.method, EngineParts(self.dir, self.pipeline, self.target, self.cache,
-                                                                 device))
+                                                                 self.device))
         self.end_ids = text.end_of_sequence_ids(self.tokenizer, self.target.config.eos_token_ids)
         self.decoder = BatchDecoder(self.target, self.cache, self.proposer, limits.max_sequence_length,
                                     self.pipeline.speculation.acceptance)

@@ -25,6 +25,7 @@ from specdeploy.reductions import argmax
 from specdeploy.sampling import greedy_tokens, sample, sampling_distribution
 from specdeploy.sequence import Sequence
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
+from specdeploy.transfer import from_host
 
 FED_PER_STEP = 2  # committed tokens an own-cache row feeds at most in the batched forward (more: caught up alone)
 
@@ -76,7 +77,7 @@ class DraftModelProposer(Proposer):
         if not tokens:
             return
         start = self.cache.lengths[row]
-        self.model(torch.tensor([tokens], device=self.device),
+        self.model(from_host([tokens], self.device),
                    torch.arange(start, start + len(tokens), device=self.device)[None], self.cache.rows(row, row + 1))
         self.cache.rewind(row, start + len(tokens))
 

@@ -26,6 +26,7 @@ from specdeploy.reductions import topk_indices
 from specdeploy.sequence import Sequence
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
 from specdeploy.token_tree import TokenTree
+from specdeploy.transfer import from_host
 
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "config.json"
@@ -133,8 +134,8 @@ class MedusaProposer(Proposer):
             raise SpecdeployError(f"the Medusa tree is {tree.depth} deep but there are {heads.num_heads} heads")
         self.heads, self.tree, self.shared_head, self.device = heads, tree, shared_head, device
         self.last = torch.zeros(batch_size, heads.hidden_size, device=device)  # [rows, H]
-        self.head_of_node = torch.tensor([len(path) - 1 for path in tree.paths], device=device)
-        self.rank_of_node = torch.tensor([path[-1] for path in tree.paths], device=device)
+        self.head_of_node = from_host([len(path) - 1 for path in tree.paths], device)
+        self.rank_of_node = from_host([path[-1] for path in tree.paths], device)
         self.top = max(path[-1] for path in tree.paths) + 1
 
     @classmethod

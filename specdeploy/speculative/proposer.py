@@ -25,6 +25,7 @@ from specdeploy.kv_cache import KVCache
 from specdeploy.pipeline import PipelineSpec
 from specdeploy.sequence import Sequence
 from specdeploy.token_tree import TokenTree
+from specdeploy.transfer import from_host
 
 if TYPE_CHECKING:
     from specdeploy.models.llama import LlamaModel
@@ -55,8 +56,8 @@ class Proposal:
     def from_lists(proposals: list[list[int]], device: torch.device | str) -> Proposal:
         """Token-list proposals (q one-hot on each), padded into one tensor."""
         width = max([len(p) for p in proposals] + [0])
-        tokens = torch.tensor([p + [0] * (width - len(p)) for p in proposals], dtype=torch.long,
-                              device=device).reshape(len(proposals), width)
+        tokens = from_host([p + [0] * (width - len(p)) for p in proposals], device,
+                           torch.long).reshape(len(proposals), width)
         return Proposal(tokens, None, [len(p) for p in proposals])
 
 

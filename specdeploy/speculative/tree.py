@@ -18,6 +18,7 @@ import torch
 from specdeploy.sampling import Randomness, sample, uniform
 from specdeploy.speculative.acceptance import AcceptanceResult
 from specdeploy.token_tree import TokenTree
+from specdeploy.transfer import from_host
 
 
 @dataclass
@@ -35,7 +36,7 @@ def accept_tree(tree: TokenTree, node_tokens: torch.Tensor, target_probs: torch.
     """
     batch, width = node_tokens.shape
     device = node_tokens.device
-    parents = torch.tensor(tree.parents[:width], dtype=torch.long, device=device)
+    parents = from_host(tree.parents[:width], device, torch.long)
     valid = torch.arange(width, device=device)[None, :] < counts[:, None]  # [B, N]
     tokens = torch.where(valid, node_tokens, 0)
     p_parent = target_probs[:, parents]  # [B, N, V]: the distribution each node's token is judged by
@@ -62,7 +63,7 @@ def accept_tree_greedy(tree: TokenTree, node_tokens: torch.Tensor, target_tokens
     """`accept_tree` for point masses, from the target's token at each verify index (target_tokens [B, N + 1]):
     walk the children equal to the target's token, then emit the target's token at the last node reached."""
     width = node_tokens.shape[1]
-    parents = torch.tensor(tree.parents[:width], dtype=torch.long, device=node_tokens.device)
+    parents = from_host(tree.parents[:width], node_tokens.device, torch.long)
     valid = torch.arange(width, device=node_tokens.device)[None, :] < counts[:, None]
     acceptable = valid & (node_tokens == target_tokens[:, parents])
     path, final_node = _walk(tree, parents, acceptable)
@@ -117,7 +118,7 @@ def accept_tree_typical(tree: TokenTree, node_tokens: torch.Tensor, target_probs
     sampled from p. More tokens are accepted than under `accept_tree`, and the emitted text is no longer distributed
     as the target's (a test shows it). Off unless a pipeline asks for it."""
     width = node_tokens.shape[1]
-    parents = torch.tensor(tree.parents[:width], dtype=torch.long, device=node_tokens.device)
+    parents = from_host(tree.parents[:width], node_tokens.device, torch.long)
     valid = torch.arange(width, device=node_tokens.device)[None, :] < counts[:, None]
     p_parent = target_probs[:, parents]  # [B, N, V]
     p_of_x = p_parent.gather(-1, torch.where(valid, node_tokens, 0)[..., None]).squeeze(-1)

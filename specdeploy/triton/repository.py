@@ -57,9 +57,11 @@ def add_statistics(tensors) -> None:
         add_tensor(tensors, name, kind, [1])
 
 
-def python_model(name: str, pipeline: PipelineSpec, **parameters: str) -> pb.ModelConfig:
+def python_model(name: str, pipeline: PipelineSpec, on_gpu: bool = False, **parameters: str) -> pb.ModelConfig:
+    """on_gpu: one instance on each GPU the server sees (KIND_GPU), else one CPU instance."""
     config = pb.ModelConfig(name=name, backend="python", max_batch_size=pipeline.limits.max_batch_size)
-    config.instance_group.add(count=1, kind=pb.ModelInstanceGroup.KIND_CPU)
+    kind = pb.ModelInstanceGroup.KIND_GPU if on_gpu else pb.ModelInstanceGroup.KIND_CPU
+    config.instance_group.add(count=1, kind=kind)
     for key, value in parameters.items():
         config.parameters[key].string_value = value
     return config
@@ -73,13 +75,13 @@ def add_request_inputs(inputs) -> None:
         add_tensor(inputs, name, kind, [1], optional=True)
 
 
-def speculative_model(pipeline: PipelineSpec, **parameters: str) -> pb.ModelConfig:
+def speculative_model(pipeline: PipelineSpec, on_gpu: bool = False, **parameters: str) -> pb.ModelConfig:
     """The `speculative` model (decoupled): token ids from the ensemble's preprocessing, or text from a client calling
     it directly (the entry point whose cancellation reaches the running request, which Triton 2.51 does not pass
     into a running ensemble step); it answers text, or token ids when a client asks for output_ids instead.
     Detokenising here rather than in a postprocessing step means a stream makes no new request per response, so it
     keeps running while Triton shuts down (a stopping server refuses new requests to every model)."""
-    speculative = python_model("speculative", pipeline, **parameters)
+    speculative = python_model("speculative", pipeline, on_gpu, **parameters)
     speculative.model_transaction_policy.decoupled = True
     add_tensor(speculative.input, "input_ids", "TYPE_INT32", [-1], optional=True)
     add_tensor(speculative.input, "stop_words_ids", "TYPE_INT32", [-1], optional=True)
@@ -120,7 +122,9 @@ def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict
               output_map=outputs)
 
     if pipeline.backend.kind == "torch":
-        configs = [preprocessing, speculative_model(pipeline, **{ENGINE_PARAMETER: ENGINE_FOLDER}), ensemble]
+        # a torch engine on cuda: the engine's model runs on the instance's GPU (the tokenizer stays on the CPU)
+        on_gpu = pipeline.backend.device == "cuda"
+        configs = [preprocessing, speculative_model(pipeline, on_gpu, **{ENGINE_PARAMETER: ENGINE_FOLDER}), ensemble]
     else:
         served_at = Path(served_at or ".")
         engines = {name: str(served_at / name / VERSION / ENGINE_FOLDER) for name in trtllm_engines(pipeline)}

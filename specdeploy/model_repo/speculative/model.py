@@ -10,10 +10,11 @@ import triton_python_backend_utils as pb_utils
 
 from specdeploy.triton.model_files import ENGINE_PARAMETER, parameter_path
 from specdeploy.triton.serving import ServedModel
-from specdeploy.triton.speculative_model import SpeculativeServer
+from specdeploy.triton.speculative_model import SpeculativeServer, instance_device
 
 
 class TritonPythonModel(ServedModel):
     def initialize(self, args):
         name = json.loads(args["model_config"])["name"]
-        self.server = SpeculativeServer(parameter_path(args, ENGINE_PARAMETER), name, pb_utils)
+        self.server = SpeculativeServer(parameter_path(args, ENGINE_PARAMETER), name, pb_utils,
+                                        instance_device(args))
