@@ -46,7 +46,7 @@ bench: venv
 
 # One pipeline's report with its peers: reports/<pipeline>/report.md and PNG plots (llama.cpp after make peers).
 # transformers' plain generate is measured among the peers, so the older single-prompt baseline is left out.
-REPORT_FLAGS ?= --max-tokens 64 --gammas 1,2,4 --peers --no-transformers
+REPORT_FLAGS ?= --max-tokens 48 --gammas 1,2,4 --peers --no-transformers
 report: venv
 	$(VENV)/bin/specdeploy bench $(PIPELINE) --report reports/$(basename $(notdir $(PIPELINE))) $(REPORT_FLAGS)
 

@@ -198,6 +198,11 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
     report.update(bandwidth_gb_per_s=bandwidth / 1e9, weight_bytes_per_token=bytes_per_token,
                   bandwidth_ceiling_tokens_per_s=ceiling,
                   fraction_of_ceiling=report["baseline_tokens_per_s"] / ceiling)
+    if engine.method in ("draft_target", "ngram") and engine.target.config.architecture == "llama":
+        # v grows with the verified width where matmuls are not bandwidth bound: the report's predicted lines
+        # take its shape from here (an MoE measures its own union curve, Medusa its tree's widths)
+        widest = min(engine.pipeline.limits.max_draft_tokens, 2 * max(engine.num_draft_tokens, 1))
+        report["verify_costs"] = measure_verify_costs(engine, encoded[0], widest)
     if with_transformers:
         hf = transformers_decode_tokens_per_s(engine, encoded[0], min(max_tokens, 64))
         report.update(transformers_tokens_per_s=hf, plain_vs_transformers=report["baseline_tokens_per_s"] / hf)

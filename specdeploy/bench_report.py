@@ -49,18 +49,26 @@ def gamma_curves(report: dict) -> dict:
     - by_position: from the measured acceptance by position, c and v, up to the measured gamma (a constant
       schedule drafts every position each step; an MoE's verify cost is its measured union curve).
     - formula: the seed's formula with the overall alpha up to twice the gamma (not for an MoE, whose verify cost
-      grows with the verification length)."""
+      grows with the verification length).
+    With the report's verify_costs (a forward over n + 1 positions, in plain steps), v at each gamma follows that
+    curve, scaled to pass through the v measured at the served gamma; without them v is the same at every gamma."""
     c, v = report["draft_cost_ratio"], report["verify_cost_ratio"]
     positions = report["per_position_acceptance"]
     curves: dict[str, dict[int, float]] = {"by_position": {}, "formula": {}}
     if report.get("moe"):
         curves["by_position"] = dict(enumerate(report["moe"].get("predicted_speedup_by_gamma", []), start=1))
         return curves
-    if report.get("schedule", "constant") == "constant" and positions:
-        curves["by_position"] = dict(enumerate(predicted_speedups(positions, c, [v] * (len(positions) + 1)),
-                                               start=1))
     top = max(2 * max(report["num_draft_tokens"], 1), 8)
-    curves["formula"] = {g: predicted_speedup(report["acceptance_rate"], g, c, v) for g in range(1, top + 1)}
+    widths = [v] * (top + 1)
+    if report.get("verify_costs"):
+        costs = report["verify_costs"]
+        served = min(max(round(measured_gamma(report)), 0), len(costs) - 1)
+        widths = [v * cost / costs[served] for cost in costs]
+        top = len(costs) - 1
+    if report.get("schedule", "constant") == "constant" and positions:
+        curves["by_position"] = dict(enumerate(predicted_speedups(positions, c, widths[:len(positions) + 1]),
+                                               start=1))
+    curves["formula"] = {g: predicted_speedup(report["acceptance_rate"], g, c, widths[g]) for g in range(1, top + 1)}
     return curves
 
 
@@ -166,7 +174,7 @@ def save(plt, figure, path: Path) -> None:
 
 def versions() -> dict[str, str]:
     found = {"python": platform.python_version()}
-    for package in ("specdeploy", "torch", "transformers", "nvidia-pytriton"):
+    for package in ("specdeploy", "torch", "transformers", "nvidia-pytriton", "llama-cpp-python"):
         try:
             found[package] = metadata.version(package)
         except metadata.PackageNotFoundError:

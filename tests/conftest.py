@@ -76,6 +76,20 @@ def save_tiny_checkpoint(directory: Path, seed: int, base: Path | None = None, n
     return directory
 
 
+def tiny_moe_layer(device: str = "cpu"):
+    """A random SparseMoE of 4 experts (2 per token) over 32 features, in fp32 on `device` (same weights on any)."""
+    from specdeploy.models.config import ModelConfig
+    from specdeploy.models.moe import SparseMoE
+
+    generator = torch.Generator().manual_seed(0)
+    config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
+                         num_kv_heads=2, head_dim=8, architecture="mixtral", num_experts=4, experts_per_token=2)
+    state = {"m.gate.weight": torch.randn(4, 32, generator=generator),
+             "m.experts.gate_up_proj": torch.randn(4, 96, 32, generator=generator) / 6,
+             "m.experts.down_proj": torch.randn(4, 32, 48, generator=generator) / 7}
+    return SparseMoE(config, {key: value.to(device) for key, value in state.items()}, "m", torch.float32)
+
+
 def write_pipeline(path: Path, **sections) -> Path:
     path.write_text(yaml.safe_dump(sections, sort_keys=False))
     return path

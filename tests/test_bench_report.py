@@ -55,6 +55,28 @@ def test_the_two_predictions_agree_when_acceptance_is_geometric():
         assert value == pytest.approx(curves["formula"][gamma]) == pytest.approx(predicted_speedup(alpha, gamma, c, v))
 
 
+def test_the_predicted_lines_follow_the_verify_cost_by_width():
+    """Where verifying n tokens costs nearly n plain steps (bf16 without oneDNN), one v for every gamma predicts a
+    small gamma far too low: the lines take the measured cost by width, scaled through the v of the served gamma."""
+    alpha, c = 0.9, 0.3
+    costs = [1.0 + 0.5 * n for n in range(7)]  # a forward over n + 1 positions, in plain steps
+    report = {"draft_cost_ratio": c, "verify_cost_ratio": 2.2, "num_draft_tokens": 3, "acceptance_rate": alpha,
+              "per_position_acceptance": [alpha ** i for i in range(1, 4)], "verify_costs": costs}
+    curves = gamma_curves(report)
+    assert list(curves["formula"]) == [1, 2, 3, 4, 5, 6] and list(curves["by_position"]) == [1, 2, 3]
+    scale = 2.2 / costs[3]
+    for gamma in (1, 3, 6):
+        assert curves["formula"][gamma] == pytest.approx(predicted_speedup(alpha, gamma, c, scale * costs[gamma]))
+    assert curves["by_position"][3] == pytest.approx(predicted_speedup(alpha, 3, c, 2.2))
+    assert curves["formula"][1] > predicted_speedup(alpha, 1, c, 2.2)
+
+
+def test_dense_reports_carry_the_verify_cost_by_width(reports):
+    for report in reports:
+        costs = report["verify_costs"]
+        assert len(costs) == min(8, 2 * report["num_draft_tokens"]) + 1 and costs[0] == pytest.approx(1.0)
+
+
 def test_moe_reports_get_their_expert_plot(reports, tmp_path):
     moe = dict(reports[0], pipeline="tiny-moe", moe={
         "verification_length": [1, 2, 3, 4], "num_experts": 8, "experts_per_token": 2,

@@ -82,16 +82,9 @@ def test_the_gpu_int4_kernel_matches_the_dequantized_weights():
 
 
 def test_the_moe_runs_without_host_reads_on_the_gpu():
-    from specdeploy.models.config import ModelConfig
-    from specdeploy.models.moe import SparseMoE
+    from conftest import tiny_moe_layer
 
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
-                         num_kv_heads=2, head_dim=8, architecture="mixtral", num_experts=4, experts_per_token=2)
-    state = {"m.gate.weight": torch.randn(4, 32), "m.experts.gate_up_proj": torch.randn(4, 96, 32) / 6,
-             "m.experts.down_proj": torch.randn(4, 32, 48) / 7}
-    cpu = SparseMoE(config, state, "m", torch.float32)
-    gpu = SparseMoE(config, {k: v.cuda() for k, v in state.items()}, "m", torch.float32)
+    cpu, gpu = tiny_moe_layer(), tiny_moe_layer("cuda")
     x = torch.randn(6, 32)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")

@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import tiny_pipeline
+from conftest import tiny_moe_layer, tiny_pipeline
 
 from specdeploy.errors import PipelineError, SpecdeployError
 from specdeploy.layout import PIPELINE_FILE
@@ -119,15 +119,9 @@ def test_int4_groups_round_trip():
 def test_the_gpu_moe_path_equals_the_sparse_one():
     """On a GPU every expert runs over every token, weighted by its routing weight (no host read of which experts
     are idle); on any device it must compute what the sparse path does."""
-    from specdeploy.models.config import ModelConfig
-    from specdeploy.models.moe import SparseMoE, route
+    from specdeploy.models.moe import route
 
-    torch.manual_seed(0)
-    config = ModelConfig(vocab_size=32, hidden_size=32, intermediate_size=48, num_layers=1, num_heads=4,
-                         num_kv_heads=2, head_dim=8, architecture="mixtral", num_experts=4, experts_per_token=2)
-    state = {"m.gate.weight": torch.randn(4, 32), "m.experts.gate_up_proj": torch.randn(4, 96, 32) / 6,
-             "m.experts.down_proj": torch.randn(4, 32, 48) / 7}
-    moe = SparseMoE(config, state, "m", torch.float32)
+    moe = tiny_moe_layer()
     x = torch.randn(5, 32)
     weights, experts = route(moe.router.forward(x), 2)
     torch.testing.assert_close(moe.every_expert(x, weights, experts), moe(x), rtol=1e-5, atol=1e-5)

@@ -20,6 +20,7 @@ from specdeploy.reductions import topk_indices
 
 GROUP_SIZE = 32
 INT4_KERNEL_ROWS = 16  # torch's CPU int4 kernel packs output rows in blocks of 16
+TINYGEMM_CAPABILITY = (8, 0)  # the GPU int4 kernel needs Ampere or newer
 
 
 def quantize_int4(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> dict[str, torch.Tensor]:
@@ -56,8 +57,8 @@ class Int4Linear(nn.Module):
 
     The codes are packed at construction for the kernel of the device they are on: torch's CPU int4 kernel, or on a
     GPU the tinygemm kernel (`_weight_int4pack_mm`), which takes the first of two codes in a byte's high nibble
-    (ours keep it in the low one) and needs N a multiple of 8 and K of 16 × its inner K tiles. A GPU layer outside
-    those shapes is dequantized to bf16 once instead."""
+    (ours keep it in the low one) and needs an Ampere or newer GPU, N a multiple of 8 and K of 16 × its inner K
+    tiles. Any other GPU layer is dequantized to bf16 once instead."""
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> None:
         super().__init__()
@@ -67,7 +68,8 @@ class Int4Linear(nn.Module):
         self.on_gpu = codes.device.type == "cuda"
         tiles = inner_k_tiles(self.in_features)
         self.dense = None
-        if self.on_gpu and (tiles is None or self.out_features % 8):
+        if self.on_gpu and (tiles is None or self.out_features % 8 or torch.cuda.get_device_capability(codes.device)
+                            < TINYGEMM_CAPABILITY):
             self.dense = dequantize_int4(codes, scales, minimums).to(torch.bfloat16)
             return
         # the kernels compute (q - 8) * scale + zero, so zero = minimum + 8 * scale.

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The torch backend on an NVIDIA GPU, in one command (about 5 minutes; the budget is 8): the GPU tests, then a short
+# bench of each shipped pipeline with --device cuda --report, and a summary table. Installs nothing: run it where
+# this repository's environment has a CUDA build of torch (PYTHON=/path/to/python, default .venv/bin/python).
+#   scripts/gpu-check.sh [OUTPUT_DIR]      (default gpu-check/)
+# The MoE pipeline's engine takes about 18 minutes to derive on 2 CPU cores: it is benched only when already built
+# (specdeploy build pipelines/smollm2-moe-draft-target.yaml), and said to be skipped otherwise.
+# GPU_CHECK_DEVICE=cpu rehearses the script on a machine without a GPU (the GPU tests skip, the benches run on the CPU).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export HF_HUB_OFFLINE=1 PIP_NO_INDEX=1
+PYTHON=${PYTHON:-.venv/bin/python}
+OUT=${1:-gpu-check}
+DEVICE=${GPU_CHECK_DEVICE:-cuda}
+started=$(date +%s)
+
+"$PYTHON" - "$DEVICE" <<'PY'
+import sys
+
+import torch
+
+if sys.argv[1] == "cpu":
+    print("gpu-check: a rehearsal on the CPU (GPU_CHECK_DEVICE=cpu): the GPU tests skip, the figures are not a GPU's")
+elif not torch.cuda.is_available():
+    sys.exit(f"gpu-check: torch {torch.__version__} sees no GPU (CUDA build: {torch.version.cuda or 'no'}); run it "
+             f"where torch.cuda.is_available() is true, with PYTHON pointing at that environment's python")
+else:
+    print(f"gpu-check: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, CUDA {torch.version.cuda}")
+PY
+mkdir -p "$OUT"
+
+# The GPU tests (tests/test_cuda.py: greedy exactness, one host sync per step, the int4 kernel, the MoE path, a
+# KIND_GPU repository served by tritonserver) and the device tests that run anywhere.
+timeout 240 "$PYTHON" -m pytest -q tests/test_cuda.py tests/test_device.py -p no:cacheprovider
+
+# One prompt of each kind, 64 tokens each, on every shipped pipeline that is built or quick to build.
+"$PYTHON" - "$OUT/prompts.jsonl" <<'PY'
+import json
+import sys
+from importlib import resources
+
+seen, chosen = set(), []
+for line in resources.files("specdeploy").joinpath("data/prompts.jsonl").read_text().splitlines():
+    item = json.loads(line)
+    if item["kind"] not in seen:
+        seen.add(item["kind"])
+        chosen.append(line)
+open(sys.argv[1], "w").write("\n".join(chosen) + "\n")
+PY
+for pipeline in smollm2-draft-target smollm2-ngram smollm2-medusa smollm2-moe-draft-target; do
+    if [ "$pipeline" = smollm2-moe-draft-target ] && ! [ -f "engines/$pipeline/build_manifest.json" ]; then
+        echo "gpu-check: $pipeline skipped: its engine is not built (about 18 minutes on 2 CPU cores)" | tee "$OUT/$pipeline.skipped"
+        continue
+    fi
+    timeout 150 "$PYTHON" -m specdeploy.cli bench "pipelines/$pipeline.yaml" --device "$DEVICE" --prompts "$OUT/prompts.jsonl" \
+        --max-tokens 64 --no-transformers --report "$OUT/$pipeline"
+done
+
+"$PYTHON" - "$OUT" <<'PY'
+import json
+import sys
+from pathlib import Path
+
+print(f"\n{'pipeline':28} {'plain tok/s':>12} {'spec tok/s':>11} {'speedup':>8} {'greedy same':>12}")
+for path in sorted(Path(sys.argv[1]).glob("*/reports.json")):
+    for report in json.loads(path.read_text()):
+        print(f"{report['pipeline']:28} {report['baseline_tokens_per_s']:12.1f} {report['speculative_tokens_per_s']:11.1f}"
+              f" {report['speedup']:7.2f}x {str(report.get('greedy_match')):>12}")
+PY
+echo "gpu-check: done in $(( $(date +%s) - started )) s; reports in $OUT/"
