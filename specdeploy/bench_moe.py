@@ -32,7 +32,9 @@ def dense_source(engine: Engine) -> LlamaModel | None:
     if pipeline.target.moe is None:
         return None
     dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
-    return LlamaModel(dense.config, dense.state, engine.target.dtype).to(engine.device).eval()
+    # built on the engine's device: a CPU build may prepack bf16 weights for oneDNN, which a GPU cannot run
+    state = {key: value.to(engine.device) for key, value in dense.state.items()}
+    return LlamaModel(dense.config, state, engine.target.dtype).eval()
 
 
 def timed_forward(model: LlamaModel, cache, window: torch.Tensor, start: int, repeats: int) -> float:

@@ -62,7 +62,10 @@ def gamma_curves(report: dict) -> dict:
     widths = [v] * (top + 1)
     if report.get("verify_costs"):
         costs = report["verify_costs"]
-        served = min(max(round(measured_gamma(report)), 0), len(costs) - 1)
+        served = round(measured_gamma(report))
+        if isinstance(report.get("gamma_cap"), int):  # v was measured at the capped gamma
+            served = min(served, report["gamma_cap"])
+        served = min(max(served, 0), len(costs) - 1)
         widths = [v * cost / costs[served] for cost in costs]
         top = len(costs) - 1
     if report.get("schedule", "constant") == "constant" and positions:

@@ -33,18 +33,19 @@ class PhaseClock:
     after that sync, with no sync of their own) and verify is the rest of the step."""
 
     def __init__(self, device: torch.device | str) -> None:
-        self.on_gpu = torch.device(device).type == "cuda"
+        self.device = torch.device(device)
+        self.on_gpu = self.device.type == "cuda"
 
     def start(self) -> None:
         self.started = time.perf_counter()
         if self.on_gpu:
             self.start_event = torch.cuda.Event(enable_timing=True)
-            self.start_event.record()
+            self.start_event.record(torch.cuda.current_stream(self.device))
 
     def drafted(self) -> None:
         if self.on_gpu:
             self.drafted_event = torch.cuda.Event(enable_timing=True)
-            self.drafted_event.record()
+            self.drafted_event.record(torch.cuda.current_stream(self.device))
         else:
             self.drafted_at = time.perf_counter()
 

@@ -59,10 +59,12 @@ class SparseMoE(nn.Module):
         flat = x.reshape(-1, x.shape[-1])  # [N, H]
         weights, experts = route(self.router.forward(flat), self.experts_per_token)  # [N, k] each
         assignments = experts.flatten()  # [N * k]: token n's j-th expert at n * k + j
+        if flat.device.type != "cpu":  # bincount reads the assignments' range on the host: count by index_add
+            self.expert_tokens = torch.zeros(self.num_experts, dtype=torch.long, device=flat.device).index_add_(
+                0, assignments, torch.ones_like(assignments))
+            return self.every_expert(flat, weights, experts).view_as(x)
         counts = torch.bincount(assignments, minlength=self.num_experts)
         self.expert_tokens = counts
-        if flat.device.type != "cpu":
-            return self.every_expert(flat, weights, experts).view_as(x)
         order = assignments.argsort(stable=True)  # assignments grouped by expert
         tokens_in_order = order // self.experts_per_token
         routed = flat[tokens_in_order]  # [N * k, H]: each token once per expert it goes to, grouped by expert

@@ -237,7 +237,9 @@ class BatchDecoder:
         sequence.stats.record_step(drafted, accepted, positions)
         sequence.proposal.update(drafted, len(tokens) - 1)
         if sequence.finish_reason is None:
-            self.proposer.on_commit(row, sequence, verdict.hidden[row, kept[:len(emitted)]])
+            committed = kept[:len(emitted)]  # a chain's are its first positions; a tree's, its accepted path
+            where = slice(0, len(committed)) if verdict.paths is None else from_host(committed, self.device)
+            self.proposer.on_commit(row, sequence, verdict.hidden[row, where])
         return emitted
 
     def move_row(self, source: int, destination: int) -> None:
@@ -253,7 +255,7 @@ class BatchDecoder:
         """Commit tokens and keep the target's cache at the committed prefix. Returns what was emitted."""
         emitted = sequence.append(tokens)
         if sequence.seen is not None:
-            sequence.seen[emitted] = True
+            sequence.seen[from_host(emitted, sequence.seen.device, torch.long)] = True
         self.cache.rewind(row, sequence.cache_length)
         stats = sequence.stats
         stats.generated_tokens = sequence.generated

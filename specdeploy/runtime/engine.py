@@ -88,6 +88,10 @@ class Engine:
         check_outputs(self.dir, ["target", *COMPONENTS.get(self.method, [])])
         self.device = device or self.pipeline.backend.device
         check_device(self.device)
+        if torch.device(self.device).type == "cuda":
+            # the thread that loads the engine runs its steps (a Triton instance's scheduler thread): its current
+            # GPU must be the engine's, or streams, events and contexts land on GPU 0
+            torch.cuda.set_device(torch.device(self.device))
         self.target = load_component(self.dir / "target", self.device)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
         limits = self.pipeline.limits

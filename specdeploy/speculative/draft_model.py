@@ -118,7 +118,7 @@ class DraftModelProposer(Proposer):
                     q[r, k] = sampling_distribution(logits[r:r + 1], sequence.params, context)[0]
                     drafted[r, k] = sample(q[r, k:k + 1], sequence.generator)[0]
                 if seen[r] is not None:
-                    seen[r][drafted[r, k]] = True
+                    seen[r][drafted[r, k:k + 1]] = True  # a 1-element index: a 0-d one is read on the host
             if self.early_stop_threshold:
                 # Confidence is the draft's own top-1 probability. An unsure token is still proposed (its forward
                 # is paid for and it may be accepted); the row drafts nothing after it.
