@@ -20,7 +20,7 @@ from rich.table import Table
 
 from specdeploy import machine
 from specdeploy.bench_moe import dense_source, expert_union_curve, predicted_speedups, timed_forward
-from specdeploy.bench_peers import hf_model, llama_cpp_peers, transformers_peers
+from specdeploy.bench_peers import common_prefix, hf_model, llama_cpp_peers, transformers_peers
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.moe import SparseMoE
 from specdeploy.request import GenerationRequest
@@ -123,8 +123,7 @@ def compare_greedy(engine: Engine, prompt_ids: list[int], plain: list[int], spec
     """'match', 'near_tie' (first divergence at a near-tie of the target's top two tokens) or 'mismatch'."""
     if plain == speculative:
         return "match"
-    common = next((i for i, (a, b) in enumerate(zip(plain, speculative)) if a != b), min(len(plain),
-                                                                                       len(speculative)))
+    common = common_prefix(plain, speculative)
     if common >= min(len(plain), len(speculative)):
         return "mismatch"  # one stopped early: a length difference is never a tie
     gap = top_two_gap(engine, prompt_ids + plain[:common])
