@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -150,31 +151,55 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
         engine.generate(ids[0], request.sampling, 8).run()  # warm-up: first calls allocate and page in weights
     runs: list[list[PromptRun]] = [[] for _ in engines]
     sweeps: list[dict[int, list[RequestStats]]] = [{} for _ in engines]  # per engine: gamma → its runs' stats
+    spent = [PhaseSeconds() for _ in engines]
     for index, item in enumerate(track(prompts, description="bench", disable=quiet)):
-        for engine, request, ids, done, sweep in zip(engines, requests, encoded, runs, sweeps):
-            plain = engine.generate(ids[index], request.sampling, request.max_tokens,
-                                    num_draft_tokens=0)
-            plain_tokens = plain.run()
-            speculative = engine.generate(ids[index], request.sampling, request.max_tokens)
-            speculative_tokens = speculative.run()
+        for engine, request, ids, done, sweep, clock in zip(engines, requests, encoded, runs, sweeps, spent):
+            with clock("plain_and_speculative"):
+                plain = engine.generate(ids[index], request.sampling, request.max_tokens,
+                                        num_draft_tokens=0)
+                plain_tokens = plain.run()
+                speculative = engine.generate(ids[index], request.sampling, request.max_tokens)
+                speculative_tokens = speculative.run()
             done.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens,
                                   speculative_tokens))
             if engine.method != "medusa":
                 for gamma in gammas:
-                    swept = engine.generate(ids[index], request.sampling, request.max_tokens, num_draft_tokens=gamma)
-                    swept.run()
+                    with clock("gamma_sweep"):
+                        swept = engine.generate(ids[index], request.sampling, request.max_tokens,
+                                                num_draft_tokens=gamma)
+                        swept.run()
                     sweep.setdefault(gamma, []).append(swept.stats)
-    reports = [finish_report(engine, done, ids, request, with_transformers and number == 0)
-               for number, (engine, request, ids, done) in enumerate(zip(engines, requests, encoded, runs))]
+    reports = []
+    for number, (engine, request, ids, done, clock) in enumerate(zip(engines, requests, encoded, runs, spent)):
+        with clock("analysis"):
+            reports.append(finish_report(engine, done, ids, request, with_transformers and number == 0))
     for report, sweep in zip(reports, sweeps):
         if sweep:
             report["gamma_sweep"] = {str(gamma): decode_rate(stats) / report["baseline_tokens_per_s"]
                                      for gamma, stats in sorted(sweep.items())}
     if with_peers:
-        for engine, request, ids, report, done in zip(engines, requests, encoded, reports, runs):
-            report["peers"] = {**transformers_peers(engine, ids, request.max_tokens),
-                               **llama_cpp_peers(engine, ids, request.max_tokens, [r.plain_tokens for r in done])}
+        for engine, request, ids, report, done, clock in zip(engines, requests, encoded, reports, runs, spent):
+            with clock("peers"):
+                report["peers"] = {**transformers_peers(engine, ids, request.max_tokens),
+                                   **llama_cpp_peers(engine, ids, request.max_tokens, [r.plain_tokens for r in done])}
+    for report, clock in zip(reports, spent):
+        report["phase_seconds"] = clock.seconds
     return reports
+
+
+class PhaseSeconds:
+    """Wall seconds a bench spent per phase (`with clock("peers"): ...`), so a report says where its time went."""
+
+    def __init__(self) -> None:
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, phase: str):
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[phase] = self.seconds.get(phase, 0.0) + time.perf_counter() - started
 
 
 def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]], request: GenerationRequest,
@@ -351,6 +376,10 @@ def predicted_speedup(alpha: float, gamma: float, draft_cost: float, verify_cost
     return tokens_per_step / (gamma * draft_cost + verify_cost)
 
 
+def phases_text(seconds: dict[str, float]) -> str:
+    return ", ".join(f"{phase.replace('_', ' ')} {value:.0f}" for phase, value in seconds.items())
+
+
 def print_report(report: dict, console: Console | None = None) -> None:
     console = console or Console()
     capped = "" if report.get("gamma_cap") is None else f" capped at {report['gamma_cap']}"
@@ -361,7 +390,7 @@ def print_report(report: dict, console: Console | None = None) -> None:
     table.add_column("value", justify="right")
     for key, value in report.items():
         if key in ("by_kind", "pipeline", "method", "num_draft_tokens", "gamma_cap", "schedule", "dtype", "temperature",
-                   "prompts", "medusa", "moe", "machine", "peers"):
+                   "prompts", "medusa", "moe", "machine", "peers", "phase_seconds"):
             continue
         if isinstance(value, float):
             value = f"{value:.3f}"
@@ -377,6 +406,8 @@ def print_report(report: dict, console: Console | None = None) -> None:
             elif isinstance(value, list) and value and isinstance(value[0], float):
                 value = " ".join(f"{v:.3g}" if v >= 1e4 else f"{v:.2f}" for v in value)
             table.add_row(f"{section}: {key}", str(value))
+    if report.get("phase_seconds"):
+        table.add_row("time spent (s)", phases_text(report["phase_seconds"]))
     machine_row = report["machine"]
     table.add_row("machine", f"{machine_row['cpu']}, {machine_row['threads']} threads, "
                              f"{' '.join(machine_row['matmul_flags']) or 'no listed flags'}; "

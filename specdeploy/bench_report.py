@@ -18,7 +18,7 @@ import platform
 from importlib import metadata
 from pathlib import Path
 
-from specdeploy.bench import predicted_speedup
+from specdeploy.bench import phases_text, predicted_speedup
 from specdeploy.bench_moe import predicted_speedups
 from specdeploy.bench_peers import peer_ratios
 from specdeploy.errors import SpecdeployError
@@ -253,6 +253,8 @@ def write_report(reports: list[dict], directory: Path, pipelines: list[str]) -> 
              "## Machine", "",
              *(f"- {key}: {value}" for key, value in machine.items()),
              f"- torch threads: {reports[0]['threads']}",
+             *(f"- time spent on {label(r)}, seconds: {phases_text(r['phase_seconds'])}" for r in reports
+               if r.get("phase_seconds")),
              *(f"- {package} {version}" for package, version in versions().items()), "",
              "## Figures", "", *figures_table(reports), ""]
     for report in reports:

@@ -132,7 +132,11 @@ def test_peers_run_on_the_same_weights_and_the_report_names_the_faster(tiny_engi
     ratios = peer_ratios(measured[0])
     assert ratios[PLAIN]["ours_plain"] == pytest.approx(measured[0]["baseline_tokens_per_s"]
                                                         / plain_draft[PLAIN]["tokens_per_s"])
+    for report in measured:  # where the time went: the decodes, their analysis and the peers
+        assert set(report["phase_seconds"]) == {"plain_and_speculative", "analysis", "peers"}
+        assert all(seconds > 0 for seconds in report["phase_seconds"].values())
     text = write_report(measured, tmp_path, ["a.yaml", "b.yaml"]).read_text()
+    assert "- time spent on tiny-dt (draft_target), seconds: plain and speculative " in text
     assert "## Peers: tiny-dt (draft_target)" in text and "skipped: the draft is derived int4" in text
     faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
     assert (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster
@@ -144,6 +148,7 @@ def test_a_gamma_sweep_adds_measured_points(tiny_engines, tmp_path):
     swept = run_benches(engines, PROMPTS, 10, 0.0, 0, with_transformers=False, quiet=True, gammas=(1, 2))
     for report in swept:
         assert list(report["gamma_sweep"]) == ["1", "2"] and all(v > 0 for v in report["gamma_sweep"].values())
+        assert report["phase_seconds"]["gamma_sweep"] > 0
     write_report(swept, tmp_path, ["a.yaml", "b.yaml"])
     with Image.open(tmp_path / "speedup.png") as image:
         assert image.format == "PNG"
