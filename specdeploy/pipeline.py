@@ -137,10 +137,12 @@ class TargetSpec(Section):
 @dataclass(frozen=True)
 class DraftSpec(Section):
     """The draft model. `derive: int4` quantizes the target into a draft (same tokenizer by construction; an MoE
-    target gives an int4 MoE); `int4_dense`, for a target derived with target.moe, quantizes the dense model it was
-    derived from instead; `derive: none` takes `checkpoint` as it is (its tokenizer must match the target's)."""
+    target gives an int4 MoE); `int8` quantizes a dense target to int8 rows instead (twice int4's bytes, closer to
+    the target; which pays depends on the device's kernels: bench both side by side); `int4_dense`, for a target
+    derived with target.moe, quantizes the dense model it was derived from instead; `derive: none` takes
+    `checkpoint` as it is (its tokenizer must match the target's)."""
 
-    derive: Literal["int4", "int4_dense", "none"] = "int4"
+    derive: Literal["int4", "int8", "int4_dense", "none"] = "int4"
     checkpoint: CheckpointSpec | None = None
     dtype: DType = "bfloat16"
     early_stop_threshold: float = 0.0  # stop drafting when the draft's top-1 probability falls below this
@@ -322,7 +324,7 @@ class TrtllmSpec(Section):
     (trtllm-build), `llm_api` serves through the LLM API's PyTorch backend of newer releases. server: Triton (its
     tensorrtllm backend, or its llmapi model on the llm_api line) or trtllm-serve. moe_tp_size × moe_ep_size must
     equal tp_size (unset: TensorRT-LLM's completion, tp × 1). Batch, input and sequence limits come from `limits`;
-    the draft's weight-only int4 from speculation.draft.derive."""
+    the draft's weight-only int4 or int8 from speculation.draft.derive."""
 
     line: Literal["engine", "llm_api"] = "engine"
     server: Literal["triton", "trtllm_serve"] = "triton"
@@ -413,6 +415,9 @@ class PipelineSpec(Section):
         if gamma > limit:
             raise Problem("speculation.num_draft_tokens", f"{gamma} is above limits.max_draft_tokens ({limit})")
         draft = self.speculation.draft
+        if draft is not None and draft.derive == "int8" and self.target.moe is not None:
+            raise Problem("speculation.draft.derive", "int8 quantizes a dense target; an MoE target's derived draft is "
+                                                      "int4 (an int4 MoE) or int4_dense (its dense source in int4)")
         if draft is not None and draft.derive == "int4_dense" and self.target.moe is None:
             raise Problem("speculation.draft.derive", "int4_dense quantizes the dense model an MoE target is derived "
                                                       "from, and this target has no target.moe: use int4")

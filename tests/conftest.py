@@ -96,11 +96,12 @@ def write_pipeline(path: Path, **sections) -> Path:
 
 
 def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft_target", draft: Path | None = None,
-                  gamma: int = 3, dtype: str = "float32", schedule: str = "constant", **extra) -> Path:
+                  gamma: int = 3, dtype: str = "float32", schedule: str = "constant", derive: str = "int4",
+                  **extra) -> Path:
     speculation: dict = {"method": method, "num_draft_tokens": gamma, "schedule": schedule}
     if method == "draft_target":
         speculation["draft"] = ({"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(draft)},
-                                 "dtype": "float32"} if draft else {"derive": "int4"})
+                                 "dtype": "float32"} if draft else {"derive": derive})
     if method == "ngram":
         speculation["ngram"] = {"min_n": 1, "max_n": 3}
     return write_pipeline(directory / f"{name}.yaml", name=name,
@@ -124,8 +125,8 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
-    """Loaded tiny engines: draft_target (noisy fp32 draft), int4 (derived draft), ngram, heuristic (noisy draft,
-    adaptive proposal length)."""
+    """Loaded tiny engines: draft_target (noisy fp32 draft), int4 and int8 (derived drafts), ngram, heuristic (noisy
+    draft, adaptive proposal length)."""
     from specdeploy.builders.torch import build
     from specdeploy.pipeline import load_pipeline
     from specdeploy.runtime.engine import Engine
@@ -134,6 +135,7 @@ def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
     specs = {
         "draft_target": tiny_pipeline(root, "tiny-dt", tiny_checkpoints["target"], draft=tiny_checkpoints["draft"]),
         "int4": tiny_pipeline(root, "tiny-int4", tiny_checkpoints["target"]),
+        "int8": tiny_pipeline(root, "tiny-int8", tiny_checkpoints["target"], derive="int8"),
         "ngram": tiny_pipeline(root, "tiny-ngram", tiny_checkpoints["target"], method="ngram"),
         "heuristic": tiny_pipeline(root, "tiny-heuristic", tiny_checkpoints["target"],
                                    draft=tiny_checkpoints["draft"], schedule="heuristic"),

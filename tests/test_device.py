@@ -137,3 +137,18 @@ def test_host_data_and_the_phase_clock_on_the_cpu():
     sum(range(10000))
     draft, verify = clock.verified()
     assert draft > 0 and verify > 0
+
+
+@pytest.mark.skipif(not NO_GPU, reason="this machine has a GPU: the script would run in full")
+def test_gpu_check_refuses_at_once_where_torch_sees_no_gpu(tmp_path):
+    """scripts/gpu-check.sh stops before any work, naming the torch build and how to point it at a CUDA one."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu-check.sh"
+    result = subprocess.run(["bash", str(script), str(tmp_path / "out")], env={"PYTHON": sys.executable,
+                            "PATH": "/usr/bin:/bin"}, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert f"torch {torch.__version__} sees no GPU" in result.stderr and "PYTHON" in result.stderr
+    assert not (tmp_path / "out").exists()  # nothing was started

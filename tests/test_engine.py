@@ -78,7 +78,7 @@ def test_tree_mask_and_positions(tiny_checkpoints):
     torch.testing.assert_close(tree, torch.stack(chains), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["draft_target", "int4", "ngram", "heuristic"])
+@pytest.mark.parametrize("kind", ["draft_target", "int4", "int8", "ngram", "heuristic"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_speculative_equals_plain(tiny_engines, kind, gamma):
     engine = tiny_engines[kind]
@@ -134,7 +134,7 @@ def fresh_prefill(model: LlamaModel, tokens: list[int], max_length: int):
     return cache
 
 
-@pytest.mark.parametrize("kind", ["draft_target", "int4"])
+@pytest.mark.parametrize("kind", ["draft_target", "int4", "int8"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_caches_hold_exactly_the_committed_prefix(tiny_engines, kind, temperature):
     engine = tiny_engines[kind]
@@ -156,7 +156,7 @@ def test_caches_hold_exactly_the_committed_prefix(tiny_engines, kind, temperatur
         torch.testing.assert_close(engine.cache.values[:, :, :, :target_length],
                                    fresh.values[:, :, :, :target_length], atol=1e-4, rtol=1e-4)
         draft = engine.proposer
-        if kind == "int4":  # a derived draft reads the target's entries: the check above covers them
+        if kind in ("int4", "int8"):  # a derived draft reads the target's entries: the check above covers them
             assert draft.shared and draft.cache is engine.cache
             continue
         assert not draft.shared
@@ -242,3 +242,26 @@ def test_smollm2_greedy_speculative_equals_plain(smollm2_fp32_engines, method):
         assert generation.run() == plain, prompt
         accepted += generation.stats.accepted
     assert accepted > 0
+
+
+def test_an_int8_draft_is_int8_rows_and_closer_to_the_target_than_int4(tiny_engines):
+    """derive: int8 quantizes every projection and the head to int8 rows (torch's weight-only int8 kernel); it reads
+    twice int4's bytes and tracks the target more closely."""
+    import json
+
+    from specdeploy.models.quantize import Int4Linear, Int8Linear
+
+    int8, int4 = tiny_engines["int8"], tiny_engines["int4"]
+    linears = [m for m in int8.proposer.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)
+    assert json.loads((int8.dir / "draft" / "config.json").read_text())["model"]["quantization"]["method"] == "int8"
+    tokens = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    positions = torch.arange(tokens.shape[1])[None]
+
+    def logits(model: LlamaModel) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1])))
+
+    target = logits(int8.target)
+    error = {name: (logits(e.proposer.model) - target).abs().mean() for name, e in (("int8", int8), ("int4", int4))}
+    assert error["int8"] < error["int4"] / 2, error

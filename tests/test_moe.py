@@ -298,6 +298,17 @@ def test_moe_derivation_is_refused_where_it_cannot_apply(mixtral_dirs, tiny_chec
     dense_of_mixtral.write_text(yaml.safe_dump(spec))
     with pytest.raises(PipelineError, match="speculation.draft.derive: int4_dense .* no target.moe"):
         load_pipeline(dense_of_mixtral)
+    spec["speculation"]["draft"]["derive"] = "int8"  # int8 rows for a dense model; experts are int4 only
+    dense_of_mixtral.write_text(yaml.safe_dump(spec))
+    with pytest.raises(BuildError, match="derive int8 quantizes a dense target, this one is mixtral"):
+        build(load_pipeline(dense_of_mixtral), tmp_path / "engines", quiet=True)
+    int8_of_derived = moe_pipeline(tmp_path, "int8-of-derived", tiny_checkpoints["target"],
+                                   {"experts": 4, "experts_per_token": 2}, method="draft_target")
+    spec = yaml.safe_load(int8_of_derived.read_text())
+    spec["speculation"]["draft"]["derive"] = "int8"
+    int8_of_derived.write_text(yaml.safe_dump(spec))
+    with pytest.raises(PipelineError, match="speculation.draft.derive: int8 quantizes a dense target"):
+        load_pipeline(int8_of_derived)
     odd_experts = dict(MOE, intermediate_size=48)
     odd = tmp_path / "odd-mixtral"
     MixtralForCausalLM(MixtralConfig(**odd_experts)).save_pretrained(odd)

@@ -63,8 +63,15 @@ def table_for(command: tuple[str, ...]) -> dict:
     return MEDUSA_CONVERT_FLAGS if command[1].endswith("medusa/convert_checkpoint.py") else LLAMA_CONVERT_FLAGS
 
 
-@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[p.stem for p in GPU_EXAMPLES])
-def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, tmp_path):
+@pytest.mark.parametrize("path, derive", [(p, None) for p in GPU_EXAMPLES] + [(GPU_EXAMPLES[1], "int8")],
+                         ids=[p.stem for p in GPU_EXAMPLES] + [f"{GPU_EXAMPLES[1].stem}-int8"])
+def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive, tmp_path):
+    """derive: the example's draft derived as this instead (an int8 draft: TensorRT-LLM's W8A16)."""
+    if derive is not None:
+        spec = yaml.safe_load(path.read_text())
+        spec["speculation"]["draft"] = {"derive": derive}
+        path = tmp_path / path.name
+        path.write_text(yaml.safe_dump(spec))
     pipeline = load_pipeline(path)
     steps, notes = plan(pipeline, tmp_path / "engines")
     assert any("not checked" in note for note in notes)  # the /models checkpoints are not on this machine
@@ -108,10 +115,10 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, tmp_pa
         assert all(c["--moe_ep_size"] == str(settings.moe_ep_size) for c in converts)
         assert all(int(c["--moe_tp_size"]) * int(c["--moe_ep_size"]) == settings.tp_size for c in converts)
     draft = pipeline.speculation.draft
-    if draft is not None and draft.derive == "int4":  # TensorRT-LLM quantizes the target's export: W4A16
+    if draft is not None and draft.derive in ("int4", "int8"):  # TensorRT-LLM quantizes the target's export
         draft_convert = flags(next(s.command for s in steps if s.output.name == "draft" and s.command and
                                    s.command[0] == "python3"))
-        assert draft_convert["--weight_only_precision"] == "int4" and "--use_weight_only" in draft_convert
+        assert draft_convert["--weight_only_precision"] == draft.derive and "--use_weight_only" in draft_convert
         assert draft_convert["--model_dir"].endswith("hf/target")
 
 
@@ -241,21 +248,22 @@ def fake_tensorrt_llm(calls: list) -> dict[str, types.ModuleType]:
     modules["tensorrt_llm.mapping"].Mapping = Mapping
     modules["tensorrt_llm.models"].LLaMAForCausalLM = LLaMAForCausalLM
     modules["tensorrt_llm.models.modeling_utils"].QuantConfig = QuantConfig
-    modules["tensorrt_llm.quantization"].QuantAlgo = types.SimpleNamespace(W4A16="W4A16")
+    modules["tensorrt_llm.quantization"].QuantAlgo = types.SimpleNamespace(W4A16="W4A16", W8A16="W8A16")
     return modules
 
 
-def test_the_converter_saves_one_rank_per_gpu_through_the_python_api(monkeypatch, tmp_path):
+@pytest.mark.parametrize("precision, algorithm", [("int4", "W4A16"), ("int8", "W8A16")])
+def test_the_converter_saves_one_rank_per_gpu_through_the_python_api(monkeypatch, tmp_path, precision, algorithm):
     calls: list = []
     for name, module in fake_tensorrt_llm(calls).items():
         monkeypatch.setitem(sys.modules, name, module)
     args = trtllm_convert.parse(["--model_dir", "hf", "--output_dir", "out", "--dtype", "bfloat16", "--tp_size", "4",
                                  "--moe_tp_size", "1", "--moe_ep_size", "4", "--use_weight_only",
-                                 "--weight_only_precision", "int4"])
+                                 "--weight_only_precision", precision])
     check_against(LLAMA_CONVERT_FLAGS, ("python", "-m", "x", "--model_dir", "hf", "--output_dir", "out", "--dtype",
-                                        "bfloat16", "--use_weight_only", "--weight_only_precision", "int4"))
+                                        "bfloat16", "--use_weight_only", "--weight_only_precision", precision))
     trtllm_convert.convert(args)
-    assert calls == [("hf", "bfloat16", rank, (4, 1, 1, 4), "W4A16", "out", rank == 0) for rank in range(4)]
+    assert calls == [("hf", "bfloat16", rank, (4, 1, 1, 4), algorithm, "out", rank == 0) for rank in range(4)]
 
 
 def test_the_torch_path_never_imports_tensorrt_llm():

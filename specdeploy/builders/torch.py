@@ -49,14 +49,18 @@ def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
 
 def draft_quantization(draft: dict[str, torch.Tensor]) -> dict:
     """What quantized_draft_state produced, for the draft's config.json."""
+    if not any(name.endswith(".codes") for name in draft):
+        return {"method": "int8", "lm_head": "int8"}
     head = "int4, top logits rescored at int8" if "lm_head.codes" in draft else "int8"
     return {"method": "int4", "group_size": GROUP_SIZE, "lm_head": head}
 
 
-def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Weight-only quantized copy of the target: projections as int4 groups; the vocabulary head as int4 groups
-    plus int8 rows for rescoring its top logits (int8 alone when the vocabulary does not suit the int4 kernel);
-    norms and the embedding table in bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
+def quantized_draft_state(state: dict[str, torch.Tensor], bits: int = 4) -> dict[str, torch.Tensor]:
+    """Weight-only quantized copy of the target. bits 4: projections as int4 groups; the vocabulary head as int4
+    groups plus int8 rows for rescoring its top logits (int8 alone when the vocabulary does not suit the int4
+    kernel). bits 8 (dense targets): projections and head as int8 rows. Either way norms and the embedding table
+    stay bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
+    quantize = quantize_int4 if bits == 4 else quantize_int8
     draft = {}
     for name, tensor in state.items():
         base = name.removesuffix(".weight")
@@ -64,11 +68,11 @@ def quantized_draft_state(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
             experts = [quantize_int4(expert) for expert in tensor]
             draft.update({f"{name}.{k}": torch.stack([e[k] for e in experts]) for k in experts[0]})
         elif base.endswith(LINEAR_SUFFIXES):
-            draft.update({f"{base}.{k}": v for k, v in quantize_int4(tensor).items()})
+            draft.update({f"{base}.{k}": v for k, v in quantize(tensor).items()})
         elif name != "lm_head.weight":
             draft[name] = tensor.to(torch.bfloat16)
     head = state[projection_key(state)]  # tied: the draft gets its own copy
-    if head.shape[0] % INT4_KERNEL_ROWS == 0:  # otherwise the head stays int8 only
+    if bits == 4 and head.shape[0] % INT4_KERNEL_ROWS == 0:  # otherwise the head stays int8 only
         draft.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
     draft.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})
     return draft
@@ -87,8 +91,13 @@ def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, to
 
 def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
     """Int4 groups run along each projection's input dimension: hidden and intermediate (per expert) sizes.
-    `checkpoint`: what the draft is quantized from."""
+    `checkpoint`: what the draft is quantized from. Int8 rows take any size, but not an MoE's experts."""
     derive = pipeline.speculation.draft.derive
+    if derive == "int8":
+        if checkpoint.config.architecture != "llama":
+            raise BuildError(f"speculation.draft.derive int8 quantizes a dense target, this one is "
+                             f"{checkpoint.config.architecture} (use int4, which quantizes each expert)")
+        return
     for name in ("hidden_size", "intermediate_size"):
         if getattr(checkpoint.config, name) % GROUP_SIZE:
             raise BuildError(f"speculation.draft.derive {derive} needs {name} divisible by {GROUP_SIZE}, got "
@@ -146,7 +155,7 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
             progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE "
                                               f"({moe.experts_per_token} per token) from the dense target")
             target = derive_target(moe, dense, str(pipeline.target.checkpoint.path))
-        if derive == "int4":
+        if derive in ("int4", "int8"):
             check_draft_quantizable(pipeline, target)
         progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
         save_engine_pipeline(staging, pipeline)
@@ -154,14 +163,14 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
         write_component(staging / "target", target, {k: v.to(target_dtype) for k, v in target.state.items()},
                         pipeline.target.dtype, pipeline)
         if draft_spec is not None:
-            if derive in ("int4", "int4_dense"):
+            if derive in ("int4", "int8", "int4_dense"):
                 # int4_dense: a derived MoE's dense source. Either way the attention is the target's, so the draft
                 # (activations in the target's dtype) can share the target's KV cache.
                 source = dense if derive == "int4_dense" else target
                 progress.update(task, description=f"[{pipeline.name}] quantizing the "
                                                   f"{'dense source' if source is dense else 'target'} into an "
-                                                  f"int4 draft")
-                draft_state = quantized_draft_state(source.state)
+                                                  f"{'int8' if derive == 'int8' else 'int4'} draft")
+                draft_state = quantized_draft_state(source.state, 8 if derive == "int8" else 4)
                 write_component(staging / "draft", source, draft_state, pipeline.target.dtype, pipeline,
                                 draft_quantization(draft_state))
             else:

@@ -18,7 +18,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     for name in ("tp_size", "pp_size", "moe_tp_size", "moe_ep_size"):
         parser.add_argument(f"--{name}", type=int, default=1)
     parser.add_argument("--use_weight_only", action="store_true")
-    parser.add_argument("--weight_only_precision", choices=["int4"], default="int4")
+    parser.add_argument("--weight_only_precision", choices=["int4", "int8"], default="int8")
     return parser.parse_args(argv)
 
 
@@ -28,8 +28,9 @@ def convert(args: argparse.Namespace) -> None:
     from tensorrt_llm.models.modeling_utils import QuantConfig
     from tensorrt_llm.quantization import QuantAlgo
 
-    # int4 weight-only without calibration is W4A16 (per channel), what upstream's --weight_only_precision int4 picks
-    quant = QuantConfig(quant_algo=QuantAlgo.W4A16) if args.use_weight_only else QuantConfig()
+    # weight-only without calibration: W4A16 or W8A16 (per channel), what upstream's --weight_only_precision picks
+    algorithm = {"int4": QuantAlgo.W4A16, "int8": QuantAlgo.W8A16}[args.weight_only_precision]
+    quant = QuantConfig(quant_algo=algorithm) if args.use_weight_only else QuantConfig()
     world_size = args.tp_size * args.pp_size
     for rank in range(world_size):
         mapping = Mapping(world_size=world_size, rank=rank, tp_size=args.tp_size, pp_size=args.pp_size,

@@ -75,15 +75,15 @@ def check_model_fits(pipeline: PipelineSpec, config: ModelConfig) -> None:
                              "converter maps tensor and pipeline parallelism only); use draft_target or ngram")
 
 
-def convert_command(spec: TrtllmSpec, model_dir: Path, output: Path, weight_only_int4: bool) -> tuple[str, ...]:
+def convert_command(spec: TrtllmSpec, model_dir: Path, output: Path, weight_only: str | None) -> tuple[str, ...]:
     """Our converter (builders/trtllm_convert.py): LLaMAForCausalLM.from_hugging_face + save_checkpoint per rank,
     the same call TensorRT-LLM's llama convert_checkpoint.py makes (Mixtral goes through the same class)."""
     moe_tp, moe_ep = moe_mapping(spec)
     command = ["python3", "-m", "specdeploy.builders.trtllm_convert", "--model_dir", str(model_dir),
                "--output_dir", str(output), "--dtype", spec.dtype, "--tp_size", str(spec.tp_size),
                "--pp_size", str(spec.pp_size), "--moe_tp_size", str(moe_tp), "--moe_ep_size", str(moe_ep)]
-    if weight_only_int4:
-        command += ["--use_weight_only", "--weight_only_precision", "int4"]  # QuantAlgo.W4A16
+    if weight_only is not None:  # int4: QuantAlgo.W4A16, int8: W8A16
+        command += ["--use_weight_only", "--weight_only_precision", weight_only]
     return tuple(command)
 
 
@@ -131,7 +131,7 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
         mode = "medusa"
     else:
         steps.append(Step("convert the target", checkpoints / "target",
-                          convert_command(spec, hf / "target", checkpoints / "target", False)))
+                          convert_command(spec, hf / "target", checkpoints / "target", None)))
         if speculation.method in ("draft_target", "ngram"):
             mode = "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
     if speculation.method == "draft_target":
@@ -144,9 +144,10 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
                                 hf / "dense_source"))
             draft_source = hf / "dense_source"
         else:
-            draft_source = hf / "target"  # TensorRT-LLM quantizes it to int4 weight-only itself
+            draft_source = hf / "target"  # TensorRT-LLM quantizes it to int4 or int8 weight-only itself
+        precision = {"none": None, "int8": "int8"}.get(draft.derive, "int4")
         steps.append(Step("convert the draft", checkpoints / "draft",
-                          convert_command(spec, draft_source, checkpoints / "draft", draft.derive != "none")))
+                          convert_command(spec, draft_source, checkpoints / "draft", precision)))
         steps.append(Step("build the draft engine", engines / "draft",
                           engine_command(pipeline, checkpoints / "draft", engines / "draft", None)))
     steps.append(Step("build the target engine", engines / "target",
