@@ -2,7 +2,7 @@
 
 transformers' `generate` on the target's weights (same dtype, same threads, same device): plain, with prompt lookup
 (`prompt_lookup_num_tokens` = the pipeline's gamma) and, when the pipeline's draft is a plain checkpoint, with it as
-`assistant_model` (an int4-derived draft is our own module, which transformers cannot run). llama.cpp through
+`assistant_model` (a derived int4 or int8 draft is our own module, which transformers cannot run). llama.cpp through
 llama-cpp-python on the GGUF file the target was built from (its own quantization, on the CPU, same threads): plain
 and with llama-cpp-python's prompt-lookup draft (`LlamaPromptLookupDecoding`, gamma tokens per proposal). Each speed
 is the decode rate over the bench's prompts, (tokens - 1) / (time - time of the first token), as the bench measures
@@ -80,9 +80,9 @@ def transformers_peers(engine: Engine, encoded: list[list[int]], max_tokens: int
     draft = engine.dir / "draft"
     if not draft.is_dir():
         peers["transformers assistant_model"] = {"skipped": "the pipeline has no draft model"}
-    elif component_config(draft)[0].quantization is not None:
-        peers["transformers assistant_model"] = {"skipped": "the draft is derived int4, our own module, which "
-                                                            "transformers cannot run"}
+    elif (quantization := component_config(draft)[0].quantization) is not None:
+        peers["transformers assistant_model"] = {"skipped": f"the draft is derived {quantization['method']}, our own "
+                                                            f"module, which transformers cannot run"}
     else:
         assistant = hf_model(draft, dtype, engine.device)
         peers["transformers assistant_model"] = {

@@ -460,3 +460,21 @@ def test_rendered_cpu_overlay_runs(rendered, tmp_path):
             raise
     assert status == 0, server.stderr.read()[-2000:]
     shutil.rmtree(tmp_path / "data", ignore_errors=True)
+
+
+def test_the_weights_estimate_counts_an_int8_draft_at_a_byte_per_projection_weight():
+    """Sized from the model's dimensions: an int8 draft's projections read 1 byte a weight, int4's 0.625 (codes plus
+    group scales); everything else is the same."""
+    from specdeploy.deploy.sizing import GIB, estimate_weights_gib
+    from specdeploy.models.config import ModelConfig
+    from specdeploy.pipeline import parse_pipeline
+
+    config = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16)
+    sizes = {}
+    for derive in ("int4", "int8"):
+        pipeline = parse_pipeline({"name": "p", "target": {"checkpoint": {"source": "gguf", "path": "/m.gguf"}},
+                                   "speculation": {"method": "draft_target", "draft": {"derive": derive}}})
+        sizes[derive] = estimate_weights_gib(pipeline, config) * GIB
+    projections = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 256)
+    assert sizes["int8"] - sizes["int4"] == pytest.approx(projections * (1 - 0.625))

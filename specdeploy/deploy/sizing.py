@@ -55,9 +55,11 @@ def estimate_weights_gib(pipeline: PipelineSpec, target: ModelConfig) -> float:
     total = target_params * DTYPE_BYTES[pipeline.target.dtype]
     speculation = pipeline.speculation
     if speculation.method == "draft_target" and speculation.draft.derive != "none":
-        # int4 projections with their group scales, the bf16 embedding table and an int8 vocabulary head
+        # int4 projections with their group scales (or int8 rows), the bf16 embedding table and an int8 vocabulary
+        # head
         vocabulary = target.vocab_size * target.hidden_size
-        total += (target_params - vocabulary) * INT4_BYTES * 1.25 + vocabulary * 3
+        projection_bytes = 1.0 if speculation.draft.derive == "int8" else INT4_BYTES * 1.25
+        total += (target_params - vocabulary) * projection_bytes + vocabulary * 3
     elif speculation.method == "medusa":
         heads = speculation.medusa
         total += heads.num_heads * (heads.num_layers * target.hidden_size ** 2 + target.hidden_size
