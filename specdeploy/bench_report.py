@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import platform
 from importlib import metadata
+from itertools import accumulate
 from pathlib import Path
 
 from specdeploy.bench import phases_text, predicted_speedup
@@ -61,7 +62,8 @@ def gamma_curves(report: dict) -> dict:
     top = max(2 * max(report["num_draft_tokens"], 1), 8)
     widths = [v] * (top + 1)
     if report.get("verify_costs"):
-        costs = report["verify_costs"]
+        # a wider forward never costs less: the running maximum keeps timing noise from bending the lines down
+        costs = list(accumulate(report["verify_costs"], max))
         served = round(measured_gamma(report))
         if isinstance(report.get("gamma_cap"), int):  # v was measured at the capped gamma
             served = min(served, report["gamma_cap"])

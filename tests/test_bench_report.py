@@ -71,6 +71,17 @@ def test_the_predicted_lines_follow_the_verify_cost_by_width():
     assert curves["formula"][1] > predicted_speedup(alpha, 1, c, 2.2)
 
 
+def test_a_dip_in_the_measured_verify_cost_does_not_bend_the_lines_down():
+    """Timing noise can make a wider forward look cheaper (1.07 then 0.99): the lines take the running maximum."""
+    alpha, c = 0.5, 0.1
+    noisy = [1.0, 1.07, 1.09, 0.99, 1.02, 1.06]
+    report = {"draft_cost_ratio": c, "verify_cost_ratio": 1.09, "num_draft_tokens": 2, "acceptance_rate": alpha,
+              "per_position_acceptance": [alpha, alpha ** 2], "verify_costs": noisy}
+    formula = gamma_curves(report)["formula"]
+    for gamma, cost in zip(range(1, 6), [1.07, 1.09, 1.09, 1.09, 1.09]):
+        assert formula[gamma] == pytest.approx(predicted_speedup(alpha, gamma, c, cost))
+
+
 def test_dense_reports_carry_the_verify_cost_by_width(reports):
     for report in reports:
         costs = report["verify_costs"]
