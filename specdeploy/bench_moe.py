@@ -5,6 +5,7 @@ tokens touch per layer, the expert weight bytes that reads, and the forward's ti
 
 from __future__ import annotations
 
+import statistics
 import time
 
 import torch
@@ -18,7 +19,7 @@ from specdeploy.pipeline import load_pipeline
 from specdeploy.runtime.engine import Engine
 from specdeploy.transfer import finish
 
-STARTS_PER_SEQUENCE = 2  # verification windows per prompt (its answer's first and last): 30 per length on 15 prompts
+STARTS_PER_SEQUENCE = 2  # verification windows per prompt (its answer's first and last): up to 30 on 15 prompts
 
 
 def experts_touched(model: MixtralModel) -> list[int]:
@@ -49,10 +50,12 @@ def timed_forward(model: LlamaModel, cache, window: torch.Tensor, start: int, re
 
 
 def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], max_length: int,
-                       repeats: int = 3, dense: LlamaModel | None = None) -> dict:
+                       repeats: int = 1, dense: LlamaModel | None = None) -> dict:
     """sequences: (prompt + answer ids, index of the answer's first token). For n = 1 .. max_length: the mean
     distinct experts per layer over verification windows of n real tokens, the expert bytes a forward over them
-    reads, and its time relative to n = 1 (medians of `repeats`); n = 1 is a plain decode step. With `dense`, the
+    reads, and its time relative to n = 1; n = 1 is a plain decode step. Each window is timed `repeats` times (its
+    median) and the median across windows drops the outliers, at a third of the cost of three timings per window.
+    With `dense`, the
     same windows timed on it, interleaved with the MoE's: the dense verify curve beside the union's, and how fast
     the MoE's plain step is against the dense one's."""
     model, device = engine.target, engine.device
@@ -80,8 +83,8 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
     if not lengths:
         return {}
     distinct = [sum(distinct_at[n]) / len(distinct_at[n]) for n in lengths]
-    means = [[sum(seconds[n]) / len(seconds[n]) for n in lengths] for seconds in seconds_at]
-    costs = [[s / mean[0] for s in mean] for mean in means]
+    medians = [[statistics.median(seconds[n]) for n in lengths] for seconds in seconds_at]
+    costs = [[s / median[0] for s in median] for median in medians]
     layers = model.moe_layers()
     curve = {"verification_length": lengths, "num_experts": model.config.num_experts,
              "experts_per_token": model.config.experts_per_token,
@@ -91,7 +94,7 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
     if dense is not None:
         curve["dense_verify_cost"] = costs[1]
         # above 1: a plain decode step of the MoE is faster than the dense model's (same windows, interleaved)
-        curve["plain_step_speed_vs_dense"] = means[1][0] / means[0][0]
+        curve["plain_step_speed_vs_dense"] = medians[1][0] / medians[0][0]
     return curve
 
 

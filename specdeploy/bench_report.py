@@ -255,9 +255,9 @@ def write_report(reports: list[dict], directory: Path, pipelines: list[str]) -> 
              "## Machine", "",
              *(f"- {key}: {value}" for key, value in machine.items()),
              f"- torch threads: {reports[0]['threads']}",
-             *(f"- time spent on {label(r)}, seconds: {phases_text(r['phase_seconds'])}" for r in reports
-               if r.get("phase_seconds")),
              *(f"- {package} {version}" for package, version in versions().items()), "",
+             "## Time spent (seconds)", "",
+             *(f"- {label(r)}: {phases_text(r['phase_seconds'])}" for r in reports if r.get("phase_seconds")), "",
              "## Figures", "", *figures_table(reports), ""]
     for report in reports:
         kinds = report["by_kind"]

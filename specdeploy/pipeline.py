@@ -137,15 +137,20 @@ class TargetSpec(Section):
 @dataclass(frozen=True)
 class DraftSpec(Section):
     """The draft model. `derive: int4` quantizes the target into a draft (same tokenizer by construction; an MoE
-    target gives an int4 MoE); `int8` quantizes a dense target to int8 rows instead (twice int4's bytes, closer to
-    the target; which pays depends on the device's kernels: bench both side by side); `int4_dense`, for a target
-    derived with target.moe, quantizes the dense model it was derived from instead; `derive: none` takes
-    `checkpoint` as it is (its tokenizer must match the target's)."""
+    target gives an int4 MoE); `int8` quantizes it to int8 rows instead (1.6× int4's bytes, closer to the target;
+    which pays depends on the device's kernels: bench both side by side); `int4_dense`, for a target derived with
+    target.moe, quantizes the dense model it was derived from to int4 instead; `derive: none` takes `checkpoint` as
+    it is (its tokenizer must match the target's)."""
 
     derive: Literal["int4", "int8", "int4_dense", "none"] = "int4"
     checkpoint: CheckpointSpec | None = None
     dtype: DType = "bfloat16"
     early_stop_threshold: float = 0.0  # stop drafting when the draft's top-1 probability falls below this
+
+    @property
+    def weight_only(self) -> Literal["int4", "int8"] | None:
+        """The precision the derived draft's weights are quantized to; None for a checkpoint taken as it is."""
+        return {"int4": "int4", "int4_dense": "int4", "int8": "int8", "none": None}[self.derive]
 
     def check(self) -> None:
         if self.derive == "none" and self.checkpoint is None:
@@ -415,9 +420,6 @@ class PipelineSpec(Section):
         if gamma > limit:
             raise Problem("speculation.num_draft_tokens", f"{gamma} is above limits.max_draft_tokens ({limit})")
         draft = self.speculation.draft
-        if draft is not None and draft.derive == "int8" and self.target.moe is not None:
-            raise Problem("speculation.draft.derive", "int8 quantizes a dense target; an MoE target's derived draft is "
-                                                      "int4 (an int4 MoE) or int4_dense (its dense source in int4)")
         if draft is not None and draft.derive == "int4_dense" and self.target.moe is None:
             raise Problem("speculation.draft.derive", "int4_dense quantizes the dense model an MoE target is derived "
                                                       "from, and this target has no target.moe: use int4")

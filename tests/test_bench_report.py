@@ -147,7 +147,7 @@ def test_peers_run_on_the_same_weights_and_the_report_names_the_faster(tiny_engi
         assert set(report["phase_seconds"]) == {"plain_and_speculative", "analysis", "peers"}
         assert all(seconds > 0 for seconds in report["phase_seconds"].values())
     text = write_report(measured, tmp_path, ["a.yaml", "b.yaml"]).read_text()
-    assert "- time spent on tiny-dt (draft_target), seconds: plain and speculative " in text
+    assert "## Time spent (seconds)" in text and "- tiny-dt (draft_target): plain and speculative " in text
     assert "## Peers: tiny-dt (draft_target)" in text and "skipped: the draft is derived int4" in text
     faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
     assert (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster

@@ -21,10 +21,10 @@ PROMPTS = [[5, 40, 41, 42, 43, 7, 9], [70, 71, 72, 70, 71, 72, 70, 71], [10, 11,
 @pytest.fixture(scope="module")
 def gpu_engines(tiny_engines) -> dict[str, Engine]:
     return {kind: Engine(tiny_engines[kind].dir, device="cuda", batch_size=4)
-            for kind in ("draft_target", "int4", "ngram")}
+            for kind in ("draft_target", "int4", "int8", "ngram")}
 
 
-@pytest.mark.parametrize("kind", ["draft_target", "int4", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_target", "int4", "int8", "ngram"])
 def test_greedy_speculation_on_the_gpu_equals_plain_decode(gpu_engines, kind):
     engine = gpu_engines[kind]
     assert engine.target.embed.device.type == "cuda"
@@ -34,7 +34,7 @@ def test_greedy_speculation_on_the_gpu_equals_plain_decode(gpu_engines, kind):
         assert speculative == plain
 
 
-@pytest.mark.parametrize("kind", ["draft_target", "int4", "ngram"])
+@pytest.mark.parametrize("kind", ["draft_target", "int4", "int8", "ngram"])
 def test_one_host_sync_per_decode_step(gpu_engines, kind):
     """CUDA's sync debug mode warns on every host sync; a batched step of greedy, sampled and penalised rows has
     exactly one (the outcome's read), whatever the proposer."""
@@ -71,6 +71,18 @@ def test_the_gpu_int4_kernel_matches_the_dequantized_weights():
     assert layer.dense is None  # the tinygemm kernel, not the dequantized fallback
     x = torch.randn(3, 576, device="cuda", dtype=torch.bfloat16)
     expected = x.float() @ dequantize_int4(**groups).T
+    torch.testing.assert_close(layer(x).float(), expected, rtol=0.03, atol=0.3)
+
+
+def test_the_gpu_int8_kernel_matches_the_dequantized_weights():
+    from specdeploy.models.quantize import Int8Linear, quantize_int8
+
+    torch.manual_seed(0)
+    weight = torch.randn(256, 576)
+    rows = {key: value.cuda() for key, value in quantize_int8(weight).items()}
+    layer = Int8Linear(rows["int8"], rows["row_scales"])
+    x = torch.randn(3, 576, device="cuda", dtype=torch.bfloat16)
+    expected = x.float() @ (rows["int8"].float() * rows["row_scales"][:, None]).T
     torch.testing.assert_close(layer(x).float(), expected, rtol=0.03, atol=0.3)
 
 

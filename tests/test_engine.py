@@ -246,7 +246,7 @@ def test_smollm2_greedy_speculative_equals_plain(smollm2_fp32_engines, method):
 
 def test_an_int8_draft_is_int8_rows_and_closer_to_the_target_than_int4(tiny_engines):
     """derive: int8 quantizes every projection and the head to int8 rows (torch's weight-only int8 kernel); it reads
-    twice int4's bytes and tracks the target more closely."""
+    1.6× int4's bytes (with int4's group scales) and tracks the target more closely."""
     import json
 
     from specdeploy.models.quantize import Int4Linear, Int8Linear
@@ -265,3 +265,26 @@ def test_an_int8_draft_is_int8_rows_and_closer_to_the_target_than_int4(tiny_engi
     target = logits(int8.target)
     error = {name: (logits(e.proposer.model) - target).abs().mean() for name, e in (("int8", int8), ("int4", int4))}
     assert error["int8"] < error["int4"] / 2, error
+
+
+def test_int8_rows_work_from_an_unaligned_buffer():
+    """An MoE draft's experts are views into one loaded safetensors buffer, 8-byte aligned; torch's CPU int8 kernel
+    crashed on such a view with 4 input rows until Int8Linear copied its weight. Run apart: a crash is a segfault."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from specdeploy.models.quantize import Int8Linear, quantize_int8
+torch.manual_seed(0)
+rows = quantize_int8(torch.randn(64, 64))
+buffer = torch.zeros(8 + 64 * 64, dtype=torch.int8)
+view = buffer[8:].view(64, 64)
+view.copy_(rows["int8"])
+assert view.data_ptr() % 64 != 0
+x = torch.randn(4, 64)
+expected = x @ (rows["int8"].float() * rows["row_scales"][:, None]).T
+torch.testing.assert_close(Int8Linear(view, rows["row_scales"])(x), expected, rtol=0.03, atol=0.3)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

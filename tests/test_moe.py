@@ -27,7 +27,7 @@ from specdeploy.errors import BuildError, PipelineError, SpecdeployError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.moe import MixtralModel, SparseMoE, route
-from specdeploy.models.quantize import Int4Linear
+from specdeploy.models.quantize import Int4Linear, Int8Linear
 from specdeploy.pipeline import CheckpointSpec, PipelineSpec, PolicySpec, ServingSpec, TargetSpec, load_pipeline
 from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
@@ -197,17 +197,18 @@ def moe_pipeline(directory: Path, name: str, checkpoint: Path, moe: dict, method
 @pytest.fixture(scope="module")
 def moe_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Engine]:
     """An MoE target derived from the tiny dense target (4 experts, 2 per token), with an int4 copy of the MoE as
-    draft ("draft_target"), with the int4 dense source as draft ("draft_target_dense") and with n-gram
-    speculation; batch size 4."""
+    draft ("draft_target"), with an int8 copy ("draft_target_int8"), with the int4 dense source as draft
+    ("draft_target_dense") and with n-gram speculation; batch size 4."""
     root = tmp_path_factory.mktemp("moe-engines")
     moe = {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}
     engines = {}
+    derives = {"draft_target_dense": "int4_dense", "draft_target_int8": "int8"}
     for name, method in (("draft_target", "draft_target"), ("draft_target_dense", "draft_target"),
-                         ("ngram", "ngram")):
+                         ("draft_target_int8", "draft_target"), ("ngram", "ngram")):
         path = moe_pipeline(root, f"tiny-moe-{name}", tiny_checkpoints["target"], moe, method)
-        if name == "draft_target_dense":
+        if name in derives:
             spec = yaml.safe_load(path.read_text())
-            spec["speculation"]["draft"]["derive"] = "int4_dense"
+            spec["speculation"]["draft"]["derive"] = derives[name]
             path.write_text(yaml.safe_dump(spec))
         engines[name] = Engine(build(load_pipeline(path), root / "engines", quiet=True).directory, batch_size=4)
     return engines
@@ -229,7 +230,21 @@ def test_a_derived_moe_target_gets_an_int4_moe_draft_or_its_dense_source_in_int4
     assert float((quantized - exact).norm() / exact.norm()) < 0.2  # int4 groups of 32 on random weights: ~0.13
 
 
-@pytest.mark.parametrize("method", ["draft_target", "draft_target_dense", "ngram"])
+def test_an_int8_draft_of_an_moe_is_int8_experts_closer_than_int4(moe_engines):
+    int8 = moe_engines["draft_target_int8"].proposer.model
+    assert isinstance(int8, MixtralModel) and int8.config.quantization["method"] == "int8"
+    experts = int8.moe_layers()[0]
+    assert isinstance(experts.gate_up[0], Int8Linear) and isinstance(experts.down[3], Int8Linear)
+    int4 = moe_engines["draft_target"].proposer.model.moe_layers()[0]
+    target_experts = moe_engines["draft_target"].target.moe_layers()[0]
+    assert int4.expert_bytes < experts.expert_bytes < target_experts.expert_bytes / 3  # 1 byte against fp32's 4
+    x = torch.randn(5, 64)
+    exact = target_experts(x)
+    errors = [float((layer(x) - exact).norm() / exact.norm()) for layer in (experts, int4)]
+    assert errors[0] < errors[1] / 4, errors  # per-row int8 against int4 groups of 32
+
+
+@pytest.mark.parametrize("method", ["draft_target", "draft_target_dense", "draft_target_int8", "ngram"])
 def test_greedy_speculation_on_the_moe_target_equals_plain(moe_engines, method):
     engine = moe_engines[method]
     drafted = 0
@@ -298,17 +313,6 @@ def test_moe_derivation_is_refused_where_it_cannot_apply(mixtral_dirs, tiny_chec
     dense_of_mixtral.write_text(yaml.safe_dump(spec))
     with pytest.raises(PipelineError, match="speculation.draft.derive: int4_dense .* no target.moe"):
         load_pipeline(dense_of_mixtral)
-    spec["speculation"]["draft"]["derive"] = "int8"  # int8 rows for a dense model; experts are int4 only
-    dense_of_mixtral.write_text(yaml.safe_dump(spec))
-    with pytest.raises(BuildError, match="derive int8 quantizes a dense target, this one is mixtral"):
-        build(load_pipeline(dense_of_mixtral), tmp_path / "engines", quiet=True)
-    int8_of_derived = moe_pipeline(tmp_path, "int8-of-derived", tiny_checkpoints["target"],
-                                   {"experts": 4, "experts_per_token": 2}, method="draft_target")
-    spec = yaml.safe_load(int8_of_derived.read_text())
-    spec["speculation"]["draft"]["derive"] = "int8"
-    int8_of_derived.write_text(yaml.safe_dump(spec))
-    with pytest.raises(PipelineError, match="speculation.draft.derive: int8 quantizes a dense target"):
-        load_pipeline(int8_of_derived)
     odd_experts = dict(MOE, intermediate_size=48)
     odd = tmp_path / "odd-mixtral"
     MixtralForCausalLM(MixtralConfig(**odd_experts)).save_pretrained(odd)

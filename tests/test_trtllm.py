@@ -63,8 +63,11 @@ def table_for(command: tuple[str, ...]) -> dict:
     return MEDUSA_CONVERT_FLAGS if command[1].endswith("medusa/convert_checkpoint.py") else LLAMA_CONVERT_FLAGS
 
 
-@pytest.mark.parametrize("path, derive", [(p, None) for p in GPU_EXAMPLES] + [(GPU_EXAMPLES[1], "int8")],
-                         ids=[p.stem for p in GPU_EXAMPLES] + [f"{GPU_EXAMPLES[1].stem}-int8"])
+LLAMA70B = next(p for p in GPU_EXAMPLES if p.stem == "llama70b-draft-target")
+
+
+@pytest.mark.parametrize("path, derive", [(p, None) for p in GPU_EXAMPLES] + [(LLAMA70B, "int8")],
+                         ids=[p.stem for p in GPU_EXAMPLES] + ["llama70b-draft-target-int8"])
 def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive, tmp_path):
     """derive: the example's draft derived as this instead (an int8 draft: TensorRT-LLM's W8A16)."""
     if derive is not None:

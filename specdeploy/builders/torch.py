@@ -14,7 +14,7 @@ import dataclasses
 import json
 import shutil
 from pathlib import Path
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
 import torch
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
@@ -47,32 +47,33 @@ def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
     return fingerprint(pipeline, pipeline_sources(pipeline), versions, final)
 
 
-def draft_quantization(draft: dict[str, torch.Tensor]) -> dict:
+def draft_quantization(draft: dict[str, torch.Tensor], precision: Literal["int4", "int8"]) -> dict:
     """What quantized_draft_state produced, for the draft's config.json."""
-    if not any(name.endswith(".codes") for name in draft):
+    if precision == "int8":
         return {"method": "int8", "lm_head": "int8"}
     head = "int4, top logits rescored at int8" if "lm_head.codes" in draft else "int8"
     return {"method": "int4", "group_size": GROUP_SIZE, "lm_head": head}
 
 
-def quantized_draft_state(state: dict[str, torch.Tensor], bits: int = 4) -> dict[str, torch.Tensor]:
-    """Weight-only quantized copy of the target. bits 4: projections as int4 groups; the vocabulary head as int4
-    groups plus int8 rows for rescoring its top logits (int8 alone when the vocabulary does not suit the int4
-    kernel). bits 8 (dense targets): projections and head as int8 rows. Either way norms and the embedding table
-    stay bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
-    quantize = quantize_int4 if bits == 4 else quantize_int8
+def quantized_draft_state(state: dict[str, torch.Tensor], precision: Literal["int4", "int8"]
+                          ) -> dict[str, torch.Tensor]:
+    """Weight-only quantized copy of the target. int4: projections (and each expert's) as int4 groups; the
+    vocabulary head as int4 groups plus int8 rows for rescoring its top logits (int8 alone when the vocabulary does
+    not suit the int4 kernel). int8: projections, experts and head as int8 rows. Either way norms and the embedding
+    table stay bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
+    quantize = quantize_int4 if precision == "int4" else quantize_int8
     draft = {}
     for name, tensor in state.items():
         base = name.removesuffix(".weight")
-        if name.endswith(EXPERT_SUFFIXES):  # [E, N, K]: each expert's groups, stacked
-            experts = [quantize_int4(expert) for expert in tensor]
+        if name.endswith(EXPERT_SUFFIXES):  # [E, N, K]: each expert's quantized parts, stacked
+            experts = [quantize(expert) for expert in tensor]
             draft.update({f"{name}.{k}": torch.stack([e[k] for e in experts]) for k in experts[0]})
         elif base.endswith(LINEAR_SUFFIXES):
             draft.update({f"{base}.{k}": v for k, v in quantize(tensor).items()})
         elif name != "lm_head.weight":
             draft[name] = tensor.to(torch.bfloat16)
     head = state[projection_key(state)]  # tied: the draft gets its own copy
-    if bits == 4 and head.shape[0] % INT4_KERNEL_ROWS == 0:  # otherwise the head stays int8 only
+    if precision == "int4" and head.shape[0] % INT4_KERNEL_ROWS == 0:  # otherwise the head stays int8 only
         draft.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
     draft.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})
     return draft
@@ -91,12 +92,9 @@ def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, to
 
 def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
     """Int4 groups run along each projection's input dimension: hidden and intermediate (per expert) sizes.
-    `checkpoint`: what the draft is quantized from. Int8 rows take any size, but not an MoE's experts."""
+    `checkpoint`: what the draft is quantized from. Int8 rows take any size."""
     derive = pipeline.speculation.draft.derive
-    if derive == "int8":
-        if checkpoint.config.architecture != "llama":
-            raise BuildError(f"speculation.draft.derive int8 quantizes a dense target, this one is "
-                             f"{checkpoint.config.architecture} (use int4, which quantizes each expert)")
+    if pipeline.speculation.draft.weight_only != "int4":
         return
     for name in ("hidden_size", "intermediate_size"):
         if getattr(checkpoint.config, name) % GROUP_SIZE:
@@ -148,6 +146,7 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
         target = dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
         draft_spec = speculation.draft if speculation.method == "draft_target" else None
         derive = None if draft_spec is None else draft_spec.derive
+        precision = None if draft_spec is None else draft_spec.weight_only
         if derive == "int4_dense":
             check_draft_quantizable(pipeline, dense)  # before the MoE's derivation, which takes minutes
         moe = pipeline.target.moe
@@ -163,16 +162,16 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
         write_component(staging / "target", target, {k: v.to(target_dtype) for k, v in target.state.items()},
                         pipeline.target.dtype, pipeline)
         if draft_spec is not None:
-            if derive in ("int4", "int8", "int4_dense"):
+            if precision is not None:
                 # int4_dense: a derived MoE's dense source. Either way the attention is the target's, so the draft
                 # (activations in the target's dtype) can share the target's KV cache.
                 source = dense if derive == "int4_dense" else target
                 progress.update(task, description=f"[{pipeline.name}] quantizing the "
                                                   f"{'dense source' if source is dense else 'target'} into an "
-                                                  f"{'int8' if derive == 'int8' else 'int4'} draft")
-                draft_state = quantized_draft_state(source.state, 8 if derive == "int8" else 4)
+                                                  f"{precision} draft")
+                draft_state = quantized_draft_state(source.state, precision)
                 write_component(staging / "draft", source, draft_state, pipeline.target.dtype, pipeline,
-                                draft_quantization(draft_state))
+                                draft_quantization(draft_state, precision))
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
                 draft = load_checkpoint(draft_spec.checkpoint, pipeline)

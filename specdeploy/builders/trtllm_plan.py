@@ -145,9 +145,8 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
             draft_source = hf / "dense_source"
         else:
             draft_source = hf / "target"  # TensorRT-LLM quantizes it to int4 or int8 weight-only itself
-        precision = {"none": None, "int8": "int8"}.get(draft.derive, "int4")
         steps.append(Step("convert the draft", checkpoints / "draft",
-                          convert_command(spec, draft_source, checkpoints / "draft", precision)))
+                          convert_command(spec, draft_source, checkpoints / "draft", draft.weight_only)))
         steps.append(Step("build the draft engine", engines / "draft",
                           engine_command(pipeline, checkpoints / "draft", engines / "draft", None)))
     steps.append(Step("build the target engine", engines / "target",

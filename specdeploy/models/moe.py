@@ -19,7 +19,7 @@ from torch import nn
 
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import DenseLinear, LlamaModel
-from specdeploy.models.quantize import Int4Linear
+from specdeploy.models.quantize import Int4Linear, Int8Linear
 
 
 def route(router_logits: torch.Tensor, experts_per_token: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,13 +30,17 @@ def route(router_logits: torch.Tensor, experts_per_token: int) -> tuple[torch.Te
 
 
 def expert_linears(state: dict[str, torch.Tensor], key: str, dtype: torch.dtype) -> tuple[nn.ModuleList, int]:
-    """One linear per expert from the experts' stacked weights at `key` ([E, N, K], or int4 groups stacked the same
-    way under `key`.codes / .scales / .minimums, as a derived draft stores them), and the bytes one expert's
-    linear reads."""
+    """One linear per expert from the experts' stacked weights at `key` ([E, N, K]; or, as a derived draft stores
+    them, int4 groups stacked the same way under `key`.codes / .scales / .minimums, or int8 rows under `key`.int8 /
+    .row_scales), and the bytes one expert's linear reads."""
     if key in state:
         weights = state[key]
         return (nn.ModuleList(DenseLinear(w.to(dtype)) for w in weights),
                 weights[0].numel() * torch.finfo(dtype).bits // 8)
+    if f"{key}.int8" in state:
+        rows, scales = state[f"{key}.int8"], state[f"{key}.row_scales"]
+        return (nn.ModuleList(Int8Linear(r, s) for r, s in zip(rows, scales)),
+                rows[0].numel() + scales[0].numel() * 2)  # int8 weights, bf16 row scales
     codes, scales, minimums = (state[f"{key}.{part}"] for part in ("codes", "scales", "minimums"))
     linears = nn.ModuleList(Int4Linear(c, s.float(), m.float()) for c, s, m in zip(codes, scales, minimums))
     return linears, codes[0].numel() + 2 * scales[0].numel() * 2  # 4-bit codes, bf16 scales and zeros

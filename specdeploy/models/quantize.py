@@ -1,4 +1,5 @@
-"""Weight-only quantization for derived drafts: int4 groups for the projections, int8 rows for the vocabulary head.
+"""Weight-only quantization for derived drafts: int4 groups for the projections, int8 rows for the vocabulary head
+(or, for `derive: int8`, int8 rows for everything).
 
 Int4: a weight row is split into groups of `group_size`; each group stores 4-bit codes q in [0, 15] with a scale and
 a minimum, so w ≈ q * scale + minimum (the same shape as GGUF's Q4_1 blocks, which therefore round-trip almost
@@ -116,7 +117,9 @@ class Int8Linear(nn.Module):
     def __init__(self, int8: torch.Tensor, row_scales: torch.Tensor) -> None:
         super().__init__()
         self.out_features, self.in_features = int8.shape
-        self.register_buffer("weight_int8", int8)
+        # a fresh (64-byte aligned) copy: the CPU kernel's 4-row path crashed on a view into a loaded safetensors
+        # buffer, whose data sit 8-byte aligned (torch 2.13)
+        self.register_buffer("weight_int8", int8.clone())
         self.register_buffer("row_scales", row_scales.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
