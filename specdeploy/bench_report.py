@@ -109,6 +109,7 @@ def plot_speedup(plt, reports: list[dict], path: Path) -> None:
         axes.scatter([measured_gamma(report)], [report["speedup"]], color=color, zorder=3,
                      label=f"{label(report)}: measured{schedule}")
     axes.axhline(1.0, color="grey", linewidth=0.8)
+    whole_number_ticks(axes.xaxis)
     axes.set_xlabel("gamma (drafted tokens per step; Medusa: tree nodes)")
     axes.set_ylabel("speedup over plain decode (×)")
     axes.set_title("Speedup against gamma: measured points, predicted lines (above 1: speculation pays)")
@@ -123,6 +124,7 @@ def plot_acceptance(plt, reports: list[dict], path: Path) -> None:
         positions = report["per_position_acceptance"]
         xs = [p + 1 + (index - (len(reports) - 1) / 2) * width for p in range(len(positions))]
         axes.bar(xs, positions, width=width, label=label(report), color=f"C{index}")
+    whole_number_ticks(axes.xaxis)
     axes.set_xlabel("draft position (Medusa: tree depth = head)")
     axes.set_ylabel("fraction of steps accepting it")
     axes.set_ylim(0, 1)
@@ -164,11 +166,20 @@ def plot_moe(plt, report: dict, path: Path) -> None:
     cost.plot(lengths, curve["verify_cost"], marker="o", label="MoE target")
     if "dense_verify_cost" in curve:
         cost.plot(lengths, curve["dense_verify_cost"], marker="s", linestyle="--", label="dense model it came from")
+    for axes in (experts, cost):
+        whole_number_ticks(axes.xaxis)
     cost.set_xlabel("verification length (tokens)")
     cost.set_ylabel("forward time / plain decode step")
     cost.set_title("Verify cost")
     cost.legend(fontsize=8)
     save(plt, figure, path)
+
+
+def whole_number_ticks(axis) -> None:
+    """Ticks only at whole numbers: gammas, positions and lengths have no 1.5."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
 
 
 def save(plt, figure, path: Path) -> None:

@@ -192,3 +192,16 @@ def test_llama_cpp_runs_the_gguf_the_target_was_built_from(smollm2_fp32_engines)
     for peer in peers.values():
         assert peer["tokens_per_s"] > 0 and "SmolLM2-135M-Instruct.Q4_1.gguf" in peer["what"]
         assert peer["common_prefix_tokens"] >= 3
+
+
+def test_gamma_and_position_axes_tick_whole_numbers_only():
+    """Two draft positions must not read 0.75, 1.25, ...: the axes of gammas, positions and lengths tick integers."""
+    from specdeploy.bench_report import pyplot, whole_number_ticks
+
+    plt = pyplot()
+    figure, axes = plt.subplots()
+    axes.bar([1, 2], [0.5, 0.1])
+    assert any(tick % 1 for tick in axes.get_xticks())  # matplotlib's own choice puts ticks between them
+    whole_number_ticks(axes.xaxis)
+    assert all(tick % 1 == 0 for tick in axes.get_xticks())
+    plt.close(figure)
