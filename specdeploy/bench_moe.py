@@ -55,9 +55,8 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
     distinct experts per layer over verification windows of n real tokens, the expert bytes a forward over them
     reads, and its time relative to n = 1; n = 1 is a plain decode step. Each window is timed `repeats` times (its
     median) and the median across windows drops the outliers, at a third of the cost of three timings per window.
-    With `dense`, the
-    same windows timed on it, interleaved with the MoE's: the dense verify curve beside the union's, and how fast
-    the MoE's plain step is against the dense one's."""
+    With `dense`, the same windows timed on it, interleaved with the MoE's: the dense verify curve beside the
+    union's, and how fast the MoE's plain step is against the dense one's."""
     model, device = engine.target, engine.device
     models = [model] if dense is None else [model, dense]
     distinct_at: dict[int, list[float]] = {n: [] for n in range(1, max_length + 1)}

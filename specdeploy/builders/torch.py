@@ -92,10 +92,8 @@ def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, to
 
 def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
     """Int4 groups run along each projection's input dimension: hidden and intermediate (per expert) sizes.
-    `checkpoint`: what the draft is quantized from. Int8 rows take any size."""
+    `checkpoint`: what the draft is quantized from. (Int8 rows take any size.)"""
     derive = pipeline.speculation.draft.derive
-    if pipeline.speculation.draft.weight_only != "int4":
-        return
     for name in ("hidden_size", "intermediate_size"):
         if getattr(checkpoint.config, name) % GROUP_SIZE:
             raise BuildError(f"speculation.draft.derive {derive} needs {name} divisible by {GROUP_SIZE}, got "
@@ -154,7 +152,7 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
             progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE "
                                               f"({moe.experts_per_token} per token) from the dense target")
             target = derive_target(moe, dense, str(pipeline.target.checkpoint.path))
-        if derive in ("int4", "int8"):
+        if derive == "int4":
             check_draft_quantizable(pipeline, target)
         progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
         save_engine_pipeline(staging, pipeline)

@@ -54,7 +54,7 @@ def estimate_weights_gib(pipeline: PipelineSpec, target: ModelConfig) -> float:
     target_params = parameters(target)
     total = target_params * DTYPE_BYTES[pipeline.target.dtype]
     speculation = pipeline.speculation
-    if speculation.method == "draft_target" and speculation.draft.derive != "none":
+    if speculation.method == "draft_target" and speculation.draft.weight_only is not None:
         # int4 projections with their group scales (or int8 rows), the bf16 embedding table and an int8 vocabulary
         # head (its own copy, tied or not)
         vocabulary = target.vocab_size * target.hidden_size
