@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The torch backend on an NVIDIA GPU, in one command (meant to take under 8 minutes; the timeouts below are caps, not
-# the budget; its CPU rehearsal took 2m18s on 2 cores with two of the five engines to build): the GPU tests, then a short bench of each shipped pipeline (the draft-target
-# one beside an int8 draft) with --device cuda --report, and a summary table. Installs nothing: run it where
-# this repository's environment has a CUDA build of torch (PYTHON=/path/to/python, default .venv/bin/python).
+# the budget; its CPU rehearsal took 2m18s on 2 cores with two of the five engines to build): the GPU tests, then a
+# short bench of each shipped pipeline (the draft-target one beside an int8 draft) with --device cuda --report, and a
+# summary table. Installs nothing: run it where this repository's environment has a CUDA build of torch
+# (PYTHON=/path/to/python, default .venv/bin/python).
 #   scripts/gpu-check.sh [OUTPUT_DIR]      (default gpu-check/)
 # Engines not built yet are built first (on the CPU: the MoE's derivation is the longest, about 2.5 minutes on 2 cores).
 # GPU_CHECK_DEVICE=cpu rehearses the script on a machine without a GPU (the GPU tests skip, the benches run on the CPU).
@@ -29,8 +30,8 @@ else:
 PY
 mkdir -p "$OUT"
 
-# The GPU tests (tests/test_cuda.py: greedy exactness, one host sync per step, the int4 kernel, the MoE path, a
-# KIND_GPU repository served by tritonserver) and the device tests that run anywhere.
+# The GPU tests (tests/test_cuda.py: greedy exactness, one host sync per step, the int4 and int8 kernels, the MoE
+# path, a KIND_GPU repository served by tritonserver) and the device tests that run anywhere.
 # A failure is reported at the end: the benches and the summary still run.
 status=0
 timeout 300 "$PYTHON" -m pytest -q tests/test_cuda.py tests/test_device.py -p no:cacheprovider || status=$?
