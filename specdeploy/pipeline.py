@@ -354,8 +354,8 @@ class TrtllmSpec(Section):
                 and self.moe_tp_size * self.moe_ep_size != self.tp_size:
             raise Problem("moe_ep_size", f"moe_tp_size × moe_ep_size must equal tp_size ({self.tp_size}), got "
                                          f"{self.moe_tp_size} × {self.moe_ep_size}")
-        if not 0 < self.kv_cache_free_gpu_mem_fraction <= 1:
-            raise Problem("kv_cache_free_gpu_mem_fraction", f"must be in (0, 1], got "
+        if not 0 < self.kv_cache_free_gpu_mem_fraction < 1:  # the executor's KvCacheConfig refuses 0 and 1
+            raise Problem("kv_cache_free_gpu_mem_fraction", f"must be in (0, 1), got "
                                                             f"{self.kv_cache_free_gpu_mem_fraction}")
 
 
@@ -444,6 +444,11 @@ class PipelineSpec(Section):
             raise Problem("backend.trtllm.server", f"{method} on the engine line runs through Triton (our "
                                                    f"orchestration model feeds draft tokens to the engine); the "
                                                    f"LLM API serves {method} only on line: llm_api")
+        if settings.line == "engine" and method in ("draft_target", "ngram") and not settings.enable_kv_cache_reuse:
+            raise Problem("backend.trtllm.enable_kv_cache_reuse", f"{method} verifies drafts on a "
+                                                                  f"draft_tokens_external target engine, which "
+                                                                  f"TensorRT-LLM refuses to load without KV cache "
+                                                                  f"block reuse: set it true")
         draft = self.speculation.draft
         if settings.line == "llm_api" and method == "draft_target" and draft.derive != "none":
             raise Problem("speculation.draft.derive", f"{draft.derive} needs the engine line (TensorRT-LLM "

@@ -56,7 +56,11 @@ def test_draft_target_builds_both_engines_per_rank_and_skips_when_unchanged(doub
         assert sorted(p.name for p in (root / "engines" / component).glob("*.engine")) == ["rank0.engine",
                                                                                           "rank1.engine"]
     target = json.loads((root / "engines" / "target" / "config.json").read_text())
-    assert target["build_config"]["--speculative_decoding_mode"] == "draft_tokens_external"
+    built = target["build_config"]
+    assert built["speculative_decoding_mode"] == "draft_tokens_external"
+    # trtllm-build adds max_draft_len to max_seq_len itself, so a request keeps its whole budget
+    limits = load_pipeline(path).limits
+    assert built["max_seq_len"] == limits.max_sequence_length + limits.max_draft_tokens
     assert target["pretrained_config"]["mapping"]["tp_size"] == 2
     draft = json.loads((root / "engines" / "draft" / "config.json").read_text())
     assert draft["pretrained_config"]["quantization"]["quant_algo"] == "W4A16"  # derive: int4
@@ -102,7 +106,7 @@ def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp
     assert json.loads((root / "hf" / "medusa" / "config.json").read_text()) == {"medusa_num_heads": 2,
                                                                                  "medusa_num_layers": 1}
     target = json.loads((root / "engines" / "target" / "config.json").read_text())
-    assert target["build_config"]["--speculative_decoding_mode"] == "medusa"
+    assert target["build_config"]["speculative_decoding_mode"] == "medusa"
     assert target["pretrained_config"]["architecture"] == "MedusaForCausalLM"
 
     # Packaged: the same client-facing models, one tensorrtllm model decoding Medusa with the pipeline's tree, and

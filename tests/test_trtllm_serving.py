@@ -29,7 +29,11 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.builders import trtllm, trtllm_plan
 from specdeploy.builders.trtllm import build as trtllm_build
-from specdeploy.builders.trtllm_upstream import TENSORRTLLM_INPUTS, TENSORRTLLM_PARAMETER_KEYS
+from specdeploy.builders.trtllm_upstream import (
+    TENSORRTLLM_INPUTS,
+    TENSORRTLLM_PARAMETER_KEYS,
+    TENSORRTLLM_REQUIRED_PARAMETERS,
+)
 from specdeploy.errors import RequestError
 from specdeploy.pipeline import load_pipeline
 from specdeploy.triton.client import generate
@@ -80,7 +84,7 @@ def served(smollm2_fp32_engines, tmp_path_factory):
         patch.setattr(trtllm, "missing_requirements", lambda: [])
         patch.setattr(trtllm_plan, "MEDUSA_CONVERTER", str(DOUBLE / "medusa_convert_checkpoint.py"))
         engine_dir = trtllm_build(pipeline, root / "engines", quiet=True).directory
-    repository = write_repository(engine_dir, root / "repository", served_at=Path("/models/smollm2"))
+    repository = write_repository(engine_dir, root / "repository")  # the double loads the engine's config.json
     written = {name: read_config(repository / name / "config.pbtxt") for name in (TARGET_MODEL, DRAFT_MODEL)}
     swap_in_the_double(repository, {TARGET_MODEL: engine.dir / "target", DRAFT_MODEL: engine.dir / "draft"})
     with TritonServer(repository, log_file=root / "tritonserver.log") as server:
@@ -100,9 +104,10 @@ def test_the_repository_has_the_torch_flavours_ensemble_and_upstream_engine_mode
     assert speculative.parameters["tensorrt_llm_draft_model_name"].string_value == DRAFT_MODEL
     for name, config in written.items():
         assert config.backend == "tensorrtllm" and set(config.parameters) <= TENSORRTLLM_PARAMETER_KEYS
+        assert set(TENSORRTLLM_REQUIRED_PARAMETERS) <= set(config.parameters)
         assert {tensor.name for tensor in config.input} == set(TENSORRTLLM_INPUTS)
-        # The engine as the server will see it (the backend reads gpt_model_path as it is), and it is there.
-        assert config.parameters["gpt_model_path"].string_value == f"/models/smollm2/{name}/1/engine"
+        # The engine as the server sees it (the backend reads gpt_model_path as it is), and it is there.
+        assert config.parameters["gpt_model_path"].string_value == str(repository.resolve() / name / "1" / "engine")
         assert sorted(p.name for p in (repository / name / "1" / "engine").iterdir()) == ["config.json",
                                                                                          "rank0.engine"]
     assert written[DRAFT_MODEL].parameters["decoding_mode"].string_value == "top_k_top_p"

@@ -49,6 +49,28 @@ TENSORRTLLM_PARAMETER_KEYS = frozenset({
 })
 DECODING_MODES = ("top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "redrafter", "lookahead", "eagle")
 
+# The parameters the model instance reads with GetParameter<std::string> outside any try: a config without one fails
+# to load with "unexpected error when creating modelInstanceState: Cannot find parameter with name: <name>". Derived
+# from every GetParameter call of NVIDIA/TensorRT-LLM triton_backend/inflight_batcher_llm/src/model_instance_state.cc
+# @ c8c6df08 (the same in @ 0c8de69a and tensorrtllm_backend v0.19.0 inflight_batcher_llm/src); model_state.cc
+# @ 5cdd6921 reads only gpu_device_ids and participant_ids, both with a fallback. Every other parameter falls back to
+# a default (docs/trtllm-upstream.md lists them). name → the function that reads it.
+TENSORRTLLM_REQUIRED_PARAMETERS = {
+    "gpt_model_type": "ModelInstanceState::getBatchingTypeFromParams",
+    "tokenizer_dir": "ModelInstanceState::getGuidedDecodingConfigFromParams",
+    "xgrammar_tokenizer_info_path": "ModelInstanceState::getGuidedDecodingConfigFromParams",
+    "guided_decoding_backend": "ModelInstanceState::getGuidedDecodingConfigFromParams",
+}
+MISSING_PARAMETER = "Cannot find parameter with name: {name}"  # ModelState::GetParameter<std::string>, model_state.cc
+INSTANCE_ERROR = "unexpected error when creating modelInstanceState: {error}"  # ModelInstanceState::Create
+# Values the same code accepts. gpt_model_type: anything else fails the load. Booleans (GetParameter<bool>): only
+# these spellings; any other value is caught and the parameter silently takes its default. batch_scheduler_policy
+# and decoding_mode: anything else falls back to the default with a warning.
+GPT_MODEL_TYPES = ("V1", "v1", "inflight_batching", "inflight_fused_batching")
+BOOLEAN_VALUES = {"True": True, "true": True, "TRUE": True, "1": True,
+                  "False": False, "false": False, "FALSE": False, "0": False}
+BATCH_SCHEDULER_POLICIES = ("max_utilization", "guaranteed_no_evict")
+
 # The same template's tensors that our models use: name → (data type, dims). `${logits_datatype}` is TYPE_FP32.
 TENSORRTLLM_INPUTS = {
     "input_ids": ("TYPE_INT32", [-1]), "input_lengths": ("TYPE_INT32", [1]),

@@ -3,10 +3,11 @@
 The engines run in Triton's `tensorrtllm` backend (in-flight batching, paged KV cache with block reuse); this loop
 only decides what to ask them. One request, step by step:
 1. prefill: the target generates the first token (its prompt blocks then stay in the reuse cache);
-2. propose up to gamma tokens: the draft engine generates them (with its logits when sampling, so the target can
-   apply the exact rule), or the n-gram proposer finds them in the text so far;
-3. verify: the target gets the sequence plus `draft_input_ids` (and `draft_logits`) and returns the accepted
-   drafted tokens plus one of its own; they are committed and sent to the client.
+2. propose up to gamma tokens: the draft engine generates them (with its raw logits when sampling), or the n-gram
+   proposer finds them in the text so far;
+3. verify: the target gets the sequence plus `draft_input_ids` and, when sampling, `draft_logits` whose softmax is
+   the distribution each drafted token was drawn from (trtllm_sampling.py: the executor applies nothing else to
+   them), and returns the accepted drafted tokens plus one of its own; they are committed and sent to the client.
 gamma comes from the request, the pipeline and the batch-aware policy (by how many requests are running now); when
 the policy turns speculation off, the target decodes plain chunks and the policy is asked again after each.
 
@@ -38,6 +39,7 @@ from specdeploy.sampling_params import SamplingParams
 from specdeploy.sequence import Sequence
 from specdeploy.speculative.ngram import NgramProposer, common_prefix_length
 from specdeploy.speculative.schedule import ProposalLength
+from specdeploy.triton.trtllm_sampling import draft_logits, padded_vocab_size, point_mass_logits
 
 # Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
 # cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
@@ -62,16 +64,6 @@ def call_seed(base: int, call: int) -> int:
     return int.from_bytes(digest, "little")
 
 
-def sends_draft_logits(params: SamplingParams) -> bool:
-    """Whether the draft's raw logits go to the target with the drafts. The exact rule compares the target's p with
-    the q each drafted token was drawn from; the executor turns `draft_logits` into q itself, and whether it applies
-    the request's temperature, top-k, top-p and penalty as the draft did is not settled from the sources read. With
-    none of them in effect every reading gives the same q; otherwise the drafts go without logits and the target
-    accepts those equal to its own samples, which is exact whatever q is (it accepts less)."""
-    return not params.greedy and (params.temperature, params.top_k, params.top_p,
-                                  params.repetition_penalty) == (1.0, 0, 1.0, 1.0)
-
-
 class EngineCalls(Protocol):
     """The two engines as the loop uses them. `tokens` is the whole sequence so far (the engine reuses its cached
     prefix); every call returns only new tokens."""
@@ -83,8 +75,9 @@ class EngineCalls(Protocol):
     def target(self, tokens: list[int], count: int, sampling: Sampling, draft_ids: list[int] | None = None,
                draft_logits: np.ndarray | None = None) -> Iterator[list[int]]:
         """The target engine's tokens as it produces them (streamed). With draft_ids: one verification step, whose
-        tokens are the accepted drafted prefix and one more (an engine that keeps decoding up to `count` may send
-        more, each a plain target sample)."""
+        tokens are the accepted drafted prefix and one more (the executor ends a request that brought drafts after
+        that step, whatever `count` says; an engine that decoded on would send more, each a plain target sample).
+        draft_logits: [k, padded vocabulary], q's logits (softmax only)."""
 
 
 @dataclass(eq=False)
@@ -116,6 +109,8 @@ class Orchestrator:
         self.counters = SchedulerCounters()
         self.ngram = (NgramProposer(pipeline.speculation.ngram.min_n, pipeline.speculation.ngram.max_n)
                       if pipeline.speculation.method == "ngram" else None)
+        settings = pipeline.backend.settings
+        self.logits_width = padded_vocab_size(vocab_size, settings.tp_size * settings.pp_size)
         self.active: list[Job] = []
         self.waiting: deque[Job] = deque()
         self.lock = threading.Lock()
@@ -252,13 +247,17 @@ class Orchestrator:
 
     def _speculate(self, job: Job, gamma: int) -> None:
         sequence = job.sequence
+        params, context = sequence.params, list(sequence.committed)
         started = time.perf_counter()
+        logits = None  # greedy: the target's top-k 1 token matching is exact, and needs no q
         if self.ngram is not None:
-            drafts, logits = self.ngram.continuation(sequence.committed, gamma), None
+            drafts = self.ngram.continuation(context, gamma)
+            if drafts and not params.greedy:
+                logits = point_mass_logits(drafts, self.logits_width)
         else:
-            with_logits = sends_draft_logits(sequence.params)
-            drafts, logits = self.calls.draft(list(sequence.committed), gamma, job.sampling(),
-                                              with_logits)
+            drafts, raw = self.calls.draft(context, gamma, job.sampling(), not params.greedy)
+            if drafts and raw is not None:
+                logits = draft_logits(raw, context, drafts, params, self.vocab_size, self.logits_width)
             sequence.stats.draft_forwards += len(drafts)
         drafted_at = time.perf_counter()
         sequence.stats.draft_seconds += drafted_at - started
@@ -269,7 +268,7 @@ class Orchestrator:
             tokens = self._target(job, len(drafts) + 1, drafts, logits)
             accepted = min(common_prefix_length(drafts, tokens), len(tokens) - 1)
             sequence.stats.record_step(len(drafts), accepted)
-            for _ in tokens[accepted + 1:]:  # an engine that decoded on past the verification step
+            for _ in tokens[accepted + 1:]:  # an engine that decoded on past the verification step (1.2 does not)
                 sequence.stats.record_step(0, 0)
             sequence.proposal.update(len(drafts), accepted)
         sequence.stats.verify_seconds += time.perf_counter() - drafted_at

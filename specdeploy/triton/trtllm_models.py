@@ -42,6 +42,8 @@ def tensorrtllm_model(name: str, pipeline: PipelineSpec, engine_path: str, draft
         "exclude_input_in_output": "true", "decoding_mode": "medusa" if medusa else "top_k_top_p",
         # Each call brings the whole sequence, mostly from the reuse cache: a long one is prefilled in chunks.
         "enable_chunked_context": "true",
+        # Read without a fallback (a missing one fails the load); empty: guided decoding off, tokenizer unused.
+        "tokenizer_dir": "", "xgrammar_tokenizer_info_path": "", "guided_decoding_backend": "",
     }
     if medusa:
         parameters["medusa_choices"] = medusa_choices(pipeline.speculation.medusa.choices)

@@ -1,5 +1,9 @@
-"""Double of examples/medusa/convert_checkpoint.py: checks its inputs as upstream reads them."""
+"""Double of examples/medusa/convert_checkpoint.py: parses like upstream's argparse (names and choices from
+specdeploy's upstream table; upstream's integer defaults), refuses what it asserts, and reads the heads as it does:
+medusa_num_layers from the heads' config.json, the head count from the command line (its default 4 always wins over
+the config), every head's weights from medusa_lm_head.safetensors."""
 
+import argparse
 import json
 import sys
 from pathlib import Path
@@ -9,21 +13,34 @@ from safetensors.torch import load_file, save_file
 
 from specdeploy.builders.trtllm_upstream import MEDUSA_CONVERT_FLAGS
 
-args = dict(zip(sys.argv[1::2], sys.argv[2::2]))
-assert set(args) <= set(MEDUSA_CONVERT_FLAGS), sorted(set(args) - set(MEDUSA_CONVERT_FLAGS))
-heads_dir = Path(args["--medusa_model_dir"])
-heads_config = json.loads((heads_dir / "config.json").read_text())
-heads, layers = int(args["--num_medusa_heads"]), heads_config["medusa_num_layers"]
+DEFAULTS = {"--num_medusa_heads": 4, "--num_medusa_layers": 1, "--max_medusa_token_len": 63, "--tp_size": 1,
+            "--pp_size": 1, "--workers": 1}
+
+parser = argparse.ArgumentParser(prog="convert_checkpoint.py")
+for flag, allowed in MEDUSA_CONVERT_FLAGS.items():
+    if flag in DEFAULTS:
+        parser.add_argument(flag, type=int, default=DEFAULTS[flag])
+    else:
+        parser.add_argument(flag, choices=allowed if isinstance(allowed, tuple) else None,
+                            default="float16" if flag == "--dtype" else None)
+parser.add_argument("--model_type", default="llama")
+args = parser.parse_args(sys.argv[1:])
+assert args.model_type in ["llama", "mixtral", "qwen2"], "Invalid model type"
+if args.medusa_model_dir:
+    assert args.max_medusa_token_len > 0, "should have max_medusa_token_len > 0"
+heads_dir = Path(args.medusa_model_dir)
+layers = json.loads((heads_dir / "config.json").read_text())["medusa_num_layers"]
 weights = load_file(str(heads_dir / "medusa_lm_head.safetensors"))
-for head in range(heads):
+for head in range(args.num_medusa_heads):  # a head the file lacks: upstream's load_medusa_hf raises KeyError
     for layer in range(layers):
-        assert f"{head}.{layer}.linear.weight" in weights and f"{head}.{layer}.linear.bias" in weights
-    assert f"{head}.{layers}.weight" in weights
-assert (Path(args["--model_dir"]) / "config.json").is_file()
-output = Path(args["--output_dir"])
+        weights[f"{head}.{layer}.linear.weight"], weights[f"{head}.{layer}.linear.bias"]  # noqa: B018
+    weights[f"{head}.{layers}.weight"]  # noqa: B018
+assert (Path(args.model_dir) / "config.json").is_file()
+output = Path(args.output_dir)
 output.mkdir(parents=True)
-world = int(args["--tp_size"]) * int(args["--pp_size"])
-for rank in range(world):
+for rank in range(args.tp_size * args.pp_size):
     save_file({"placeholder": torch.zeros(1)}, str(output / f"rank{rank}.safetensors"))
-(output / "config.json").write_text(json.dumps({"architecture": "MedusaForCausalLM", "num_medusa_heads": heads,
-                                                "max_draft_len": int(args["--max_medusa_token_len"])}))
+(output / "config.json").write_text(json.dumps({"architecture": "MedusaForCausalLM",
+                                                "num_medusa_heads": args.num_medusa_heads,
+                                                "max_draft_len": args.max_medusa_token_len,
+                                                "mapping": {"world_size": args.tp_size * args.pp_size}}))

@@ -1,25 +1,72 @@
-"""Double of trtllm-build (installed as bin/trtllm-build by the tests): every flag must be upstream's."""
+"""Double of trtllm-build (installed as bin/trtllm-build by the tests). It parses like upstream's argparse (flag names
+and choices from specdeploy's upstream table, integers where upstream's are), refuses what upstream refuses and
+adjusts what upstream adjusts (tests/trtllm_double/README.md cites each), and writes config.json with the
+`build_config` the executor reads, plus one rank<r>.engine per checkpoint rank."""
 
+from __future__ import annotations
+
+import argparse
 import json
 import sys
 from pathlib import Path
 
 from specdeploy.builders.trtllm_upstream import TRTLLM_BUILD_FLAGS
 
-argv, flags = sys.argv[1:], {}
-for index, word in enumerate(argv):
-    if word.startswith("--"):
-        value = argv[index + 1] if index + 1 < len(argv) and not argv[index + 1].startswith("--") else None
-        allowed = TRTLLM_BUILD_FLAGS[word]  # KeyError: not an upstream flag
-        assert (value is None) == (allowed == "switch"), word
-        assert not isinstance(allowed, tuple) or value in allowed, (word, value)
-        flags[word] = value
-checkpoint = Path(flags["--checkpoint_dir"])
-ranks = sorted(checkpoint.glob("rank*.safetensors"))
-assert ranks and (checkpoint / "config.json").is_file()
-output = Path(flags["--output_dir"])
-output.mkdir(parents=True)
-for rank in ranks:
-    (output / rank.name.replace(".safetensors", ".engine")).write_bytes(b"engine")
-(output / "config.json").write_text(json.dumps({"build_config": flags, "pretrained_config":
-                                                json.loads((checkpoint / "config.json").read_text())}))
+INTEGER_FLAGS = {"--max_batch_size", "--max_input_len", "--max_seq_len", "--max_num_tokens", "--max_beam_width",
+                 "--workers", "--max_draft_len"}
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="trtllm-build")
+    for flag, allowed in TRTLLM_BUILD_FLAGS.items():
+        if allowed == "switch":
+            parser.add_argument(flag, action="store_true")
+        else:
+            parser.add_argument(flag, choices=allowed if isinstance(allowed, tuple) else None,
+                                type=int if flag in INTEGER_FLAGS else str)
+    return parser
+
+
+def build_config(argv: list[str], checkpoint_config: dict | None = None) -> dict:
+    """The engine's build_config as upstream's build writes it for these flags (SystemExit 2 on a bad flag, as
+    argparse; RuntimeError on what commands/build.py refuses). checkpoint_config: the checkpoint's config.json."""
+    args = parser().parse_args(argv)
+    max_draft_len = args.max_draft_len or 0
+    if args.gather_context_logits and max_draft_len > 0:  # commands/build.py main()
+        raise RuntimeError("Gather context logits is not support with draft len > 0. If want to get the accepted "
+                           "tokens' logits from target model, please just enable gather_generation_logits")
+    batch = args.max_batch_size or 2048
+    max_seq_len = args.max_seq_len or 2048
+    max_input_len = min(args.max_input_len or 1024, max_seq_len)  # _init_max_seq_len clips it, with a warning
+    max_num_tokens = args.max_num_tokens or 8192
+    mode = args.speculative_decoding_mode
+    if max_draft_len == 0 and checkpoint_config and checkpoint_config.get("max_draft_len"):
+        max_draft_len = checkpoint_config["max_draft_len"]  # builder.build: a Medusa checkpoint brings its own
+    if mode is not None:  # builder.build: "Increasing max_seq_len ... by max_draft_len"
+        max_seq_len += max_draft_len
+        max_num_tokens = max(max_num_tokens, batch * (max_draft_len + 1))
+    max_num_tokens = min(max_num_tokens, max_seq_len * batch)  # _common.check_max_num_tokens
+    return {"max_batch_size": batch, "max_input_len": max_input_len, "max_seq_len": max_seq_len,
+            "max_num_tokens": max_num_tokens, "max_draft_len": max_draft_len if mode else 0,
+            "speculative_decoding_mode": mode, "gather_generation_logits": args.gather_generation_logits,
+            "use_paged_context_fmha": args.use_paged_context_fmha != "disable"}
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    checkpoint = Path(args.checkpoint_dir)
+    ranks = sorted(checkpoint.glob("rank*.safetensors"))
+    if not ranks or not (checkpoint / "config.json").is_file():
+        raise SystemExit(f"{checkpoint}: no TensorRT-LLM checkpoint (config.json and rank*.safetensors)")
+    pretrained = json.loads((checkpoint / "config.json").read_text())
+    config = build_config(argv, pretrained)
+    output = Path(args.output_dir)
+    output.mkdir(parents=True)
+    for rank in ranks:
+        (output / rank.name.replace(".safetensors", ".engine")).write_bytes(b"engine")
+    (output / "config.json").write_text(json.dumps({"version": "1.2.1", "pretrained_config": pretrained,
+                                                    "build_config": config}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -4,8 +4,47 @@ served tests run the same calls through a real tritonserver."""
 
 from __future__ import annotations
 
+import importlib.util
+import json
+from pathlib import Path
+
 import numpy as np
 from tensorrtllm_double import DoubleError, TensorrtllmDouble, responses
+
+from specdeploy.builders.trtllm_plan import build_plan
+from specdeploy.pipeline import PipelineSpec
+from specdeploy.triton.repository import DRAFT_MODEL, trtllm_engines
+from specdeploy.triton.trtllm_models import tensorrtllm_model
+
+
+def build_double():
+    """tests/trtllm_double/trtllm_build.py as a module (its directory also holds the tensorrt_llm double, which must
+    not shadow the real package on this process's path)."""
+    path = Path(__file__).resolve().parents[1] / "trtllm_build.py"
+    spec = importlib.util.spec_from_file_location("trtllm_build_double", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def pipeline_doubles(pipeline: PipelineSpec, components: dict[str, Path], root: Path,
+                     classes: dict[str, type] | None = None) -> dict[str, TensorrtllmDouble]:
+    """Doubles of a pipeline's tensorrtllm models as `package` configures them, over engines whose config.json is
+    what the build double writes for the plan's own trtllm-build commands. components: model name → the torch
+    component it runs; classes: a TensorrtllmDouble subclass for some models (LoadError: the backend would refuse
+    the configuration)."""
+    build_config = build_double().build_config
+    for step in build_plan(pipeline, root):
+        if step.command and step.command[0] == "trtllm-build":
+            step.output.mkdir(parents=True, exist_ok=True)
+            (step.output / "config.json").write_text(json.dumps({"build_config": build_config(list(step.command[1:]))}))
+    doubles = {}
+    for name, component in trtllm_engines(pipeline).items():
+        config = tensorrtllm_model(name, pipeline, str(root / "trtllm" / "engines" / component),
+                                   draft=name == DRAFT_MODEL)
+        parameters = {key: value.string_value for key, value in config.parameters.items()}
+        doubles[name] = (classes or {}).get(name, TensorrtllmDouble).load(components[name], parameters)
+    return doubles
 
 
 class Tensor:

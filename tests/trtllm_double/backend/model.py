@@ -1,6 +1,8 @@
 """Triton Python model standing in for the `tensorrtllm` backend (see tensorrtllm_double.py beside it). The test
 copies both files into a trtllm repository's tensorrt_llm/1 and tensorrt_llm_draft/1, keeps the generated config's
-tensors and parameters, sets backend "python" and adds `double_component`: the torch engine component to run."""
+tensors and parameters, sets backend "python" and adds `double_component`: the torch engine component to run. The
+parameters are read as the backend's model instance reads them: a config it would refuse fails to load here too,
+with its message."""
 
 import json
 import threading
@@ -14,8 +16,7 @@ class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config["parameters"].items()}
-        assert parameters["exclude_input_in_output"] == "true", "the orchestration reads only new tokens"
-        self.double = TensorrtllmDouble(parameters["double_component"])
+        self.double = TensorrtllmDouble.load(parameters["double_component"], parameters)
         self.names = [tensor["name"] for tensor in config["input"]]
 
     def execute(self, requests):

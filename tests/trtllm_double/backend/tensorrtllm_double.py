@@ -1,29 +1,27 @@
 """A test double of one model of Triton's `tensorrtllm` backend (TensorRT-LLM 1.2.1's in-flight batching executor
 over an engine), running our torch model, so the trtllm flavour's orchestration runs for real here.
 
-What it implements, as the backend documents it (tensorrtllm_backend docs/model_config.md, the template in
-builders/trtllm_upstream.py):
-- `input_ids` [1, L] int32 with `input_lengths` L: the whole sequence; the prefix cached by the previous request is
-  reused (the backend's KV block reuse), the rest is prefilled.
-- `request_output_len` n: at most n new tokens; generation stops at `end_id` (not returned, as the executor
-  does: it never counts the end token in the sequence length) unless it is -1.
-- `streaming`: one response per engine step with that step's new tokens, else one response at the end.
-- sampling: `temperature`, `runtime_top_k` (1: greedy; 0: off), `runtime_top_p`, `repetition_penalty`, `seed`
-  (absent: 0, as the executor seeds it, so calls without one repeat one random stream).
-- `return_generation_logits`: `generation_logits` [1, 1, n, V], the raw logits each new token was sampled from.
-- `draft_input_ids` [1, k] (`draft_tokens_external`): one verification step over the k drafted tokens, answering
-  the accepted prefix plus one token. With `draft_logits` [1, k, V] the acceptance test compares the target's
-  sampling distribution p with the draft's q (both from logits through the request's sampling), drawing the test
-  at random (no `draft_acceptance_threshold`), and resamples from max(0, p - q) at a rejection; without them q is
-  a point mass on each drafted token. Both are the exact rule (specdeploy.speculative.acceptance).
-- outputs exclude the input (`exclude_input_in_output`): `output_ids` [1, 1, n], `sequence_length` [1, 1] = n.
-What it does not do: batch requests (one at a time, a lock per call), page the KV cache, or decode on past the
-verification step (after a rejection the real executor may keep decoding up to request_output_len; the
-orchestration takes every token it gets either way).
+It behaves like upstream where upstream is unkind; every behaviour has its source (NVIDIA/TensorRT-LLM file and
+commit) in tests/trtllm_double/README.md. In short:
+- loading (`load_settings`): the four parameters read without a fallback, upstream's message when one is missing,
+  gpt_model_type's values, booleans that silently take their default when misspelled, the KV cache fraction in
+  (0, 1), the engine at gpt_model_path, KV block reuse required by a draft_tokens_external target;
+- requests (`run`): the sequence budget (`LlmRequest::validate`, which reserves the engine's max_draft_len for a
+  request without drafts, after trtllm-build added it to max_seq_len), temperature 0 and absent top-k/top-p as the
+  sampling config regularises them, seed 0 when none is sent, generation logits only from an engine built to
+  gather them, the end token neither returned nor followed;
+- sampling: the kernels' walk over the candidates (the token crossing top_p keeps only its mass below it);
+- verification (`verify`): with `draft_logits`, q is their softmax and nothing else, a draft survives when
+  p(x) > u·q(x), a rejection draws from max(0, p − q); without them, a draft survives when it equals the target's
+  own sample, and a rejection draws a fresh sample from p. Either way p is the target's distribution over its
+  top-k/top-p set at full mass, and the request ends after that one step, whatever request_output_len says.
+What it does not do: batch requests (one at a time, a lock per call) or page the KV cache (it keeps one cached
+sequence and reuses its prefix, as block reuse would).
 """
 
 from __future__ import annotations
 
+import json
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -32,18 +30,108 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from specdeploy.builders.trtllm_upstream import (
+    BOOLEAN_VALUES,
+    GPT_MODEL_TYPES,
+    INSTANCE_ERROR,
+    MISSING_PARAMETER,
+    TENSORRTLLM_REQUIRED_PARAMETERS,
+)
 from specdeploy.models.llama import ragged_forward_all
 from specdeploy.models.registry import load_component
-from specdeploy.sampling import request_generator, sample, sampling_distribution, seen_after_drafts, seen_mask
-from specdeploy.sampling_params import SamplingParams
-from specdeploy.speculative.acceptance import accept
 from specdeploy.speculative.ngram import common_prefix_length
+
+REMEMBERED = 4096  # logits of this many recent (sequence, positions) queries are kept
 
 
 class DoubleError(ValueError):
     """A request the real backend would refuse; the message names the input."""
 
 
+class LoadError(RuntimeError):
+    """A model the real backend would fail to load, with its message."""
+
+
+# ---- loading --------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class EngineConfig:
+    """What the executor reads from the engine's config.json (`build_config`, as trtllm-build wrote it)."""
+
+    max_input_len: int
+    max_seq_len: int
+    max_draft_len: int
+    draft_tokens_external: bool
+    gather_generation_logits: bool
+    world_size: int = 1
+
+    @classmethod
+    def read(cls, engine_dir: Path) -> EngineConfig:
+        config = json.loads((Path(engine_dir) / "config.json").read_text())
+        build = config["build_config"]
+        mapping = config.get("pretrained_config", {}).get("mapping", {})
+        return cls(build["max_input_len"], build["max_seq_len"], build["max_draft_len"],
+                   build["speculative_decoding_mode"] == "draft_tokens_external",
+                   build["gather_generation_logits"], mapping.get("world_size", 1))
+
+
+@dataclass(frozen=True)
+class BackendSettings:
+    engine: EngineConfig
+    exclude_input_in_output: bool
+    enable_kv_cache_reuse: bool
+
+
+def load_error(error: str) -> LoadError:
+    return LoadError(INSTANCE_ERROR.format(error=error))
+
+
+def parameter(parameters: dict[str, str], name: str) -> str:
+    """GetParameter<std::string>: the value, or the load fails."""
+    if name not in parameters:
+        raise load_error(MISSING_PARAMETER.format(name=name))
+    return parameters[name]
+
+
+def boolean(parameters: dict[str, str], name: str, default: bool) -> bool:
+    """GetParameter<bool> inside a try: a value outside upstream's spellings is caught and the default taken."""
+    return BOOLEAN_VALUES.get(parameters.get(name, ""), default)
+
+
+def number(parameters: dict[str, str], name: str) -> float | None:
+    try:
+        return float(parameters[name])
+    except (KeyError, ValueError):
+        return None  # caught upstream: the default
+
+
+def load_settings(parameters: dict[str, str]) -> BackendSettings:
+    """The instance constructor's reads, in upstream's order (getExecutorConfigFromParams, then the model path)."""
+    if parameter(parameters, "gpt_model_type") not in GPT_MODEL_TYPES:
+        raise load_error("Invalid gpt_model_type. Must be v1/inflight_batching/inflight_fused_batching.")
+    fraction = number(parameters, "kv_cache_free_gpu_mem_fraction")
+    if fraction is not None and not 0 < fraction < 1:
+        raise load_error("[TensorRT-LLM][ERROR] Assertion failed: freeGpuMemoryFraction must be in (0, 1)")
+    max_tokens = number(parameters, "max_tokens_in_paged_kv_cache")
+    if max_tokens is not None and max_tokens <= 0:
+        raise load_error("[TensorRT-LLM][ERROR] Assertion failed: maxTokens > 0")
+    reuse = boolean(parameters, "enable_kv_cache_reuse", True)
+    guided = {name: parameter(parameters, name) for name, reader in TENSORRTLLM_REQUIRED_PARAMETERS.items()
+              if reader.endswith("getGuidedDecodingConfigFromParams")}
+    if guided["guided_decoding_backend"] and guided["xgrammar_tokenizer_info_path"] \
+            and not Path(guided["xgrammar_tokenizer_info_path"]).is_file():
+        raise load_error(f"[TensorRT-LLM][ERROR] Assertion failed: Xgrammar's tokenizer info path at "
+                         f"{guided['xgrammar_tokenizer_info_path']} does not exist.")
+    path = parameters.get("gpt_model_path", "")
+    if not path or not Path(path).exists():  # upstream warns, leaves it empty, then fails on both paths empty
+        raise load_error("[TensorRT-LLM][ERROR] Assertion failed: Both encoder and decoder model paths are empty")
+    engine = EngineConfig.read(Path(path))
+    if engine.draft_tokens_external and not reuse:
+        raise load_error("[TensorRT-LLM][ERROR] Assertion failed: KV cache block reuse must be enabled for "
+                         "speculative decoding target model")
+    return BackendSettings(engine, boolean(parameters, "exclude_input_in_output", False), reuse)
+
+
+# ---- requests -------------------------------------------------------------------------------------------------
 @dataclass
 class Step:
     tokens: list[int]
@@ -71,23 +159,136 @@ def one(inputs: dict, name: str, default=None):
     return value.reshape(-1)[0].item()
 
 
+@dataclass(frozen=True)
+class Sampling:
+    """A request's sampling as the executor runs it (runtime::SamplingConfig after validate and
+    regularizeTopKTopP): temperature 0 becomes 1 with top-k 1 if top-k was sent and top-p 1 if top-p was; a
+    request with neither top-k nor top-p is greedy; top-k without top-p gets top-p 1."""
+
+    temperature: float
+    top_k: int
+    top_p: float
+    repetition_penalty: float
+    seed: int
+
+    @classmethod
+    def of(cls, inputs: dict) -> Sampling:
+        temperature = float(one(inputs, "temperature", 1.0))
+        top_k = one(inputs, "runtime_top_k", None) if "runtime_top_k" in inputs else None
+        top_p = one(inputs, "runtime_top_p", None) if "runtime_top_p" in inputs else None
+        if top_p is not None and top_p <= 0:
+            top_p = None  # the backend drops it (utils.cc)
+        if temperature == 0:
+            temperature = 1.0
+            top_k = 1 if top_k is not None else None
+            top_p = 1.0 if top_p is not None else None
+        top_k, top_p = int(top_k or 0), float(top_p or 0.0)
+        if top_k == 0 and top_p == 0.0:
+            top_k = 1
+        if top_k > 0 and top_p == 0.0:
+            top_p = 1.0
+        seed = int(inputs["seed"].reshape(-1)[0]) if "seed" in inputs else 0  # the default seed is 0
+        return cls(temperature, top_k, top_p, float(one(inputs, "repetition_penalty", 1.0)), seed)
+
+    def probabilities(self, logits: torch.Tensor, seen: torch.Tensor) -> torch.Tensor:
+        """penaltyKernels.cu: logits × 1/(T + 1e-6), then the repetition penalty on seen tokens; softmax.
+        logits [V] fp32, seen [V] bool → [V] float64."""
+        scaled = logits.double() / (self.temperature + 1e-6)
+        penalised = torch.where(scaled < 0, scaled * self.repetition_penalty, scaled / self.repetition_penalty)
+        return torch.where(seen, penalised, scaled).softmax(-1)
+
+    def candidates(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernels' candidates: the top k (every token at k 0), descending, and their cumulative mass."""
+        k = self.top_k if 0 < self.top_k < probs.shape[-1] else probs.shape[-1]
+        top, order = probs.topk(k)
+        return order, top.cumsum(0)
+
+    def draw(self, probs: torch.Tensor, generator: torch.Generator) -> int:
+        """samplingTopKKernels.cu / samplingTopPKernels.cu: the first candidate whose cumulative mass reaches
+        u × top_p × S (u in (0, 1]), else the last."""
+        order, cumulative = self.candidates(probs)
+        threshold = uniform(generator) * self.top_p * float(cumulative[-1])
+        index = int((cumulative < threshold).sum())
+        return int(order[min(index, order.shape[0] - 1)])
+
+    def selected(self, probs: torch.Tensor) -> torch.Tensor:
+        """The verification's target p (returnAllSelectedTokens, then invokeMaskTargetLogits): the candidates up to
+        and including the one whose cumulative mass reaches top_p × S, renormalised at full mass. [V] float64."""
+        order, cumulative = self.candidates(probs)
+        count = min(int((cumulative < self.top_p * float(cumulative[-1])).sum()) + 1, order.shape[0])
+        kept = torch.zeros_like(probs)
+        kept[order[:count]] = probs[order[:count]]
+        return kept / kept.sum()
+
+
+def uniform(generator: torch.Generator) -> float:
+    return 1.0 - float(torch.rand((), generator=generator, dtype=torch.float64))  # curand_uniform: (0, 1]
+
+
+def multinomial(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """multinomialSampling over already-masked probabilities (top-p 1): inverse CDF at u."""
+    cumulative = probs.cumsum(0)
+    index = int((cumulative < uniform(generator) * float(cumulative[-1])).sum())
+    return min(index, probs.shape[0] - 1)
+
+
 class TensorrtllmDouble:
-    def __init__(self, component_dir: Path, max_length: int = 4096) -> None:
+    def __init__(self, component_dir: Path, settings: BackendSettings) -> None:
         self.model = load_component(Path(component_dir))
+        self.settings, self.engine = settings, settings.engine
         self.vocab_size = self.model.config.vocab_size
-        self.cache = self.model.new_cache(1, max_length)
+        self.padded_vocab = -(-self.vocab_size // self.engine.world_size) * self.engine.world_size
+        self.cache = self.model.new_cache(1, self.engine.max_seq_len + 1)
         self.cached: list[int] = []  # the tokens whose keys and values cache row 0 holds
+        self.remembered: dict[tuple[tuple[int, ...], int], torch.Tensor] = {}
         self.lock = threading.Lock()
 
+    @classmethod
+    def load(cls, component_dir: Path, parameters: dict[str, str]) -> TensorrtllmDouble:
+        """The double of a model with these config parameters (LoadError: the backend would fail to load it)."""
+        return cls(component_dir, load_settings(parameters))
+
     def logits(self, tokens: list[int], last: int) -> torch.Tensor:
-        """fp32 logits [last, V] at the last `last` positions of `tokens`, reusing the cached prefix."""
+        """fp32 logits [last, V] at the last `last` positions of `tokens`, reusing the cached prefix. The forward is
+        deterministic, so recent answers are remembered (the distribution tests ask about a few contexts often)."""
+        key = (tuple(tokens), last)
+        if key in self.remembered:
+            return self.remembered[key]
         reuse = min(common_prefix_length(self.cached, tokens), len(tokens) - last)
         fed = torch.tensor([tokens[reuse:]], dtype=torch.long)
         with torch.inference_mode():
             hidden = ragged_forward_all(self.model, self.cache, fed, [reuse])
-            logits = self.model.logits(hidden[0, -last:])
+            logits = self.model.logits(hidden[0, -last:]).float()
         self.cached = list(tokens)
+        if len(self.remembered) >= REMEMBERED:
+            self.remembered.pop(next(iter(self.remembered)))
+        self.remembered[key] = logits
         return logits
+
+    def seen(self, tokens: list[int]) -> torch.Tensor:
+        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
+        mask[tokens] = True
+        return mask
+
+    def validate(self, prompt: int, count: int, drafts: list[int]) -> tuple[int, list[int]]:
+        """LlmRequest::validate (llmRequest.cpp): (max new tokens, drafts) as the executor keeps them."""
+        engine = self.engine
+        max_draft = engine.max_draft_len if engine.draft_tokens_external else 0
+        if prompt > engine.max_input_len:
+            raise DoubleError(f"Prompt length ({prompt}) exceeds maximum input length ({engine.max_input_len}).")
+        if len(drafts) > max_draft:
+            raise DoubleError(f"Draft tokens length ({len(drafts)}) exceeds maximum draft tokens length "
+                              f"({max_draft}).")
+        reserved = len(drafts) if drafts else max_draft
+        if drafts and prompt + len(drafts) > engine.max_input_len:  # a warning: the drafts are cut
+            drafts = drafts[:engine.max_input_len - prompt]
+            reserved = len(drafts)
+        if prompt + count + reserved > engine.max_seq_len:  # a warning: the request's length is cut
+            count = engine.max_seq_len - prompt - reserved
+        if count < 1:
+            raise DoubleError(f"Input length ({prompt}) + max new tokens ({count}) + draft tokens ({reserved}) "
+                              f"must be less than max sequence length ({engine.max_seq_len}).")
+        return count, drafts
 
     def run(self, inputs: dict):
         """One request's responses (a generator of Step); DoubleError for a request the backend refuses."""
@@ -98,46 +299,57 @@ class TensorrtllmDouble:
         if one(inputs, "input_lengths") != len(tokens):
             raise DoubleError(f"input_lengths: {one(inputs, 'input_lengths')} is not the {len(tokens)} input_ids")
         count = one(inputs, "request_output_len")
-        if count < 1:
-            raise DoubleError(f"request_output_len: must be ≥ 1, got {count}")
-        top_k = one(inputs, "runtime_top_k", 0)
-        params = SamplingParams(temperature=0.0 if top_k == 1 else one(inputs, "temperature", 1.0),
-                                top_k=0 if top_k == 1 else top_k, top_p=one(inputs, "runtime_top_p", 1.0),
-                                repetition_penalty=one(inputs, "repetition_penalty", 1.0),
-                                seed=inputs["seed"].reshape(-1)[0].item() if "seed" in inputs else 0)
-        generator = request_generator(params)
+        sampling = Sampling.of(inputs)
+        generator = torch.Generator().manual_seed(sampling.seed)
         end_id = one(inputs, "end_id", -1)
         with_logits = bool(one(inputs, "return_generation_logits", False))
+        if with_logits and not self.engine.gather_generation_logits:
+            raise DoubleError("To return generation logits, gather_generation_logits must be enabled in "
+                              "ExecutorConfig")
         drafts = inputs.get("draft_input_ids")
+        drafts = drafts.reshape(-1).astype(int).tolist() if drafts is not None else []
+        count, drafts = self.validate(len(tokens), count, drafts)
+        echo = [] if self.settings.exclude_input_in_output else list(tokens)
         with self.lock:
-            if drafts is not None and drafts.size:
-                step = self.verify(tokens, drafts.reshape(-1).astype(int).tolist(), inputs.get("draft_logits"),
-                                   params, generator)
+            if drafts:
+                step = self.verify(tokens, drafts, inputs.get("draft_logits"), sampling, generator)
                 if end_id in step.tokens:  # not returned, and nothing after it
                     step.tokens = step.tokens[:step.tokens.index(end_id)]
-                if step.tokens:
-                    yield step
-                return
+                if echo or step.tokens:
+                    yield Step(echo + step.tokens, None)
+                return  # a target request that brought drafts ends after this one step
             for _ in range(count):
                 logits = self.logits(tokens, 1)
-                seen = seen_mask(tokens, self.vocab_size)[None]
-                token = int(sample(sampling_distribution(logits, params, seen), generator)[0])
+                token = sampling.draw(sampling.probabilities(logits[0], self.seen(tokens)), generator)
                 if token == end_id:
                     return  # the executor stops at the end token without returning it
                 tokens.append(token)
-                yield Step([token], logits.numpy() if with_logits else None)
+                yield Step(echo + [token], logits.numpy() if with_logits else None)
+                echo = []
 
-    def verify(self, tokens: list[int], drafts: list[int], draft_logits: np.ndarray | None,
-               params: SamplingParams, generator) -> Step:
+    def verify(self, tokens: list[int], drafts: list[int], draft_logits: np.ndarray | None, sampling: Sampling,
+               generator: torch.Generator) -> Step:
+        """ExternalDraftTokensLayer over the k drafts: accepted ones, then a recovered or bonus token."""
         k = len(drafts)
-        if draft_logits is not None and draft_logits.shape != (1, k, self.vocab_size):
-            raise DoubleError(f"draft_logits: expected [1, {k}, {self.vocab_size}] for {k} draft_input_ids, got "
-                              f"{list(draft_logits.shape)}")
-        drafted = torch.tensor(drafts, dtype=torch.long)
-        seen = seen_after_drafts(seen_mask(tokens, self.vocab_size), drafted)  # [k + 1, V]
-        p = sampling_distribution(self.logits(tokens + drafts, k + 1), params, seen)
-        q = None if draft_logits is None else sampling_distribution(torch.from_numpy(draft_logits[0]), params,
-                                                                    seen[:k])
-        result = accept(drafted[None], None if q is None else q[None], p[None], torch.tensor([k]), generator)
-        accepted = int(result.num_accepted[0])
-        return Step(result.tokens[0, :accepted + 1].tolist(), None)
+        q = None
+        if draft_logits is not None:
+            if draft_logits.dtype != np.float32 or draft_logits.shape != (1, k, self.padded_vocab):
+                raise DoubleError(f"draft_logits: the engine copies [{k}, {self.padded_vocab}] float32 for {k} "
+                                  f"draft tokens, got {list(draft_logits.shape)} {draft_logits.dtype}")
+            q = torch.from_numpy(draft_logits[0, :, :self.vocab_size]).double().softmax(-1)  # softmax only
+        logits = self.logits(tokens + drafts, k + 1)
+        emitted = []
+        for i, drafted in enumerate(drafts):
+            probs = sampling.probabilities(logits[i], self.seen(tokens + drafts[:i]))
+            p = sampling.selected(probs)
+            if q is not None:
+                survives = float(p[drafted]) > uniform(generator) * float(q[i, drafted])
+                recover = (p - q[i]).clamp(min=0)
+            else:  # the target's own sample, drawn among its candidates by the kernels' walk
+                survives = sampling.draw(probs, generator) == drafted
+                recover = p  # a fresh sample from p, which may be the rejected draft again
+            if not survives:
+                return Step(emitted + [multinomial(recover, generator)], None)
+            emitted.append(drafted)
+        p = sampling.selected(sampling.probabilities(logits[k], self.seen(tokens + drafts)))
+        return Step(emitted + [multinomial(p, generator)], None)
