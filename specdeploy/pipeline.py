@@ -329,7 +329,9 @@ class TrtllmSpec(Section):
     (trtllm-build), `llm_api` serves through the LLM API's PyTorch backend of newer releases. server: Triton (its
     tensorrtllm backend, or its llmapi model on the llm_api line) or trtllm-serve. moe_tp_size × moe_ep_size must
     equal tp_size (unset: TensorRT-LLM's completion, tp × 1). Batch, input and sequence limits come from `limits`;
-    the draft's weight-only int4 or int8 from speculation.draft.derive."""
+    the draft's weight-only int4 or int8 from speculation.draft.derive. medusa_converter: TensorRT-LLM's
+    examples/medusa/convert_checkpoint.py, which is not in its wheel; the default is where the pinned Triton image
+    keeps it (tensorrtllm_backend's Dockerfile: WORKDIR /app, the repository's examples copied to examples)."""
 
     line: Literal["engine", "llm_api"] = "engine"
     server: Literal["triton", "trtllm_serve"] = "triton"
@@ -341,6 +343,7 @@ class TrtllmSpec(Section):
     max_num_tokens: int = 8192
     kv_cache_free_gpu_mem_fraction: float = 0.9
     enable_kv_cache_reuse: bool = True
+    medusa_converter: str = "/app/examples/medusa/convert_checkpoint.py"
 
     def check(self) -> None:
         for key in ("tp_size", "pp_size", "max_num_tokens"):

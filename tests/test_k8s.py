@@ -217,6 +217,26 @@ def test_probes_ports_and_shared_memory_of_the_serving_container(rendered):
         assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == base.DATA_CLAIM
 
 
+def test_orchestrator_mode_keeps_triton_off_the_workers_gpus(rendered):
+    """Upstream's launch script, with --multi-model (TRTLLM_ORCHESTRATOR=1), gives the orchestrating tritonserver
+    no pinned or CUDA memory pool and no peer access (its spawned workers hold the GPUs); the MPI-leader and plain
+    modes keep Triton's defaults."""
+    for name, documents in rendered.items():
+        template = server_templates(documents)[0]
+        triton = serving_container(template)
+        orchestrator = any(e.get("name") == "TRTLLM_ORCHESTRATOR" for e in triton.get("env", []))
+        gpus = int(triton["resources"]["limits"].get("nvidia.com/gpu", 0))
+        pools = [a for a in triton["args"] if a.startswith(("--pinned-memory-pool", "--enable-peer-access",
+                                                            "--cuda-memory-pool"))]
+        if orchestrator:
+            assert pools == ["--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
+                             *(f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(gpus))], name
+        else:
+            assert pools == [], name
+    assert any(e.get("name") == "TRTLLM_ORCHESTRATOR" for e in serving_container(
+        server_templates(rendered["gpu-draft-target"])[0]).get("env", []))  # two engines: orchestrator mode
+
+
 def test_resources_on_every_container_and_gpus_from_the_parallelism(rendered):
     for name, documents in rendered.items():
         pipeline = load_pipeline(REPO / OVERLAYS[name][0])

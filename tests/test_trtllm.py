@@ -21,15 +21,20 @@ from specdeploy.builders import trtllm_convert
 from specdeploy.builders.trtllm import missing_requirements, plan
 from specdeploy.builders.trtllm_plan import llm_api_config
 from specdeploy.builders.trtllm_upstream import (
+    BATCH_SCHEDULER_POLICIES,
+    BOOLEAN_VALUES,
     DECODING_MODES,
+    GPT_MODEL_TYPES,
     LLAMA_CONVERT_FLAGS,
     MEDUSA_CONVERT_FLAGS,
     TENSORRTLLM_INPUTS,
     TENSORRTLLM_PARAMETER_KEYS,
+    TENSORRTLLM_REQUIRED_PARAMETERS,
     TRTLLM_BUILD_FLAGS,
 )
 from specdeploy.errors import BuildError, PipelineError
 from specdeploy.pipeline import load_pipeline
+from specdeploy.triton.repository import model_configs
 from specdeploy.triton.trtllm_models import tensorrtllm_model
 
 GPU_EXAMPLES = sorted((Path(__file__).parent.parent / "pipelines" / "gpu").glob("*.yaml"))
@@ -165,9 +170,16 @@ def trtllm_pipeline(tmp_path: Path, checkpoint: Path, name: str = "t", **changes
     ({"backend": {"kind": "torch", "trtllm": {"tp_size": 2}}}, "backend.trtllm"),
     ({"backend": {"kind": "trtllm", "trtllm": {"kv_cache_free_gpu_mem_fraction": 1.5}}},
      "backend.trtllm.kv_cache_free_gpu_mem_fraction"),
+    # the executor's KvCacheConfig checks 0 < fraction < 1 (kvCacheConfig.cpp)
+    ({"backend": {"kind": "trtllm", "trtllm": {"kv_cache_free_gpu_mem_fraction": 1.0}}},
+     "backend.trtllm.kv_cache_free_gpu_mem_fraction"),
+    # TrtGptModelInflightBatching: "KV cache block reuse must be enabled for speculative decoding target model"
+    ({"backend": {"kind": "trtllm", "trtllm": {"enable_kv_cache_reuse": False}}},
+     "backend.trtllm.enable_kv_cache_reuse"),
     ({"speculation": {"num_draft_tokens": 9}}, "speculation.num_draft_tokens"),  # above the engine's max_draft_len
 ], ids=["medusa-on-moe", "medusa-on-llm-api", "draft-target-via-llm-api-on-engines", "int4-draft-on-llm-api",
-        "moe-product", "moe-ep-divides-tp", "trtllm-section-on-torch", "kv-fraction", "above-max-draft-len"])
+        "moe-product", "moe-ep-divides-tp", "trtllm-section-on-torch", "kv-fraction", "kv-fraction-1",
+        "target-without-kv-reuse", "above-max-draft-len"])
 def test_invalid_trtllm_combinations_fail_at_validation_naming_the_key(tmp_path, tiny_checkpoints, changes, key):
     path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], **changes)
     with pytest.raises(PipelineError, match=rf"{key.replace('.', chr(92) + '.')}: "):
@@ -191,14 +203,36 @@ def test_parallelism_that_does_not_divide_the_model_fails_before_anything_runs(t
 
 
 def test_a_real_build_here_stops_naming_what_is_missing_and_writes_nothing(tmp_path, tiny_checkpoints):
-    assert missing_requirements()  # this machine has no TensorRT-LLM (and no GPU)
     path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"])
+    assert missing_requirements(load_pipeline(path))  # this machine has no TensorRT-LLM (and no GPU)
     result = run_cli("build", str(path), "--engines-dir", str(tmp_path / "engines"))
     assert result.returncode == 2
     assert "missing: the tensorrt_llm package (TensorRT-LLM 1.2.1" in result.stderr
     assert "Nothing was written" in result.stderr and not (tmp_path / "engines").exists()
     in_process = run_cli("generate", str(path), "hello", "--engines-dir", str(tmp_path / "engines"))
     assert in_process.returncode == 2 and "backend.kind is trtllm" in in_process.stderr
+
+
+def test_a_medusa_build_checks_the_converter_before_running_anything(tmp_path, tiny_checkpoints):
+    """The converter is a script of TensorRT-LLM's repository, not of its wheel: its path is a setting whose default
+    is where the pinned image keeps it, and a build looks for it first."""
+    medusa = {"method": "medusa", "num_draft_tokens": 2,
+              "medusa": {"heads": "h.safetensors", "num_heads": 2, "choices": [[0], [0, 0]]}}
+    default = load_pipeline(trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation=medusa))
+    assert default.backend.settings.medusa_converter == "/app/examples/medusa/convert_checkpoint.py"
+    assert any("Medusa converter at /app/examples/medusa/convert_checkpoint.py" in line
+               for line in missing_requirements(default))
+    steps, _ = plan(default, tmp_path / "engines")
+    assert steps[2].command[:2] == ("python3", "/app/examples/medusa/convert_checkpoint.py")
+    converter = tmp_path / "convert_checkpoint.py"
+    converter.write_text("")
+    given = load_pipeline(trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation=medusa, backend={
+        "kind": "trtllm", "trtllm": {"medusa_converter": str(converter)}}))
+    assert not any("Medusa converter" in line for line in missing_requirements(given))
+    result = run_cli("build", str(trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation=medusa)),
+                     "--engines-dir", str(tmp_path / "engines"))
+    assert result.returncode == 2 and "backend.trtllm.medusa_converter" in result.stderr
+    assert not (tmp_path / "engines").exists()
 
 
 def test_the_llm_api_line_writes_speculative_config(tmp_path, tiny_checkpoints):
@@ -291,15 +325,24 @@ def test_tensorrtllm_model_configs_use_the_upstream_template_keys(path):
         assert parsed == config and parsed.backend == "tensorrtllm" and parsed.model_transaction_policy.decoupled
         assert set(parsed.parameters) <= TENSORRTLLM_PARAMETER_KEYS
         values = {key: value.string_value for key, value in parsed.parameters.items()}
-        for key in ("enable_kv_cache_reuse", "exclude_input_in_output"):  # the backend parses only these spellings
-            assert values[key] in ("true", "false", "1", "0")
-        assert values["decoding_mode"] in DECODING_MODES and values["gpt_model_type"] == "inflight_fused_batching"
+        # every parameter the model instance reads without a fallback, or it does not load
+        assert set(TENSORRTLLM_REQUIRED_PARAMETERS) <= set(values)
+        assert values["guided_decoding_backend"] == values["xgrammar_tokenizer_info_path"] == ""  # guided: off
+        # a misspelled boolean is silently replaced by its default upstream, so only upstream's spellings
+        for key in ("enable_kv_cache_reuse", "exclude_input_in_output", "enable_chunked_context"):
+            assert values[key] in BOOLEAN_VALUES
+        assert values["gpt_model_type"] in GPT_MODEL_TYPES and values["gpt_model_type"] == "inflight_fused_batching"
+        assert values["batch_scheduler_policy"] in BATCH_SCHEDULER_POLICIES
+        assert 0 < float(values["kv_cache_free_gpu_mem_fraction"]) < 1
+        assert values["decoding_mode"] in DECODING_MODES
         assert values["enable_chunked_context"] == "true"  # a long sequence is prefilled in chunks
         assert {t.name for t in parsed.input} <= set(TENSORRTLLM_INPUTS)
         assert {t.name for t in parsed.input if not t.optional} == {"input_lengths", "request_output_len"}
         assert parsed.max_batch_size == pipeline.limits.max_batch_size
     values = {key: value.string_value for key, value in target.parameters.items()}
     assert values["gpt_model_path"] == "/engines/target"
+    served = model_configs(pipeline, served_at=Path("/models/x"))  # where the repository will be on the server
+    assert served["tensorrt_llm"].parameters["gpt_model_path"].string_value == "/models/x/tensorrt_llm/1/engine"
     if pipeline.speculation.method == "medusa":
         assert values["decoding_mode"] == "medusa"
         assert parse_choices(values["medusa_choices"]) == [list(p) for p in pipeline.speculation.medusa.choices]

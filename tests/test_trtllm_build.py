@@ -12,14 +12,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from google.protobuf import text_format
+from google.protobuf import json_format, text_format
 from safetensors.torch import load_file
 from test_cli import run_cli
 from test_trtllm import trtllm_pipeline
 from transformers import LlamaForCausalLM, MixtralForCausalLM
 from tritonclient.grpc import model_config_pb2 as pb
 
-from specdeploy.builders import trtllm, trtllm_plan
+from specdeploy.builders import trtllm
 from specdeploy.builders.checkpoints import load_checkpoint
 from specdeploy.builders.trtllm_upstream import LLMAPI_INPUTS, LLMAPI_MODEL_CODE
 from specdeploy.models.llama import LlamaModel
@@ -27,12 +27,13 @@ from specdeploy.pipeline import load_pipeline
 from specdeploy.speculative.medusa import MedusaHeads
 
 DOUBLE = Path(__file__).parent / "trtllm_double"
+MEDUSA_DOUBLE = DOUBLE / "medusa_convert_checkpoint.py"
 
 
 @pytest.fixture
 def double(tmp_path, monkeypatch):
     """TensorRT-LLM's tools replaced by the double: trtllm-build and python3 on PATH, the tensorrt_llm package on
-    PYTHONPATH, the Medusa converter's path, and nothing reported missing."""
+    PYTHONPATH, and nothing reported missing (pipelines name the Medusa converter's double: MEDUSA_DOUBLE)."""
     bin_dir = tmp_path / "double-bin"
     bin_dir.mkdir()
     for name, target in (("trtllm-build", f"{sys.executable} {DOUBLE / 'trtllm_build.py'}"),
@@ -41,8 +42,7 @@ def double(tmp_path, monkeypatch):
         (bin_dir / name).chmod(0o755)
     monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
     monkeypatch.setenv("PYTHONPATH", str(DOUBLE))
-    monkeypatch.setattr(trtllm_plan, "MEDUSA_CONVERTER", str(DOUBLE / "medusa_convert_checkpoint.py"))
-    monkeypatch.setattr(trtllm, "missing_requirements", lambda: [])
+    monkeypatch.setattr(trtllm, "missing_requirements", lambda pipeline: [])
 
 
 def test_draft_target_builds_both_engines_per_rank_and_skips_when_unchanged(double, tmp_path, tiny_checkpoints):
@@ -98,7 +98,8 @@ def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp
     MedusaHeads(64, 2).save(heads_file)
     path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={
         "method": "medusa", "num_draft_tokens": 2,
-        "medusa": {"heads": str(heads_file), "num_heads": 2, "choices": [[0], [0, 0]]}})
+        "medusa": {"heads": str(heads_file), "num_heads": 2, "choices": [[0], [0, 0]]}},
+        backend={"kind": "trtllm", "trtllm": {"medusa_converter": str(MEDUSA_DOUBLE)}})
     engines = tmp_path / "engines"
     result = run_cli("build", str(path), "--engines-dir", str(engines))
     assert result.returncode == 0, result.stderr
@@ -172,5 +173,30 @@ def test_the_llm_api_line_writes_its_configuration_with_the_final_paths(double, 
     assert (version / "hf" / "draft" / "model.safetensors").is_file()
     triton_config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
     assert triton_config.backend == "python"
+    # decoupled and unbatched in config.pbtxt itself: the Kubernetes overlays serve with --disable-auto-complete-config
+    assert triton_config.model_transaction_policy.decoupled and triton_config.max_batch_size == 0
+    check_upstream_auto_complete(triton_config, model_yaml["triton_config"])
     assert {t.name: (pb.DataType.Name(t.data_type), list(t.dims)) for t in triton_config.input} == {
         name: (kind, dims) for name, (kind, dims) in LLMAPI_INPUTS.items()}
+
+
+def check_upstream_auto_complete(config: pb.ModelConfig, triton_config: dict) -> None:
+    """What upstream's llmapi model.py does in auto_complete_config when the server auto-completes (apply
+    model.yaml's triton_config through the Python backend's ModelConfig, which refuses a value that contradicts
+    config.pbtxt) changes nothing in ours. The Python backend's utilities are the ones in the nvidia-pytriton
+    wheel."""
+    import pytriton
+
+    utilities = Path(pytriton.__file__).parent / "tritonserver" / "backends" / "python"
+    sys.path.insert(0, str(utilities))
+    try:
+        import triton_python_backend_utils as pb_utils
+    finally:
+        sys.path.remove(str(utilities))
+    # Triton hands the model its whole configuration, defaults included
+    completed = pb_utils.ModelConfig(json_format.MessageToJson(config, preserving_proto_field_name=True,
+                                                               always_print_fields_with_no_presence=True))
+    before = dict(completed.as_dict())
+    completed.set_model_transaction_policy({"decoupled": bool(triton_config["decoupled"])})
+    completed.set_max_batch_size(int(triton_config["max_batch_size"]))
+    assert completed.as_dict() == before

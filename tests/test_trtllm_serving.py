@@ -27,7 +27,7 @@ from test_triton import (
 )
 from tritonclient.grpc import model_config_pb2 as pb
 
-from specdeploy.builders import trtllm, trtllm_plan
+from specdeploy.builders import trtllm
 from specdeploy.builders.trtllm import build as trtllm_build
 from specdeploy.builders.trtllm_upstream import (
     TENSORRTLLM_INPUTS,
@@ -81,8 +81,7 @@ def served(smollm2_fp32_engines, tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PATH", f"{tensorrtllm_double_bin(root / 'bin')}{os.pathsep}{os.environ['PATH']}")
         patch.setenv("PYTHONPATH", str(DOUBLE))
-        patch.setattr(trtllm, "missing_requirements", lambda: [])
-        patch.setattr(trtllm_plan, "MEDUSA_CONVERTER", str(DOUBLE / "medusa_convert_checkpoint.py"))
+        patch.setattr(trtllm, "missing_requirements", lambda pipeline: [])
         engine_dir = trtllm_build(pipeline, root / "engines", quiet=True).directory
     repository = write_repository(engine_dir, root / "repository")  # the double loads the engine's config.json
     written = {name: read_config(repository / name / "config.pbtxt") for name in (TARGET_MODEL, DRAFT_MODEL)}

@@ -36,9 +36,14 @@ from specdeploy.pipeline import PipelineSpec
 MEDUSA_HEADS_FILE = "medusa_lm_head.safetensors"  # the name TensorRT-LLM's Medusa converter reads
 
 
-def missing_requirements() -> list[str]:
-    """What this machine lacks for a TensorRT-LLM build, in words (empty: nothing)."""
+def missing_requirements(pipeline: PipelineSpec) -> list[str]:
+    """What this machine lacks for the pipeline's TensorRT-LLM build, in words (empty: nothing)."""
     missing = []
+    converter = pipeline.backend.settings.medusa_converter
+    if pipeline.speculation.method == "medusa" and not Path(converter).is_file():
+        missing.append(f"TensorRT-LLM's Medusa converter at {converter} (backend.trtllm.medusa_converter: the "
+                       f"path of examples/medusa/convert_checkpoint.py from a TensorRT-LLM {TRTLLM_VERSION} "
+                       f"checkout)")
     if importlib.util.find_spec("tensorrt_llm") is None:
         missing.append(f"the tensorrt_llm package (TensorRT-LLM {TRTLLM_VERSION}; it ships in {TRITON_IMAGE})")
     if shutil.which("trtllm-build") is None:
@@ -140,7 +145,7 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
     """Run the plan into engines_root/<name>/trtllm, unless it is up to date; stops first, writing nothing, when
     this machine lacks what a TensorRT-LLM build needs."""
     steps, _ = plan(pipeline, engines_root)
-    missing = missing_requirements()
+    missing = missing_requirements(pipeline)
     if missing:
         raise BuildError(f"{pipeline.name}: backend trtllm cannot build on this machine; missing: "
                          f"{'; '.join(missing)}. Nothing was written. `specdeploy build --dry-run` prints the "

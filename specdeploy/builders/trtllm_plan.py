@@ -22,9 +22,6 @@ from specdeploy.pipeline import PipelineSpec, TrtllmSpec
 
 TRTLLM_VERSION = "1.2.1"
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"  # the first NGC image carrying 1.2.1
-# The upstream Medusa converter is a script in TensorRT-LLM's repository (not in the wheel); the NGC image keeps
-# the repository's examples here.
-MEDUSA_CONVERTER = "/app/tensorrt_llm/examples/medusa/convert_checkpoint.py"
 
 
 @dataclass(frozen=True)
@@ -123,8 +120,9 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
         steps.append(export("write the Medusa heads as medusa_lm_head.safetensors + config.json",
                             "export medusa heads", hf / "medusa"))
         steps.append(Step("convert target + Medusa heads", checkpoints / "target", (
-            "python3", MEDUSA_CONVERTER, "--model_dir", str(hf / "target"), "--medusa_model_dir", str(hf / "medusa"),
-            "--output_dir", str(checkpoints / "target"), "--dtype", spec.dtype,
+            "python3", spec.medusa_converter, "--model_dir", str(hf / "target"),
+            "--medusa_model_dir", str(hf / "medusa"), "--output_dir", str(checkpoints / "target"),
+            "--dtype", spec.dtype,
             "--num_medusa_heads", str(heads.num_heads), "--num_medusa_layers", str(heads.num_layers),
             "--max_medusa_token_len", str(pipeline.limits.max_draft_tokens), "--tp_size", str(spec.tp_size),
             "--pp_size", str(spec.pp_size))))

@@ -134,6 +134,15 @@ def triton_arguments(repository: str, drain_s: int, rank: int = 0, load: list[st
             "--model-control-mode=explicit", *(f"--load-model={name}" for name in load or [])]
 
 
+def orchestrator_arguments(gpus: int) -> list[str]:
+    """The orchestrating tritonserver runs no engine (the executor workers it spawns hold the GPUs), so it keeps
+    no pinned or CUDA memory pool and no peer access on them, as upstream's launch script does with --multi-model
+    (triton_backend/scripts/launch_triton_server.py, add_multi_model_config; tensorrtllm_backend 7970847f "Avoid
+    Triton using GPU memory in orchestrator mode")."""
+    return ["--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
+            *(f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(gpus))]
+
+
 def engine_models(pipeline: PipelineSpec) -> list[str]:
     from specdeploy.triton.repository import trtllm_engines
 
@@ -149,7 +158,8 @@ def server_command(pipeline: PipelineSpec, repository: str, drain_s: int, size: 
     if size.nodes == 1 and size.gpus == 1 and len(models) == 1:
         return ["tritonserver"], triton_arguments(repository, drain_s), []
     if size.nodes == 1:
-        return (["mpirun"], ["--allow-run-as-root", "-n", "1", "tritonserver", *triton_arguments(repository, drain_s)],
+        arguments = [*triton_arguments(repository, drain_s), *orchestrator_arguments(size.gpus)]
+        return (["mpirun"], ["--allow-run-as-root", "-n", "1", "tritonserver", *arguments],
                 [{"name": "TRTLLM_ORCHESTRATOR", "value": "1"}])
     hosts = ",".join(["$(POD_NAME)", *(f"$(POD_NAME)-{i}" for i in range(1, size.nodes))])
     arguments = ["--allow-run-as-root", "-mca", "plm_rsh_agent", "kubessh", "-np", str(size.gpus * size.nodes),

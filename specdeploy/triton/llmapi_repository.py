@@ -27,12 +27,17 @@ from specdeploy.triton.model_files import link_or_copy
 
 MODEL, VERSION = "tensorrt_llm", "1"
 MODEL_YAML = "model.yaml"
+# Decoupled, so requests can stream; no Triton batching (the LLM batches in flight).
+TRITON_CONFIG = {"max_batch_size": 0, "decoupled": True}
 
 
 def llmapi_model_config() -> pb.ModelConfig:
-    """The model's config.pbtxt. Batching and decoupling are set in model.yaml's triton_config (the model reads
-    them there), not here."""
-    config = pb.ModelConfig(name=MODEL, backend="python")
+    """The model's config.pbtxt, with TRITON_CONFIG's batching and decoupling. Upstream's config leaves them to
+    model.yaml's triton_config, which its model.py applies only in auto_complete_config; that never runs under
+    --disable-auto-complete-config (which upstream's launch script and our Kubernetes overlays pass), and the model
+    would come up non-decoupled. With auto-completion on, the same values change nothing."""
+    config = pb.ModelConfig(name=MODEL, backend="python", max_batch_size=TRITON_CONFIG["max_batch_size"])
+    config.model_transaction_policy.decoupled = TRITON_CONFIG["decoupled"]
     config.instance_group.add(count=1, kind=pb.ModelInstanceGroup.KIND_CPU)
     for name, (kind, dims) in LLMAPI_INPUTS.items():
         config.input.add(name=name, data_type=pb.DataType.Value(kind), dims=dims, optional=name != "text_input")
@@ -42,10 +47,9 @@ def llmapi_model_config() -> pb.ModelConfig:
 
 
 def model_yaml(pipeline: PipelineSpec, served_at: Path) -> dict:
-    """model.yaml: the LLM options with the checkpoints where the server sees them, and triton_config (decoupled, so
-    requests can stream; no Triton batching, the LLM batches in flight)."""
-    return {**llm_api_config(pipeline, served_at / MODEL / VERSION),
-            "triton_config": {"max_batch_size": 0, "decoupled": True}}
+    """model.yaml: the LLM options with the checkpoints where the server sees them, and TRITON_CONFIG (what the model
+    reads for itself)."""
+    return {**llm_api_config(pipeline, served_at / MODEL / VERSION), "triton_config": dict(TRITON_CONFIG)}
 
 
 def write_llmapi_repository(engine_dir: Path, pipeline: PipelineSpec, output: Path, served_at: Path,
