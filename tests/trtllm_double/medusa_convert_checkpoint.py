@@ -16,31 +16,40 @@ from specdeploy.builders.trtllm_upstream import MEDUSA_CONVERT_FLAGS
 DEFAULTS = {"--num_medusa_heads": 4, "--num_medusa_layers": 1, "--max_medusa_token_len": 63, "--tp_size": 1,
             "--pp_size": 1, "--workers": 1}
 
-parser = argparse.ArgumentParser(prog="convert_checkpoint.py")
-for flag, allowed in MEDUSA_CONVERT_FLAGS.items():
-    if flag in DEFAULTS:
-        parser.add_argument(flag, type=int, default=DEFAULTS[flag])
-    else:
-        parser.add_argument(flag, choices=allowed if isinstance(allowed, tuple) else None,
-                            default="float16" if flag == "--dtype" else None)
-parser.add_argument("--model_type", default="llama")
-args = parser.parse_args(sys.argv[1:])
-assert args.model_type in ["llama", "mixtral", "qwen2"], "Invalid model type"
-if args.medusa_model_dir:
-    assert args.max_medusa_token_len > 0, "should have max_medusa_token_len > 0"
-heads_dir = Path(args.medusa_model_dir)
-layers = json.loads((heads_dir / "config.json").read_text())["medusa_num_layers"]
-weights = load_file(str(heads_dir / "medusa_lm_head.safetensors"))
-for head in range(args.num_medusa_heads):  # a head the file lacks: upstream's load_medusa_hf raises KeyError
-    for layer in range(layers):
-        weights[f"{head}.{layer}.linear.weight"], weights[f"{head}.{layer}.linear.bias"]  # noqa: B018
-    weights[f"{head}.{layers}.weight"]  # noqa: B018
-assert (Path(args.model_dir) / "config.json").is_file()
-output = Path(args.output_dir)
-output.mkdir(parents=True)
-for rank in range(args.tp_size * args.pp_size):
-    save_file({"placeholder": torch.zeros(1)}, str(output / f"rank{rank}.safetensors"))
-(output / "config.json").write_text(json.dumps({"architecture": "MedusaForCausalLM",
-                                                "num_medusa_heads": args.num_medusa_heads,
-                                                "max_draft_len": args.max_medusa_token_len,
-                                                "mapping": {"world_size": args.tp_size * args.pp_size}}))
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="convert_checkpoint.py")
+    for flag, allowed in MEDUSA_CONVERT_FLAGS.items():
+        if flag in DEFAULTS:
+            parser.add_argument(flag, type=int, default=DEFAULTS[flag])
+        else:
+            parser.add_argument(flag, choices=allowed if isinstance(allowed, tuple) else None,
+                                default="float16" if flag == "--dtype" else None)
+    parser.add_argument("--model_type", default="llama")
+    return parser
+
+
+def main(argv: list[str]) -> None:
+    args = parser().parse_args(argv)
+    assert args.model_type in ["llama", "mixtral", "qwen2"], "Invalid model type"
+    if args.medusa_model_dir:
+        assert args.max_medusa_token_len > 0, "should have max_medusa_token_len > 0"
+    heads_dir = Path(args.medusa_model_dir)
+    layers = json.loads((heads_dir / "config.json").read_text())["medusa_num_layers"]
+    weights = load_file(str(heads_dir / "medusa_lm_head.safetensors"))
+    for head in range(args.num_medusa_heads):  # a head the file lacks: upstream's load_medusa_hf raises KeyError
+        for layer in range(layers):
+            weights[f"{head}.{layer}.linear.weight"], weights[f"{head}.{layer}.linear.bias"]  # noqa: B018
+        weights[f"{head}.{layers}.weight"]  # noqa: B018
+    assert (Path(args.model_dir) / "config.json").is_file()
+    output = Path(args.output_dir)
+    output.mkdir(parents=True)
+    for rank in range(args.tp_size * args.pp_size):
+        save_file({"placeholder": torch.zeros(1)}, str(output / f"rank{rank}.safetensors"))
+    (output / "config.json").write_text(json.dumps({"architecture": "MedusaForCausalLM",
+                                                    "num_medusa_heads": args.num_medusa_heads,
+                                                    "max_draft_len": args.max_medusa_token_len,
+                                                    "mapping": {"world_size": args.tp_size * args.pp_size}}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
