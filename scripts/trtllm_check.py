@@ -1,0 +1,256 @@
+"""The steps of scripts/trtllm-check.sh that are Python: run inside the pinned TensorRT-LLM image, beside a checkout
+of this repository with specdeploy installed (build/Dockerfile.gpu installs it the same way).
+
+  python3 scripts/trtllm_check.py pipeline SHIPPED.yaml OUT_DIR
+      write the shipped pipeline's TensorRT-LLM variant (engine line, bf16) to OUT_DIR and print its path
+  python3 scripts/trtllm_check.py serve-command PIPELINE.yaml REPOSITORY
+      print the tritonserver command line as the Kubernetes overlay serves the pipeline (one node; two engines or
+      more than one GPU: orchestrator mode), one shell-quoted line
+  python3 scripts/trtllm_check.py wait-ready HTTP_URL SECONDS
+  python3 scripts/trtllm_check.py greedy SHIPPED.yaml URL PROMPTS.jsonl OUT.json
+      greedy text of each prompt: the server's speculative against its plain decoding, and against the torch engine
+      of the shipped pipeline (built beforehand; SPECDEPLOY_DEVICE, default cpu)
+  python3 scripts/trtllm_check.py distribution URL OUT.json
+      sampled tokens at temperature 0.7, top-k 4: the server's speculative against its plain decoding (a two-sample
+      test pooled over each trial's prefix)
+  python3 scripts/trtllm_check.py summary DIR
+      one table of every check in DIR; exit status 1 if any failed
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shlex
+import sys
+import time
+import urllib.request
+from collections import Counter, defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import yaml
+
+# Greedy texts may part at a near tie of bf16 logits (different kernels, or one position against several); a
+# conversion or orchestration defect parts at once. So every prompt's texts must share this many leading tokens.
+MIN_SHARED_TOKENS = 16
+DISTRIBUTION_TRIALS = 3000  # per arm
+DISTRIBUTION_PROMPT = "Once upon a time"
+DISTRIBUTION_P_VALUE = 1e-3  # below this, speculative sampling differs from plain
+MIN_PER_PREFIX = 30  # trials of each arm a prefix needs to enter the test
+CHECK_FILES = ("greedy.json", "distribution.json", "speed.json")  # what trtllm-check.sh writes per pipeline
+
+
+def trtllm_variant(shipped: Path, out_dir: Path) -> Path:
+    """The shipped torch pipeline as a TensorRT-LLM pipeline: same models and speculation, engine line, bf16
+    engines, relative paths made absolute (the copy lives elsewhere)."""
+    spec = yaml.safe_load(shipped.read_text())
+    spec["name"] = f"{spec['name']}-trtllm"
+    spec["backend"] = {"kind": "trtllm", "trtllm": {"line": "engine", "dtype": "bfloat16"}}
+    medusa = spec["speculation"].get("medusa")
+    if medusa and not Path(medusa["heads"]).is_absolute():
+        medusa["heads"] = str((shipped.parent / medusa["heads"]).resolve())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{spec['name']}.yaml"
+    path.write_text(yaml.safe_dump(spec, sort_keys=False))
+    return path
+
+
+def serve_command(pipeline_path: Path, repository: Path) -> str:
+    """The overlay's serving command for this pipeline on one node (deploy/k8s.py decides the mode)."""
+    from specdeploy.builders.checkpoints import target_config
+    from specdeploy.deploy.k8s import server_command
+    from specdeploy.deploy.sizing import pod_size
+    from specdeploy.pipeline import load_pipeline
+
+    pipeline = load_pipeline(pipeline_path)
+    size = pod_size(pipeline, target_config(pipeline), None, gpus_per_node=8)
+    command, arguments, environment = server_command(pipeline, str(repository), 30, size)
+    assignments = [f"{e['name']}={e['value']}" for e in environment if "value" in e]
+    return shlex.join(["env", *assignments, *command, *arguments] if assignments else [*command, *arguments])
+
+
+def wait_ready(url: str, seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(f"{url}/v2/health/ready", timeout=2) as reply:
+                if reply.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(2)
+    sys.exit(f"trtllm-check: the server at {url} was not ready after {seconds:.0f} s")
+
+
+def generate_ids(url: str, prompt: str, max_tokens: int, **fields) -> list[int]:
+    """The new token ids of one request to the `speculative` model (it answers ids when output_ids is asked)."""
+    import tritonclient.grpc as grpcclient
+
+    from specdeploy.triton.client import ENTRY_MODEL, build_inputs
+
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    ids: list[int] = []
+    try:
+        client.async_stream_infer(ENTRY_MODEL, build_inputs(prompt, max_tokens, False, **fields),
+                                  outputs=[grpcclient.InferRequestedOutput("output_ids")],
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=600)
+            if error is not None:
+                raise RuntimeError(str(error))
+            response = result.get_response()
+            if response.outputs:
+                ids += result.as_numpy("output_ids").reshape(-1).tolist()
+            if response.parameters["triton_final_response"].bool_param:
+                return ids
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def shared_tokens(first: list[int], second: list[int]) -> int:
+    count = 0
+    for a, b in zip(first, second):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
+def agrees(first: list[int], second: list[int]) -> bool:
+    """Equal, or equal over their first MIN_SHARED_TOKENS tokens (a later parting is a near tie, reported)."""
+    return first == second or shared_tokens(first, second) >= min(MIN_SHARED_TOKENS, len(first), len(second))
+
+
+def greedy(shipped: Path, url: str, prompts_file: Path, out: Path, max_tokens: int = 64) -> dict:
+    from specdeploy.sampling_params import SamplingParams
+    from specdeploy.workflows import load_engine
+
+    engine = load_engine(shipped, Path(os.environ.get("SPECDEPLOY_ENGINES", "engines")),
+                         device=os.environ.get("SPECDEPLOY_DEVICE", "cpu"))
+    rows = []
+    for line in prompts_file.read_text().splitlines():
+        prompt = json.loads(line)["prompt"]
+        speculative = generate_ids(url, prompt, max_tokens, temperature=0.0)
+        plain = generate_ids(url, prompt, max_tokens, temperature=0.0, num_draft_tokens=0)
+        torch_engine = engine.generate(engine.encode_prompt(prompt), SamplingParams(), max_tokens,
+                                       num_draft_tokens=0).run()
+        rows.append({"prompt": prompt, "tokens": len(speculative),
+                     "speculative_vs_plain": shared_tokens(speculative, plain),
+                     "server_vs_torch": shared_tokens(speculative, torch_engine),
+                     "ok": agrees(speculative, plain) and agrees(speculative, torch_engine)})
+    fewest = min(min(r["speculative_vs_plain"], r["server_vs_torch"]) for r in rows)
+    report = {"check": "greedy", "pipeline": shipped.stem, "prompts": rows, "ok": all(r["ok"] for r in rows),
+              "detail": f"{sum(r['speculative_vs_plain'] == r['tokens'] for r in rows)}/{len(rows)} speculative = "
+                        f"plain, {sum(r['server_vs_torch'] == r['tokens'] for r in rows)}/{len(rows)} = torch; "
+                        f"fewest shared tokens {fewest}"}
+    out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def chi_square_sf(statistic: float, dof: int) -> float:
+    """P(χ²_dof ≥ statistic): the regularized upper incomplete gamma Q(dof/2, statistic/2)."""
+    import torch
+
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def homogeneity(first: list[tuple[int, ...]], second: list[tuple[int, ...]], positions: tuple[int, ...]
+                ) -> tuple[float, int, int]:
+    """Two samples of token sequences from the same prompt: do the tokens at `positions` follow the same
+    distribution given each prefix? A chi-square test of homogeneity per (position, prefix), summed; tokens too rare
+    for the approximation are pooled, prefixes either sample reached fewer than MIN_PER_PREFIX times are left out.
+    Returns (p-value, degrees of freedom, trials tested)."""
+    statistic, dof, tested = 0.0, 0, 0
+    for position in positions:
+        groups: dict[tuple[int, ...], list[Counter]] = defaultdict(lambda: [Counter(), Counter()])
+        for arm, sample in enumerate((first, second)):
+            for output in sample:
+                if len(output) > position:
+                    groups[output[:position]][arm][output[position]] += 1
+        for counts in groups.values():
+            totals = [sum(c.values()) for c in counts]
+            if min(totals) < MIN_PER_PREFIX:
+                continue
+            pooled = counts[0] + counts[1]
+            common = [token for token, n in pooled.items() if n * min(totals) / sum(totals) >= 5]
+            table = np.array([[c[token] for token in common] + [totals[arm] - sum(c[t] for t in common)]
+                              for arm, c in enumerate(counts)], dtype=np.float64)
+            table = table[:, table.sum(0) > 0]
+            if table.shape[1] < 2:
+                continue
+            expected = table.sum(1, keepdims=True) * table.sum(0, keepdims=True) / table.sum()
+            statistic += float(((table - expected) ** 2 / expected).sum())
+            dof += table.shape[1] - 1
+            tested += sum(totals)
+    return (chi_square_sf(statistic, dof) if dof else 1.0), dof, tested
+
+
+def distribution(url: str, out: Path, num_draft_tokens: int = 2) -> dict:
+    """DISTRIBUTION_TRIALS requests per arm at temperature 0.7, top-k 4, four tokens each, every request its own
+    seed: the first comes from the prefill, the second and third from the first speculative step (drafted, then
+    verified by the executor)."""
+    def sample(gamma: int, offset: int) -> list[tuple[int, ...]]:
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(lambda seed: tuple(generate_ids(
+                url, DISTRIBUTION_PROMPT, 4, temperature=0.7, top_k=4, random_seed=seed, end_id=-1,
+                num_draft_tokens=gamma)), range(offset, offset + DISTRIBUTION_TRIALS)))
+
+    speculative, plain = sample(num_draft_tokens, 0), sample(0, DISTRIBUTION_TRIALS)
+    p_value, dof, tested = homogeneity(speculative, plain, (1, 2))
+    report = {"check": "distribution", "p_value": p_value, "dof": dof, "tested": tested,
+              "ok": p_value > DISTRIBUTION_P_VALUE and tested > 0,
+              "detail": f"p = {p_value:.3g} (χ², {dof} dof, {tested} tokens); speculative and plain at T 0.7 top-k 4"}
+    out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def summary(directory: Path) -> int:
+    """Print every check's line; 1 if any failed (or none ran), else 0."""
+    rows = []
+    for path in sorted(path for name in CHECK_FILES for path in directory.glob(f"*/{name}")):
+        if path.name == "speed.json":
+            level = json.loads(path.read_text())["levels"][0]
+            ok = level["failed"] == 0
+            detail = (f"{level['speculative_tokens_per_s']:.1f} vs {level['plain_tokens_per_s']:.1f} tok/s at "
+                      f"concurrency {level['concurrency']}: {level['speedup']:.2f}x, acceptance "
+                      f"{level['acceptance_rate']:.2f}")
+            rows.append((path.parent.name, "speed", ok, detail))
+        else:
+            report = json.loads(path.read_text())
+            rows.append((path.parent.name, report["check"], report["ok"], report["detail"]))
+    for failed in sorted(directory.glob("*/FAILED-*")):
+        rows.append((failed.parent.name, failed.name.removeprefix("FAILED-"), False, failed.read_text().strip()))
+    print(f"\n{'pipeline':32} {'check':14} {'result':7} detail")
+    for pipeline, check, ok, detail in rows:
+        print(f"{pipeline:32} {check:14} {'ok' if ok else 'FAIL':7} {detail}")
+    return 0 if rows and all(ok for *_, ok, _ in rows) else 1
+
+
+def main(argv: list[str]) -> int:
+    command, arguments = argv[0], argv[1:]
+    if command == "pipeline":
+        print(trtllm_variant(Path(arguments[0]), Path(arguments[1])))
+    elif command == "serve-command":
+        print(serve_command(Path(arguments[0]), Path(arguments[1])))
+    elif command == "wait-ready":
+        wait_ready(arguments[0], float(arguments[1]))
+    elif command == "greedy":
+        return 0 if greedy(Path(arguments[0]), arguments[1], Path(arguments[2]), Path(arguments[3]))["ok"] else 1
+    elif command == "distribution":
+        return 0 if distribution(arguments[0], Path(arguments[1]))["ok"] else 1
+    elif command == "summary":
+        return summary(Path(arguments[0]))
+    else:
+        sys.exit(f"trtllm_check.py: unknown command {command!r} (see the docstring)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
