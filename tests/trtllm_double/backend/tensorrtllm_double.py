@@ -60,9 +60,13 @@ class EngineConfig:
     max_input_len: int
     max_seq_len: int
     max_draft_len: int
-    draft_tokens_external: bool
+    speculative_decoding_mode: str | None
     gather_generation_logits: bool
     world_size: int = 1
+
+    @property
+    def draft_tokens_external(self) -> bool:
+        return self.speculative_decoding_mode == "draft_tokens_external"
 
     @classmethod
     def read(cls, engine_dir: Path) -> EngineConfig:
@@ -70,8 +74,7 @@ class EngineConfig:
         build = config["build_config"]
         mapping = config.get("pretrained_config", {}).get("mapping", {})
         return cls(build["max_input_len"], build["max_seq_len"], build["max_draft_len"],
-                   build["speculative_decoding_mode"] == "draft_tokens_external",
-                   build["gather_generation_logits"], mapping.get("world_size", 1))
+                   build["speculative_decoding_mode"], build["gather_generation_logits"], mapping.get("world_size", 1))
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ class TensorrtllmDouble:
     def validate(self, prompt: int, count: int, drafts: list[int]) -> tuple[int, list[int]]:
         """LlmRequest::validate (llmRequest.cpp): (max new tokens, drafts) as the executor keeps them."""
         engine = self.engine
-        max_draft = engine.max_draft_len if engine.draft_tokens_external else 0
+        max_draft = engine.max_draft_len if engine.speculative_decoding_mode else 0  # getMaxDecodingDraftTokens
         if prompt > engine.max_input_len:
             raise DoubleError(f"Prompt length ({prompt}) exceeds maximum input length ({engine.max_input_len}).")
         if len(drafts) > max_draft:
