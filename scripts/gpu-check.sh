@@ -37,19 +37,7 @@ status=0
 timeout 300 "$PYTHON" -m pytest -q tests/test_cuda.py tests/test_device.py -p no:cacheprovider || status=$?
 
 # One prompt of each kind, 64 tokens each, on every shipped pipeline.
-"$PYTHON" - "$OUT/prompts.jsonl" <<'PY'
-import json
-import sys
-from importlib import resources
-
-seen, chosen = set(), []
-for line in resources.files("specdeploy").joinpath("data/prompts.jsonl").read_text().splitlines():
-    item = json.loads(line)
-    if item["kind"] not in seen:
-        seen.add(item["kind"])
-        chosen.append(line)
-open(sys.argv[1], "w").write("\n".join(chosen) + "\n")
-PY
+"$PYTHON" scripts/one_prompt_per_kind.py "$OUT/prompts.jsonl"
 # The draft-target pipeline with an int8 draft beside the shipped int4 one: which pays is a measurement (the device's
 # weight-only kernels), so both are benched in one run.
 "$PYTHON" - "$OUT/smollm2-draft-target-int8.yaml" <<'PY'

@@ -55,19 +55,7 @@ if [[ $DRY_RUN == 0 ]]; then
     test -f /app/examples/medusa/convert_checkpoint.py || say "no Medusa converter at the default path: the Medusa" \
         "build will name it (set backend.trtllm.medusa_converter)"
     mkdir -p "$OUT"
-    "$PYTHON" - "$OUT/prompts.jsonl" <<'PY'
-import json
-import sys
-from importlib import resources
-
-seen, chosen = set(), []
-for line in resources.files("specdeploy").joinpath("data/prompts.jsonl").read_text().splitlines():
-    item = json.loads(line)
-    if item["kind"] not in seen:
-        seen.add(item["kind"])
-        chosen.append(line)
-open(sys.argv[1], "w").write("\n".join(chosen) + "\n")
-PY
+    "$PYTHON" scripts/one_prompt_per_kind.py "$OUT/prompts.jsonl"
 fi
 
 for method in draft-target ngram medusa; do
