@@ -65,6 +65,8 @@ def test_the_script_parses_and_its_dry_run_prints_every_step_and_runs_none(tmp_p
         assert f"specdeploy build {out}/pipelines/{name}.yaml --engines-dir {out}/engines" in result.stdout
         assert f"specdeploy package {out}/pipelines/{name}.yaml" in result.stdout
     assert lines[-2].endswith(f"summary {out}") and "exit status 0" in lines[-1]
+    only = subprocess.run([str(SCRIPT), "--dry-run", "--only", "ngram", str(out)], capture_output=True, text=True)
+    assert only.returncode == 0 and "smollm2-ngram-trtllm" in only.stdout and "draft-target" not in only.stdout
 
 
 @pytest.mark.smollm2
@@ -74,6 +76,8 @@ def test_the_trtllm_variants_of_the_shipped_pipelines_plan(tmp_path, method):
     pipeline = load_pipeline(path)
     assert pipeline.backend.kind == "trtllm" and pipeline.backend.settings.line == "engine"
     assert pipeline.name == f"smollm2-{method}-trtllm"
+    policy = pipeline.serving.policy  # the checks send 16 requests at once: speculate at any load
+    assert policy.full_up_to == policy.off_above == pipeline.limits.max_batch_size
     steps, notes = plan(pipeline, tmp_path / "engines")
     assert notes[0].startswith("target: llama, 9 attention heads, 3 key/value heads")
     builds = [step for step in steps if step.command and step.command[0] == "trtllm-build"]
@@ -126,6 +130,12 @@ def test_greedy_texts_agree_when_equal_or_parting_after_sixteen_tokens():
     assert check.agrees(text, text) and check.agrees(text, text[:20] + [99] * 20)
     assert not check.agrees(text, text[:5] + [99] * 35)
     assert check.agrees(text[:3], text[:3]) and not check.agrees(text[:3], [0, 1, 7])
+    assert not check.agrees([], text) and not check.agrees(text[:30], text)  # nothing, or an early end
+
+
+def test_waiting_for_a_server_that_ended_fails_at_once():
+    with pytest.raises(SystemExit, match="ended before it was ready"):
+        helper().wait_ready("http://127.0.0.1:9", 600, 2**22 + 7)  # no such process
 
 
 def test_the_summary_fails_on_any_failed_step_or_check(tmp_path, capsys):
@@ -134,11 +144,14 @@ def test_the_summary_fails_on_any_failed_step_or_check(tmp_path, capsys):
     first = tmp_path / "smollm2-ngram-trtllm"
     first.mkdir()
     (first / "greedy.json").write_text(json.dumps({"check": "greedy", "ok": True, "detail": "5/5 equal"}))
-    (first / "speed.json").write_text(json.dumps({"levels": [{
-        "concurrency": 1, "speculative_tokens_per_s": 300.0, "plain_tokens_per_s": 200.0, "speedup": 1.5,
-        "acceptance_rate": 0.6, "failed": 0}]}))
+    level = {"concurrency": 1, "speculative_tokens_per_s": 300.0, "plain_tokens_per_s": 200.0, "speedup": 1.5,
+             "acceptance_rate": 0.6, "failed": 0}
+    (first / "speed.json").write_text(json.dumps({"levels": [level, {**level, "concurrency": 8}]}))
     assert check.summary(tmp_path) == 0
     assert "1.50x" in capsys.readouterr().out
+    (first / "speed.json").write_text(json.dumps({"levels": [level, {**level, "concurrency": 8, "failed": 2}]}))
+    assert check.summary(tmp_path) == 1  # a failure at any concurrency
+    (first / "speed.json").write_text(json.dumps({"levels": [level]}))
     second = tmp_path / "smollm2-medusa-trtllm"
     second.mkdir()
     (second / "FAILED-build").write_text("failed; its log: build.log")

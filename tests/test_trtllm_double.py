@@ -20,7 +20,7 @@ from specdeploy.pipeline import load_pipeline
 from specdeploy.sampling import sampling_distribution
 from specdeploy.sampling_params import SamplingParams
 from specdeploy.triton.trtllm_models import tensorrtllm_model
-from specdeploy.triton.trtllm_sampling import executor_distribution, point_mass_logits
+from specdeploy.triton.trtllm_sampling import draft_logits, executor_distribution, point_mass_logits
 
 sys.path.insert(0, str(Path(__file__).parent / "trtllm_double" / "backend"))
 from bls_double import build_double  # noqa: E402
@@ -172,7 +172,7 @@ def test_the_kernels_walk_gives_the_token_crossing_top_p_only_its_mass_below_it(
     params = SamplingParams(temperature=0.7, top_k=4, top_p=0.7)
     sampling = Sampling(0.7, 4, 0.7, 1.0, 0)
     counts = drawn(sampling, sampling.probabilities(PROBE, torch.zeros(8, dtype=torch.bool)))
-    closed = executor_distribution(PROBE[None], params)[0]
+    closed = executor_distribution(PROBE[None], params)[0][0]
     nucleus = sampling_distribution(PROBE[None], params)[0]
     assert fits(counts, closed) > 1e-3
     assert fits(counts, nucleus) < 1e-6
@@ -187,6 +187,24 @@ def test_verification_uses_the_full_top_p_set_unlike_plain_sampling():
     sampling = Sampling(0.7, 4, 0.7, 1.0, 0)
     selected = sampling.selected(sampling.probabilities(PROBE, torch.zeros(8, dtype=torch.bool)))
     torch.testing.assert_close(selected.float(), sampling_distribution(PROBE[None], params)[0], atol=1e-5, rtol=0)
+
+
+def test_a_tie_that_decides_q_cuts_the_drafts_there():
+    """Equal logits at the top-k boundary (or around the token crossing top-p) leave q to the kernels' order of
+    equal values, which the double takes to be the highest id first and torch's topk does not promise: the drafts
+    are cut before the first such position, which is exact since the cut depends on logits, not on the drawn token."""
+    clear = [3.0, 2.5, 2.0, 1.5, 1.0, 0.5, 0.0, -1.0]
+    tied_at_k = [3.0, 2.5, 2.0, 1.5, 1.5, 0.5, 0.0, -1.0]  # the 4th and 5th tie
+    tied_crossing = [2.0, 1.0, 1.0, 1.0, 0.0, -2.0, -2.0, -3.0]  # the crossing token ties its neighbours
+    top_k, top_p = SamplingParams(temperature=0.7, top_k=4), SamplingParams(temperature=0.7, top_p=0.75)
+    assert executor_distribution(torch.tensor([clear, tied_at_k]), top_k)[1].tolist() == [False, True]
+    assert executor_distribution(torch.tensor([clear, tied_crossing]), top_p)[1].tolist() == [False, True]
+    assert not executor_distribution(torch.tensor([tied_crossing]), top_k)[1].item()  # the tie is inside the top 4
+    raw = np.array([clear, clear, tied_at_k, clear], dtype=np.float32)
+    assert draft_logits(raw, [1], [0, 1, 2, 3], top_k, 8, 8).shape == (2, 8)  # drafts 3 and 4 are not sent
+    sampling = Sampling(0.7, 4, 1.0, 1.0, 0)
+    order, _ = sampling.candidates(sampling.probabilities(torch.tensor(tied_at_k), torch.zeros(8, dtype=torch.bool)))
+    assert order.tolist() == [0, 1, 2, 4]  # the kernels' own order of the tie: token 3 is never drawn
 
 
 @pytest.mark.parametrize("with_logits", [False, True], ids=["token-matching", "point-mass-logits"])

@@ -39,7 +39,7 @@ from specdeploy.sampling_params import SamplingParams
 from specdeploy.sequence import Sequence
 from specdeploy.speculative.ngram import NgramProposer, common_prefix_length
 from specdeploy.speculative.schedule import ProposalLength
-from specdeploy.triton.trtllm_sampling import draft_logits, padded_vocab_size, point_mass_logits
+from specdeploy.triton import trtllm_sampling
 
 # Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
 # cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
@@ -110,7 +110,7 @@ class Orchestrator:
         self.ngram = (NgramProposer(pipeline.speculation.ngram.min_n, pipeline.speculation.ngram.max_n)
                       if pipeline.speculation.method == "ngram" else None)
         settings = pipeline.backend.settings
-        self.logits_width = padded_vocab_size(vocab_size, settings.tp_size * settings.pp_size)
+        self.logits_width = trtllm_sampling.padded_vocab_size(vocab_size, settings.tp_size * settings.pp_size)
         self.active: list[Job] = []
         self.waiting: deque[Job] = deque()
         self.lock = threading.Lock()
@@ -253,12 +253,16 @@ class Orchestrator:
         if self.ngram is not None:
             drafts = self.ngram.continuation(context, gamma)
             if drafts and not params.greedy:
-                logits = point_mass_logits(drafts, self.logits_width)
+                logits = trtllm_sampling.point_mass_logits(drafts, self.logits_width)
         else:
             drafts, raw = self.calls.draft(context, gamma, job.sampling(), not params.greedy)
-            if drafts and raw is not None:
-                logits = draft_logits(raw, context, drafts, params, self.vocab_size, self.logits_width)
             sequence.stats.draft_forwards += len(drafts)
+            if drafts and not params.greedy:
+                if raw is None or raw.shape[0] < len(drafts):  # token matching would bias the output
+                    raise RuntimeError("the draft engine returned no generation logits for its sampled drafts")
+                logits = trtllm_sampling.draft_logits(raw, context, drafts, params, self.vocab_size,
+                                                      self.logits_width)
+                drafts = drafts[:logits.shape[0]]  # up to the first position a tie decides
         drafted_at = time.perf_counter()
         sequence.stats.draft_seconds += drafted_at - started
         if not drafts:

@@ -39,19 +39,46 @@ def padded_vocab_size(vocab_size: int, world_size: int) -> int:
 
 
 def executor_distribution(logits: torch.Tensor, params: SamplingParams,
-                          seen: torch.Tensor | None = None) -> torch.Tensor:
+                          seen: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """logits: [N, V] raw; seen: [N, V] bool, the context's tokens (repetition penalty). Returns the fp32
-    probabilities [N, V] the executor's sampling layers draw a token from under `params`."""
-    if params.greedy:  # top-k 1: a point mass on the penalised argmax
-        return sampling_distribution(logits, params, seen)
+    probabilities [N, V] the executor's sampling layers draw a token from under `params`, and [N] bool: rows where
+    that distribution depends on how the kernels order equal values, which nothing documents (see `order_matters`).
+    Greedy rows (never sent: greedy verification needs no q) are a point mass on the penalised argmax."""
+    if params.greedy:
+        probs = sampling_distribution(logits, params, seen)
+        return probs, torch.zeros(probs.shape[0], dtype=torch.bool)
     logits = penalised(logits, params, seen)
     probs = ((logits - logits.amax(-1, keepdim=True)) / (params.temperature + TEMPERATURE_EPSILON)).softmax(-1)
     vocab = probs.shape[-1]
-    top, order = probs.topk(params.top_k if 0 < params.top_k < vocab else vocab, dim=-1)  # [N, k] descending
+    k = params.top_k if 0 < params.top_k < vocab else vocab
+    ranked, order = probs.topk(min(k + 1, vocab), dim=-1)  # [N, k (+1)] descending: one past the top k
+    top, order = ranked[:, :k], order[:, :k]
     threshold = params.top_p * top.sum(-1, keepdim=True)  # [N, 1]
     cumulative = top.cumsum(-1)
     drawn = cumulative.clamp(max=threshold) - (cumulative - top).clamp(max=threshold)
-    return torch.zeros_like(probs).scatter(-1, order, drawn / threshold)
+    return torch.zeros_like(probs).scatter(-1, order, drawn / threshold), order_matters(ranked, k, cumulative,
+                                                                                         threshold, params.top_p)
+
+
+def order_matters(ranked: torch.Tensor, k: int, cumulative: torch.Tensor, threshold: torch.Tensor,
+                  top_p: float) -> torch.Tensor:
+    """ranked: [N, k or k + 1] probabilities in descending order. True where a tie decides the distribution: the
+    k-th and (k+1)-th tie (which one top-k keeps), or the token crossing top_p ties with a neighbour (which one
+    keeps only part of its mass). An engine's bf16 logits tie often (about one position in twenty at top-k 4 in a
+    test here), and the kernels break ties by their reduction order, not torch's. [N] bool."""
+    def tie(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.isclose(a, b, rtol=1e-5, atol=0.0)
+
+    matters = torch.zeros(ranked.shape[0], dtype=torch.bool)
+    if ranked.shape[1] > k:
+        matters |= tie(ranked[:, k - 1], ranked[:, k])
+    if top_p < 1.0:
+        crossing = (cumulative < threshold).sum(-1).clamp(max=k - 1)  # [N]: the first reaching the threshold
+        mass = ranked.gather(-1, crossing[:, None])[:, 0]
+        before = ranked.gather(-1, (crossing - 1).clamp(min=0)[:, None])[:, 0]
+        after = ranked.gather(-1, (crossing + 1).clamp(max=ranked.shape[1] - 1)[:, None])[:, 0]
+        matters |= ((crossing > 0) & tie(mass, before)) | ((crossing + 1 < ranked.shape[1]) & tie(mass, after))
+    return matters
 
 
 def as_logits(probs: torch.Tensor, width: int) -> np.ndarray:
@@ -65,11 +92,15 @@ def as_logits(probs: torch.Tensor, width: int) -> np.ndarray:
 def draft_logits(raw: np.ndarray, context: list[int], drafts: list[int], params: SamplingParams, vocab_size: int,
                  width: int) -> np.ndarray:
     """raw: [k, W'] the draft engine's generation logits of its k drafted tokens (W' its padded vocabulary);
-    context: the sequence the draft continued. Returns [k, width] logits for the target (width: its padded
-    vocabulary) whose softmax is the distribution each drafted token was drawn from."""
+    context: the sequence the draft continued. Returns [n, width] logits for the target (width: its padded
+    vocabulary) whose softmax is the distribution each of the first n drafted tokens was drawn from: n stops before
+    the first position whose distribution a tie decides. Cutting there is exact: it depends on the draft's logits
+    at that position, not on the token drawn from them."""
     seen = seen_after_drafts(seen_mask(context, vocab_size), torch.tensor(drafts, dtype=torch.long))[:len(drafts)]
-    probs = executor_distribution(torch.from_numpy(np.asarray(raw[:, :vocab_size], dtype=np.float32)), params, seen)
-    return as_logits(probs, width)
+    probs, ambiguous = executor_distribution(torch.from_numpy(np.asarray(raw[:, :vocab_size], dtype=np.float32)),
+                                             params, seen)
+    usable = int(ambiguous.long().cumsum(0).eq(0).sum())
+    return as_logits(probs[:usable], width)
 
 
 def point_mass_logits(drafts: list[int], width: int) -> np.ndarray:

@@ -28,11 +28,11 @@ def build_double():
 
 
 def pipeline_doubles(pipeline: PipelineSpec, components: dict[str, Path], root: Path,
-                     classes: dict[str, type] | None = None) -> dict[str, TensorrtllmDouble]:
+                     classes: dict[str, type] | None = None, **options) -> dict[str, TensorrtllmDouble]:
     """Doubles of a pipeline's tensorrtllm models as `package` configures them, over engines whose config.json is
     what the build double writes for the plan's own trtllm-build commands. components: model name → the torch
     component it runs; classes: a TensorrtllmDouble subclass for some models (LoadError: the backend would refuse
-    the configuration)."""
+    the configuration); options: TensorrtllmDouble's (logits_dtype)."""
     build_config = build_double().build_config
     for step in build_plan(pipeline, root):
         if step.command and step.command[0] == "trtllm-build":
@@ -43,7 +43,7 @@ def pipeline_doubles(pipeline: PipelineSpec, components: dict[str, Path], root: 
         config = tensorrtllm_model(name, pipeline, str(root / "trtllm" / "engines" / component),
                                    draft=name == DRAFT_MODEL)
         parameters = {key: value.string_value for key, value in config.parameters.items()}
-        doubles[name] = (classes or {}).get(name, TensorrtllmDouble).load(components[name], parameters)
+        doubles[name] = (classes or {}).get(name, TensorrtllmDouble).load(components[name], parameters, **options)
     return doubles
 
 

@@ -201,10 +201,13 @@ class Sampling:
         return torch.where(seen, penalised, scaled).softmax(-1)
 
     def candidates(self, probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The kernels' candidates: the top k (every token at k 0), descending, and their cumulative mass."""
-        k = self.top_k if 0 < self.top_k < probs.shape[-1] else probs.shape[-1]
-        top, order = probs.topk(k)
-        return order, top.cumsum(0)
+        """The kernels' candidates: the top k (every token at k 0), descending, and their cumulative mass. Equal
+        values in the kernels' reduction order, which nothing documents: here the highest token id first, an
+        order of its own (torch's topk is not bound to one)."""
+        vocab = probs.shape[-1]
+        k = self.top_k if 0 < self.top_k < vocab else vocab
+        order = (vocab - 1 - torch.argsort(probs.flip(0), descending=True, stable=True))[:k]
+        return order, probs[order].cumsum(0)
 
     def draw(self, probs: torch.Tensor, generator: torch.Generator) -> int:
         """samplingTopKKernels.cu / samplingTopPKernels.cu: the first candidate whose cumulative mass reaches
@@ -236,8 +239,12 @@ def multinomial(probs: torch.Tensor, generator: torch.Generator) -> int:
 
 
 class TensorrtllmDouble:
-    def __init__(self, component_dir: Path, settings: BackendSettings) -> None:
+    def __init__(self, component_dir: Path, settings: BackendSettings,
+                 logits_dtype: torch.dtype = torch.float32) -> None:
+        """logits_dtype: the precision of the engine's logits (a bf16 engine's carry bf16's, with its frequent ties;
+        tests that compare greedy text with an fp32 torch engine keep fp32)."""
         self.model = load_component(Path(component_dir))
+        self.logits_dtype = logits_dtype
         self.settings, self.engine = settings, settings.engine
         self.vocab_size = self.model.config.vocab_size
         self.padded_vocab = -(-self.vocab_size // self.engine.world_size) * self.engine.world_size
@@ -247,9 +254,10 @@ class TensorrtllmDouble:
         self.lock = threading.Lock()
 
     @classmethod
-    def load(cls, component_dir: Path, parameters: dict[str, str]) -> TensorrtllmDouble:
+    def load(cls, component_dir: Path, parameters: dict[str, str],
+             logits_dtype: torch.dtype = torch.float32) -> TensorrtllmDouble:
         """The double of a model with these config parameters (LoadError: the backend would fail to load it)."""
-        return cls(component_dir, load_settings(parameters))
+        return cls(component_dir, load_settings(parameters), logits_dtype)
 
     def logits(self, tokens: list[int], last: int) -> torch.Tensor:
         """fp32 logits [last, V] at the last `last` positions of `tokens`, reusing the cached prefix. The forward is
@@ -261,7 +269,7 @@ class TensorrtllmDouble:
         fed = torch.tensor([tokens[reuse:]], dtype=torch.long)
         with torch.inference_mode():
             hidden = ragged_forward_all(self.model, self.cache, fed, [reuse])
-            logits = self.model.logits(hidden[0, -last:]).float()
+            logits = self.model.logits(hidden[0, -last:]).to(self.logits_dtype).float()
         self.cached = list(tokens)
         if len(self.remembered) >= REMEMBERED:
             self.remembered.pop(next(iter(self.remembered)))
@@ -312,7 +320,9 @@ class TensorrtllmDouble:
         drafts = inputs.get("draft_input_ids")
         drafts = drafts.reshape(-1).astype(int).tolist() if drafts is not None else []
         count, drafts = self.validate(len(tokens), count, drafts)
-        echo = [] if self.settings.exclude_input_in_output else list(tokens)
+        # the input comes back only in a non-streamed answer (LlmRequest::createResult sends new tokens when streaming)
+        streaming = bool(one(inputs, "streaming", False))
+        echo = [] if self.settings.exclude_input_in_output or streaming else list(tokens)
         with self.lock:
             if drafts:
                 step = self.verify(tokens, drafts, inputs.get("draft_logits"), sampling, generator)
