@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdeploy.sampling import penalised, sampling_distribution, seen_after_drafts, seen_mask
+from specdeploy.sampling import penalised, seen_after_drafts, seen_mask
 from specdeploy.sampling_params import SamplingParams
 
 LOWEST_LOGIT = float(np.finfo(np.float32).min)  # softmax gives it 0 (the kernels mask with -FLT_MAX too)
@@ -43,10 +43,7 @@ def executor_distribution(logits: torch.Tensor, params: SamplingParams,
     """logits: [N, V] raw; seen: [N, V] bool, the context's tokens (repetition penalty). Returns the fp32
     probabilities [N, V] the executor's sampling layers draw a token from under `params`, and [N] bool: rows where
     that distribution depends on how the kernels order equal values, which nothing documents (see `order_matters`).
-    Greedy rows (never sent: greedy verification needs no q) are a point mass on the penalised argmax."""
-    if params.greedy:
-        probs = sampling_distribution(logits, params, seen)
-        return probs, torch.zeros(probs.shape[0], dtype=torch.bool)
+    Sampled requests only: a greedy one sends no q (top-k 1 token matching is exact)."""
     logits = penalised(logits, params, seen)
     probs = ((logits - logits.amax(-1, keepdim=True)) / (params.temperature + TEMPERATURE_EPSILON)).softmax(-1)
     vocab = probs.shape[-1]

@@ -4,6 +4,7 @@ served tests run the same calls through a real tritonserver."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from pathlib import Path
@@ -17,6 +18,7 @@ from specdeploy.triton.repository import DRAFT_MODEL, trtllm_engines
 from specdeploy.triton.trtllm_models import tensorrtllm_model
 
 
+@functools.cache
 def build_double():
     """tests/trtllm_double/trtllm_build.py as a module (its directory also holds the tensorrt_llm double, which must
     not shadow the real package on this process's path)."""

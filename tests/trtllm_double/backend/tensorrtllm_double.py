@@ -39,6 +39,7 @@ from specdeploy.builders.trtllm_upstream import (
 )
 from specdeploy.models.llama import ragged_forward_all
 from specdeploy.models.registry import load_component
+from specdeploy.sampling import seen_mask
 from specdeploy.speculative.ngram import common_prefix_length
 
 REMEMBERED = 4096  # logits of this many recent (sequence, positions) queries are kept
@@ -277,9 +278,8 @@ class TensorrtllmDouble:
         return logits
 
     def seen(self, tokens: list[int]) -> torch.Tensor:
-        mask = torch.zeros(self.vocab_size, dtype=torch.bool)
-        mask[tokens] = True
-        return mask
+        """[V] bool: the tokens the repetition penalty applies to (prompt and output)."""
+        return seen_mask(tokens, self.vocab_size)
 
     def validate(self, prompt: int, count: int, drafts: list[int]) -> tuple[int, list[int]]:
         """LlmRequest::validate (llmRequest.cpp): (max new tokens, drafts) as the executor keeps them."""
