@@ -55,13 +55,15 @@ lint: venv
 	$(VENV)/bin/lint-imports
 
 # The committed overlays (tests/test_k8s.py checks they equal a fresh run). The GPU checkpoints are not here, so their
-# weights are given (GiB, as the pipelines' comments size them).
+# weights are given (GiB, as the pipelines' comments size them), and the GPU type the engines are built for.
+GPU_PRODUCT ?= NVIDIA-H100-80GB-HBM3
 k8s: venv
+	rm -rf k8s/base k8s/monitoring k8s/overlays
 	$(VENV)/bin/specdeploy k8s pipelines/smollm2-draft-target.yaml --output k8s --name cpu
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama70b-draft-target.yaml --output k8s --name gpu-draft-target --weights-gib 134
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-medusa.yaml --output k8s --name gpu-medusa --weights-gib 15.3
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/mixtral-draft-target.yaml --output k8s --name gpu-moe --weights-gib 111
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama405b-ngram.yaml --output k8s --name multinode --weights-gib 755
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama70b-draft-target.yaml --output k8s --name gpu-draft-target --weights-gib 134 --gpu-product $(GPU_PRODUCT)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-medusa.yaml --output k8s --name gpu-medusa --weights-gib 15.3 --gpu-product $(GPU_PRODUCT)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/mixtral-draft-target.yaml --output k8s --name gpu-moe --weights-gib 111 --gpu-product $(GPU_PRODUCT)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama405b-ngram.yaml --output k8s --name multinode --weights-gib 755 --gpu-product $(GPU_PRODUCT)
 
 clean-engines:
-	rm -rf engines/*/ engines/.*.partial-*
+	rm -rf engines/*/ engines/.*.partial-* engines/.*.old-* engines/.*.lock

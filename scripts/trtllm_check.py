@@ -68,7 +68,7 @@ def trtllm_variant(shipped: Path, out_dir: Path) -> Path:
 def serve_command(pipeline_path: Path, repository: Path) -> str:
     """The overlay's serving command for this pipeline on one node (deploy/k8s.py decides the mode)."""
     from specdeploy.builders.checkpoints import target_config
-    from specdeploy.deploy.k8s import server_command
+    from specdeploy.deploy.k8s_commands import server_command
     from specdeploy.deploy.sizing import pod_size
     from specdeploy.pipeline import load_pipeline
 

@@ -452,8 +452,8 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=Path("k8s"), show_default=True,
               help="Writes OUTPUT/base, OUTPUT/monitoring and OUTPUT/overlays/NAME.")
 @click.option("--name", default=None, help="The overlay's folder name (default: the pipeline's name).")
-@click.option("--image", default=None, help="Image repository:tag (default: specdeploy-cpu or specdeploy-gpu at this "
-              "version).")
+@click.option("--image", default=None, help="Image repository:tag or repository@sha256:digest (pin a digest in "
+              "production; default: specdeploy-cpu or specdeploy-gpu at this version).")
 @click.option("--namespace", default="specdeploy", show_default=True)
 @click.option("--weights-gib", type=click.FloatRange(min=0, min_open=True), default=None,
               help="The model's weights in GiB (default: estimated from the target's configuration; required when "
@@ -466,16 +466,31 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
               help="c, for the acceptance alert's break-even (default: 0.1 with a draft model, else 0).")
 @click.option("--verify-cost-ratio", type=click.FloatRange(min=0), default=1.1, show_default=True,
               help="v, for the acceptance alert's break-even (gamma × c + v).")
+@click.option("--gpu-product", default=None,
+              help="trtllm (required): the nvidia.com/gpu.product label of the GPU nodes; the build Job and the "
+                   "servers are pinned to it, since an engine runs only on the GPU type it was built on.")
+@click.option("--storage-class", default=None, help="The data volume's storage class (default: the cluster's).")
+@click.option("--access-mode", type=click.Choice(["ReadWriteOnce", "ReadWriteMany"]), default=None,
+              help="The data volume's access mode (default: ReadWriteOnce where one node serves, ReadWriteMany, "
+                   "required, where a group spans nodes).")
+@click.option("--monitoring/--no-monitoring", default=True, show_default=True,
+              help="The PodMonitor, PrometheusRule and HPA (they need prometheus-operator's CRDs and the adapter).")
+@click.option("--prometheus-release", default="prometheus", show_default=True,
+              help="kube-prometheus-stack's Helm release: it selects PodMonitors and rules by their release label.")
+@click.option("--prometheus-namespace", default="monitoring", show_default=True,
+              help="Where that Prometheus runs (the adapter's URL).")
 def k8s(pipeline_path: str, output: Path, name: str | None, image: str | None, namespace: str,
         weights_gib: float | None, gpus_per_node: int, longest_generation: int, draft_cost_ratio: float | None,
-        verify_cost_ratio: float) -> None:
+        verify_cost_ratio: float, gpu_product: str | None, storage_class: str | None, access_mode: str | None,
+        monitoring: bool, prometheus_release: str, prometheus_namespace: str) -> None:
     """Write a kustomize overlay for the pipeline (and the shared base): the pipeline ConfigMap, the engine-build
     Job, the Triton Deployment (a LeaderWorkerSet across nodes), Service, PDB, NetworkPolicy, HPA, PodMonitor and
     PrometheusRule, sized from the model."""
     from specdeploy.deploy.k8s import OverlayOptions, write_overlay
 
     options = OverlayOptions(name, image, namespace, weights_gib, gpus_per_node, longest_generation,
-                             draft_cost_ratio, verify_cost_ratio)
+                             draft_cost_ratio, verify_cost_ratio, gpu_product, storage_class, access_mode,
+                             monitoring, prometheus_release, prometheus_namespace)
     overlay = write_overlay(Path(pipeline_path), output, options)
     click.echo(f"wrote {overlay}: kubectl apply -k {overlay}")
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from specdeploy.builders.torch import BuildResult, build
 from specdeploy.errors import SpecdeployError
-from specdeploy.layout import MODEL_REPOSITORIES_DIR
+from specdeploy.layout import MODEL_REPOSITORIES_DIR, build_lock
 from specdeploy.pipeline import Device, PipelineSpec, load_pipeline
 from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
@@ -89,10 +89,11 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
     engine_dir = builder(pipeline, engines_dir).directory
     output = Path(output or MODEL_REPOSITORIES_DIR / pipeline.name)
     stamp = package_stamp(pipeline_path, engine_dir, served_at or output.resolve(), trtllm_source)
-    if not force and is_current(output, stamp):
-        return PackageResult(output, False)
-    write_repository(engine_dir, output, served_at, trtllm_source)
-    write_stamp(output, stamp)
+    with build_lock(output):  # checked under the lock: a package run that held it before us may have just written it
+        if not force and is_current(output, stamp):
+            return PackageResult(output, False)
+        write_repository(engine_dir, output, served_at, trtllm_source)
+        write_stamp(output, stamp)
     return PackageResult(output, True)
 
 

@@ -9,7 +9,9 @@ from __future__ import annotations
 import copy
 import filecmp
 import json
+import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -34,13 +36,14 @@ from specdeploy.triton.server import free_port
 BIN = Path(sys.executable).parent
 K8S = REPO / "k8s"
 KUBERNETES_VERSION = "1.37.0"
+H100 = "NVIDIA-H100-80GB-HBM3"  # the Makefile's GPU_PRODUCT
 # overlay → (pipeline, extra `specdeploy k8s` arguments), as the Makefile's k8s target writes them
 OVERLAYS = {
     "cpu": ("pipelines/smollm2-draft-target.yaml", {}),
-    "gpu-draft-target": ("pipelines/gpu/llama70b-draft-target.yaml", {"weights_gib": 134}),
-    "gpu-medusa": ("pipelines/gpu/llama8b-medusa.yaml", {"weights_gib": 15.3}),
-    "gpu-moe": ("pipelines/gpu/mixtral-draft-target.yaml", {"weights_gib": 111}),
-    "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755}),
+    "gpu-draft-target": ("pipelines/gpu/llama70b-draft-target.yaml", {"weights_gib": 134, "gpu_product": H100}),
+    "gpu-medusa": ("pipelines/gpu/llama8b-medusa.yaml", {"weights_gib": 15.3, "gpu_product": H100}),
+    "gpu-moe": ("pipelines/gpu/mixtral-draft-target.yaml", {"weights_gib": 111, "gpu_product": H100}),
+    "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755, "gpu_product": H100}),
 }
 SCHEMAS = {"LeaderWorkerSet": "leaderworkerset.json", "PodMonitor": "podmonitor.json",
            "PrometheusRule": "prometheusrule.json"}
@@ -48,7 +51,7 @@ SCHEMAS = {"LeaderWorkerSet": "leaderworkerset.json", "PodMonitor": "podmonitor.
 CHECKOV_SKIPS = {
     "CKV_K8S_15": "imagePullPolicy IfNotPresent: the README's local images (kind, minikube) are never pushed",
     "CKV_K8S_43": "images by tag, not digest: the digest exists only once the user's registry has the image; "
-                  "`specdeploy k8s --image` takes the pinned tag",
+                  "`specdeploy k8s --image repository@sha256:...` takes it then (test_an_image_digest_is_kept)",
 }
 
 
@@ -117,7 +120,8 @@ def test_every_overlay_renders_with_the_objects_of_a_rollout(rendered):
         assert config_map["data"][base.PIPELINE_KEY] == (REPO / OVERLAYS[name][0]).read_text()
         assert all(d["metadata"].get("namespace") == "specdeploy" for d in documents), name
         assert all(d["metadata"]["labels"]["app.kubernetes.io/instance"] == pipeline.name
-                   for d in documents if d["kind"] in ("Job", server)), name
+                   for d in documents), name
+        assert all(d["metadata"]["name"].startswith(pipeline.name + "-") for d in documents), name
 
 
 def test_a_users_pipeline_gets_an_overlay_that_renders(tmp_path):
@@ -140,7 +144,7 @@ def test_the_generator_refuses_what_the_cluster_could_not_run(tmp_path):
         write_overlay(REPO / "pipelines/gpu/llama8b-medusa.yaml", tmp_path / "k8s")
     with pytest.raises(SpecdeployError, match="orchestrator mode, which is single-node"):
         write_overlay(REPO / "pipelines/gpu/llama70b-draft-target.yaml", tmp_path / "k8s",
-                      OverlayOptions(weights_gib=134, gpus_per_node=2))
+                      OverlayOptions(weights_gib=134, gpus_per_node=2, gpu_product=H100))
     with pytest.raises(SpecdeployError, match="latest"):
         write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path / "k8s", OverlayOptions(image="sd:latest"))
 
@@ -214,7 +218,7 @@ def test_probes_ports_and_shared_memory_of_the_serving_container(rendered):
         shm = next(m for m in triton["volumeMounts"] if m["mountPath"] == "/dev/shm")
         assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", name
         data = next(m for m in triton["volumeMounts"] if m["mountPath"] == base.DATA_DIR)
-        assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == base.DATA_CLAIM
+        assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == prefixed(base.DATA_CLAIM, name)
 
 
 def test_orchestrator_mode_keeps_triton_off_the_workers_gpus(rendered):
@@ -280,6 +284,10 @@ def test_pods_run_hardened(rendered):
                 assert ":" in image and not image.endswith(":latest"), (name, image)
 
 
+def prefixed(name: str, overlay: str) -> str:
+    return f"{load_pipeline(REPO / OVERLAYS[overlay][0]).name}-{name}"
+
+
 def test_rollout_drain_and_selectors(rendered):
     for name, documents in rendered.items():
         templates = server_templates(documents)
@@ -292,13 +300,16 @@ def test_rollout_drain_and_selectors(rendered):
         prestop = triton["lifecycle"]["preStop"]["sleep"]["seconds"]
         assert leader["spec"]["terminationGracePeriodSeconds"] > prestop + drain, name
         for kind, selector in (("Service", lambda d: d["spec"]["selector"]),
-                               ("PodDisruptionBudget", lambda d: d["spec"]["selector"]["matchLabels"]),
                                ("PodMonitor", lambda d: d["spec"]["selector"]["matchLabels"])):
             chosen = selector(one(documents, kind))
             assert chosen.items() <= labels.items(), (name, kind)
             for worker in templates[1:]:  # workers expose nothing
                 assert not chosen.items() <= worker["metadata"]["labels"].items(), (name, kind)
-        policy = next(d for d in objects(documents, "NetworkPolicy") if d["metadata"]["name"] == base.SERVER)
+        budget = one(documents, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"]
+        for template in templates:  # the budget covers the whole group: losing any pod recreates it
+            assert budget.items() <= {**template["metadata"]["labels"], **group_labels(documents)}.items(), name
+        policy = next(d for d in objects(documents, "NetworkPolicy")
+                      if d["metadata"]["name"] == prefixed(base.SERVER, name))
         assert policy["spec"]["podSelector"]["matchLabels"].items() <= labels.items()
         hpa = one(documents, "HorizontalPodAutoscaler")
         target = hpa["spec"]["scaleTargetRef"]
@@ -312,9 +323,17 @@ def test_rollout_drain_and_selectors(rendered):
         assert port_number(triton, monitor["port"]) == 8002 and monitor["path"] == "/metrics"
 
 
+def group_labels(documents: list[dict]) -> dict:
+    """The label the LeaderWorkerSet controller puts on every pod of its groups (none for a Deployment)."""
+    for lws in objects(documents, "LeaderWorkerSet"):
+        return {"leaderworkerset.sigs.k8s.io/name": lws["metadata"]["name"]}
+    return {}
+
+
 def test_the_adapter_rule_serves_the_autoscalers_metric():
     values = yaml.safe_load((K8S / "monitoring" / "prometheus-adapter-values.yaml").read_text())
-    assert values == adapter_values()
+    assert values == adapter_values("monitoring")
+    assert values["prometheus"]["url"] == "http://prometheus-operated.monitoring.svc"
     served = {rule["name"]["as"]: rule for rule in values["rules"]["custom"]}
     assert set(served) == {base.QUEUE_COMPUTE_METRIC, base.WAITING_METRIC}
     for name, rule in served.items():
@@ -322,11 +341,30 @@ def test_the_adapter_rule_serves_the_autoscalers_metric():
         assert set(rule["resources"]["overrides"]) == {"namespace", "pod"}
 
 
+def lws_pods_as_deployments(documents: list[dict]) -> list[dict]:
+    """checkov does not look inside a LeaderWorkerSet: its leader and worker templates, as Deployments it reads."""
+    deployments = []
+    for lws in objects(documents, "LeaderWorkerSet"):
+        group = lws["spec"]["leaderWorkerTemplate"]
+        for key in ("leaderTemplate", "workerTemplate"):
+            # the pods as the controller makes them: its name label added; the template's checkov annotations
+            # (each skip with its reason) on the object checkov reads
+            template = copy.deepcopy(group[key])
+            template["metadata"]["labels"].update(group_labels(documents))
+            deployments.append({"apiVersion": "apps/v1", "kind": "Deployment",
+                                "metadata": {"name": f"{lws['metadata']['name']}-{key}",
+                                             "namespace": lws["metadata"]["namespace"],
+                                             "annotations": template["metadata"].get("annotations", {})},
+                                "spec": {"selector": {"matchLabels": template["metadata"]["labels"]},
+                                         "template": template}})
+    return deployments
+
+
 def test_checkov_passes_with_each_skip_justified(rendered, tmp_path):
     checkov = REPO / ".venv" / "tools" / "checkov" / "bin" / "checkov"
     assert checkov.is_file(), "checkov is missing: `make venv` installs it in .venv/tools/checkov"
     for name, documents in rendered.items():
-        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump_all(documents))
+        (tmp_path / f"{name}.yaml").write_text(yaml.safe_dump_all([*documents, *lws_pods_as_deployments(documents)]))
     result = subprocess.run([str(checkov), "-d", str(tmp_path), "--framework", "kubernetes", "--quiet", "--compact",
                              "--skip-check", ",".join(CHECKOV_SKIPS), "-o", "json"],
                             capture_output=True, text=True, timeout=600)
@@ -379,7 +417,52 @@ def test_promql_parses_and_a_broken_expression_does_not():
         promql_parser.parse("sum(rate(specdeploy_accepted_tokens_total[5m])")
 
 
+def evaluate(node, rates: dict[str, dict[str, float]]) -> dict[str, float]:
+    """The recording rules' PromQL evaluated by hand over promql_parser's tree, for the subset they use: rate() of
+    a counter (each pod's rate given in `rates`), sum by pod, clamp_min, arithmetic and comparison filters.
+    Returns pod → value; a pod missing from the result has no series, which the HPA treats as a missing metric."""
+    import promql_parser
+
+    if isinstance(node, promql_parser.ParenExpr):
+        return evaluate(node.expr, rates)
+    if isinstance(node, promql_parser.AggregateExpr):
+        assert str(node.op) == "sum"
+        return evaluate(node.expr, rates)  # one series per pod already
+    if isinstance(node, promql_parser.Call) and node.func.name == "rate":
+        return dict(rates.get(node.args[0].vector_selector.name, {}))
+    if isinstance(node, promql_parser.Call) and node.func.name == "clamp_min":
+        floor = node.args[1].val
+        return {pod: max(value, floor) for pod, value in evaluate(node.args[0], rates).items()}
+    if isinstance(node, promql_parser.BinaryExpr):
+        op = str(node.op)
+        if isinstance(node.rhs, promql_parser.NumberLiteral):  # a filter: vector > 0 keeps the samples that pass
+            assert op == ">"
+            return {pod: v for pod, v in evaluate(node.lhs, rates).items() if v > node.rhs.val}
+        lhs, rhs = evaluate(node.lhs, rates), evaluate(node.rhs, rates)
+        apply = {"/": lambda a, b: a / b if b else math.nan, "+": lambda a, b: a + b}[op]
+        return {pod: apply(lhs[pod], rhs[pod]) for pod in lhs.keys() & rhs.keys()}
+    raise AssertionError(f"not in the evaluated subset: {node}")
+
+
+def test_an_idle_pod_reads_zero_so_the_autoscaler_can_scale_down():
+    """Two pods, one busy, one idle (its counters do not move). The ratio must exist for both: the HPA skips
+    scaling while any pod's metric is missing, so a missing idle pod would hold replicas at the maximum. The old
+    `/ (compute > 0)` loses the idle pod: the check has power."""
+    import promql_parser
+
+    from specdeploy.deploy.k8s_monitoring import TRITON_COMPUTE, TRITON_QUEUE, rate, recording_rules
+
+    rates = {TRITON_QUEUE: {"busy": 3e5, "idle": 0.0}, TRITON_COMPUTE: {"busy": 2e5, "idle": 0.0}}
+    rule = next(r for r in recording_rules() if r["record"] == base.QUEUE_COMPUTE_METRIC)
+    assert evaluate(promql_parser.parse(rule["expr"]), rates) == {"busy": 1.5, "idle": 0.0}
+    old = f"{rate(TRITON_QUEUE, '1m')} / ({rate(TRITON_COMPUTE, '1m')} > 0)"
+    assert evaluate(promql_parser.parse(old), rates) == {"busy": 1.5}
+
+
 # --- the rendered CPU overlay, run here ---------------------------------------------------------------------------
+
+FIELD_VALUES = {"metadata.labels['batch.kubernetes.io/controller-uid']": "job-uid-1"}  # the downward API's
+
 
 class Volume:
     """Paths and ports of the rendered pods mapped onto this machine: the data volume and the ConfigMap to a
@@ -400,12 +483,18 @@ class Volume:
     def environment(self, container: dict) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("SPECDEPLOY_ENGINES",)}
         for item in container.get("env", []):
-            env[item["name"]] = self.path(item["value"])
+            if "value" in item:
+                env[item["name"]] = self.path(item["value"])
+            else:
+                env[item["name"]] = FIELD_VALUES[item["valueFrom"]["fieldRef"]["fieldPath"]]
         env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
         return env
 
     def command(self, container: dict) -> list[str]:
-        return [self.path(part) for part in container["command"] + container.get("args", [])]
+        """The container's command line as the kubelet runs it: $(NAME) replaced by the container's variables."""
+        env = self.environment(container)
+        return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), self.path(part))
+                for part in container["command"] + container.get("args", [])]
 
     def run(self, container: dict, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(container), env=self.environment(container), capture_output=True,
@@ -498,3 +587,157 @@ def test_the_weights_estimate_counts_an_int8_draft_at_a_byte_per_projection_weig
         sizes[derive] = estimate_weights_gib(pipeline, config) * GIB
     projections = 2 * (2 * 64 * 64 + 2 * 64 * 32 + 3 * 64 * 256)
     assert sizes["int8"] - sizes["int4"] == pytest.approx(projections * (1 - 0.625))
+
+
+def test_the_rendered_wait_gives_up_when_the_rendered_build_fails_for_good(rendered, tmp_path):
+    """The build Job's steps record their failures in the journal on the data volume; a configuration error (exit
+    status 2, which the Job's podFailurePolicy ends without retrying) makes the serving pods' wait give up at once,
+    naming it, instead of waiting forever."""
+    documents = rendered["cpu"]
+    volume = Volume(tmp_path, "name: broken\ntarget: 3\n")
+    job = one(documents, "Job")
+    assert job["spec"]["podFailurePolicy"]["rules"][0] == {"action": "FailJob",
+                                                           "onExitCodes": {"operator": "In", "values": [2]}}
+    build = job["spec"]["template"]["spec"]["initContainers"][0]
+    assert volume.run(build, timeout=120).returncode == 2
+    wait = one(documents, "Deployment")["spec"]["template"]["spec"]["initContainers"][0]
+    result = volume.run(wait, timeout=60)
+    assert result.returncode == 1 and "configuration error" in result.stderr and "job-uid-1" in result.stderr, \
+        result.stderr
+
+
+def test_job_lifecycle_is_bounded(rendered):
+    for name, documents in rendered.items():
+        job = one(documents, "Job")["spec"]
+        assert job["ttlSecondsAfterFinished"] > 0 and job["activeDeadlineSeconds"] >= 3600, name
+        assert job["backoffLimit"] == base.BUILD_BACKOFF_LIMIT
+        assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in \
+            job["podFailurePolicy"]["rules"]
+        wait = server_templates(documents)[0]["spec"]["initContainers"][0]
+        assert wait["command"][-1] == str(base.BUILD_BACKOFF_LIMIT), name  # gives up after as many failures
+
+
+def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rendered):
+    """LeaderCreated (LeaderReady would create the workers only after a leader that needs them is Ready); the
+    leader's launcher waits for every pod with its group key before mpirun; workers hold on a PID 1 that exits on
+    SIGTERM and get no API token; the leader's token serves kubessh."""
+    lws = one(rendered["multinode"], "LeaderWorkerSet")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    assert lws["spec"]["startupPolicy"] == "LeaderCreated"
+    leader, worker = group["leaderTemplate"], group["workerTemplate"]
+    command = serving_container(leader)["command"]
+    assert command[:4] == ["python3", "-m", "specdeploy.deploy.launch", "run"]
+    assert command[command.index("--group-size") + 1] == str(group["size"])
+    assert command[command.index("--group-selector") + 1] == "leaderworkerset.sigs.k8s.io/group-key=$(GROUP_KEY)"
+    assert command[command.index("--") + 1] == "mpirun"
+    env = {e["name"]: e for e in serving_container(leader)["env"]}
+    assert env["GROUP_KEY"]["valueFrom"]["fieldRef"]["fieldPath"] == \
+        "metadata.labels['leaderworkerset.sigs.k8s.io/group-key']"
+    held = serving_container(worker)
+    assert held["command"] + held["args"] == ["python3", "-m", "specdeploy.deploy.launch", "hold"]
+    assert worker["spec"]["automountServiceAccountToken"] is False
+    assert leader["spec"]["automountServiceAccountToken"] is True
+    for documents in rendered.values():  # orchestrator mode runs under the launcher too, single-node mpirun alike
+        triton = serving_container(server_templates(documents)[0])
+        if "mpirun" in triton["command"]:
+            assert triton["command"][:4] == ["python3", "-m", "specdeploy.deploy.launch", "run"]
+
+
+def test_gpu_pods_are_guaranteed_and_pinned_to_the_gpu_product(rendered):
+    for name, documents in rendered.items():
+        gpu = name != "cpu"
+        for template in all_templates(documents):
+            affinity = template["spec"].get("affinity", {}).get("nodeAffinity")
+            if not gpu:
+                assert affinity is None, name
+                continue
+            terms = affinity["requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+            assert terms == [{"matchExpressions": [{"key": "nvidia.com/gpu.product", "operator": "In",
+                                                    "values": [H100]}]}], name
+            for container in containers(template):  # Guaranteed QoS: every container's requests equal limits
+                assert container["resources"]["requests"] == container["resources"]["limits"], \
+                    (name, container["name"])
+
+
+def test_the_data_volume_fits_the_cluster_storage(rendered, tmp_path):
+    """ReadWriteOnce where one node serves (with every pod of the pipeline on the volume's node), ReadWriteMany
+    where a group spans nodes; a storage class when given; the size holds a rebuild beside the old engines."""
+    for name, documents in rendered.items():
+        claim = one(documents, "PersistentVolumeClaim")["spec"]
+        assert "storageClassName" not in claim
+        many = name == "multinode"
+        assert claim["accessModes"] == ["ReadWriteMany" if many else "ReadWriteOnce"], name
+        for template in all_templates(documents):
+            colocated = template["spec"].get("affinity", {}).get("podAffinity")
+            assert (colocated is None) == many, name
+    weights = OVERLAYS["multinode"][1]["weights_gib"]
+    assert int(one(rendered["multinode"], "PersistentVolumeClaim")["spec"]["resources"]["requests"]["storage"]
+               [:-2]) >= 2 * 2 * weights  # TensorRT-LLM checkpoints and engines, twice during a rebuild
+    overlay = write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path,
+                            OverlayOptions(storage_class="nfs-client", access_mode="ReadWriteMany"))
+    claim = one(kustomize(overlay), "PersistentVolumeClaim")["spec"]
+    assert claim["storageClassName"] == "nfs-client" and claim["accessModes"] == ["ReadWriteMany"]
+    with pytest.raises(SpecdeployError, match="spans 2 nodes.*ReadWriteMany"):
+        write_overlay(REPO / OVERLAYS["multinode"][0], tmp_path,
+                      OverlayOptions(**OVERLAYS["multinode"][1], access_mode="ReadWriteOnce"))
+
+
+def test_monitoring_objects_are_selected_by_the_release_and_can_be_left_out(rendered, tmp_path):
+    for documents in rendered.values():
+        for kind in ("PodMonitor", "PrometheusRule"):
+            assert one(documents, kind)["metadata"]["labels"]["release"] == "prometheus"
+    options = OverlayOptions(monitoring=False, prometheus_release="kps")
+    plain = {d["kind"] for d in kustomize(write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path, options))}
+    assert not plain & {"PodMonitor", "PrometheusRule", "HorizontalPodAutoscaler"}
+    assert {"Deployment", "Job", "Service"} <= plain
+    overlay = write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path / "kps",
+                            OverlayOptions(prometheus_release="kps"))
+    assert one(kustomize(overlay), "PodMonitor")["metadata"]["labels"]["release"] == "kps"
+
+
+def test_two_pipelines_share_a_namespace(tmp_path):
+    """Object names carry the pipeline's name and selectors its instance label: no object of one overlay
+    replaces or selects the other's."""
+    first = kustomize(write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path))
+    second = kustomize(write_overlay(REPO / "pipelines/smollm2-draft-target.yaml", tmp_path))
+    assert not {(d["kind"], d["metadata"]["name"]) for d in first} & \
+        {(d["kind"], d["metadata"]["name"]) for d in second}
+    for ours, theirs in ((first, second), (second, first)):
+        pods = [template["metadata"]["labels"] for template in all_templates(theirs)]
+        selectors = [one(ours, "Service")["spec"]["selector"],
+                     one(ours, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"],
+                     one(ours, "PodMonitor")["spec"]["selector"]["matchLabels"],
+                     *(p["spec"]["podSelector"]["matchLabels"] for p in objects(ours, "NetworkPolicy"))]
+        for selector in selectors:
+            assert not any(selector.items() <= labels.items() for labels in pods), selector
+
+
+def test_every_reference_names_an_object_of_the_render(rendered):
+    """kustomize prefixes names but does not follow references inside a LeaderWorkerSet: each ConfigMap, claim
+    (but the user's checkpoints) and service account a pod names exists in the render."""
+    for name, documents in rendered.items():
+        names = {(d["kind"], d["metadata"]["name"]) for d in documents}
+        for template in all_templates(documents):
+            spec = template["spec"]
+            assert ("ServiceAccount", spec["serviceAccountName"]) in names, name
+            for volume in spec["volumes"]:
+                if "configMap" in volume:
+                    assert ("ConfigMap", volume["configMap"]["name"]) in names, name
+                claim = volume.get("persistentVolumeClaim", {}).get("claimName")
+                if claim and claim != "specdeploy-checkpoints":
+                    assert ("PersistentVolumeClaim", claim) in names, name
+        for binding in objects(documents, "RoleBinding"):
+            assert ("Role", binding["roleRef"]["name"]) in names
+            assert all(("ServiceAccount", s["name"]) in names for s in binding["subjects"])
+
+
+def test_an_image_digest_is_kept_and_a_broken_one_refused(tmp_path):
+    digest = "sha256:" + "ab" * 32
+    overlay = write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path,
+                            OverlayOptions(image=f"registry.example/sd@{digest}"))
+    assert serving_container(one(kustomize(overlay), "Deployment")["spec"]["template"])["image"] == \
+        f"registry.example/sd@{digest}"
+    with pytest.raises(SpecdeployError, match="64 hex"):
+        write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path, OverlayOptions(image="sd@sha256:12"))
+    with pytest.raises(SpecdeployError, match="--gpu-product"):
+        write_overlay(REPO / "pipelines/gpu/llama8b-medusa.yaml", tmp_path, OverlayOptions(weights_gib=15.3))

@@ -83,7 +83,11 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive
     pipeline = load_pipeline(path)
     steps, notes = plan(pipeline, tmp_path / "engines")
     assert any("not checked" in note for note in notes)  # the /models checkpoints are not on this machine
-    written = set()
+    # Hugging Face checkpoints are read where they are: TensorRT-LLM's converter reads the directory itself
+    written = {pipeline.resolve(c.path) for c in (pipeline.target.checkpoint, getattr(pipeline.speculation.draft,
+                                                                                       "checkpoint", None))
+               if c is not None and c.source == "hf_dir"}
+    assert not {step.action for step in steps} & {"export target", "export draft", "export dense source"}
     for step in steps:
         if step.command is not None:
             check_against(table_for(step.command), step.command)
@@ -123,11 +127,11 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive
         assert all(c["--moe_ep_size"] == str(settings.moe_ep_size) for c in converts)
         assert all(int(c["--moe_tp_size"]) * int(c["--moe_ep_size"]) == settings.tp_size for c in converts)
     draft = pipeline.speculation.draft
-    if draft is not None and draft.derive in ("int4", "int8"):  # TensorRT-LLM quantizes the target's export
+    if draft is not None and draft.derive in ("int4", "int8"):  # TensorRT-LLM quantizes the target itself
         draft_convert = flags(next(s.command for s in steps if s.output.name == "draft" and s.command and
                                    s.command[0] == "python3"))
         assert draft_convert["--weight_only_precision"] == draft.derive and "--use_weight_only" in draft_convert
-        assert draft_convert["--model_dir"].endswith("hf/target")
+        assert Path(draft_convert["--model_dir"]) == pipeline.resolve(pipeline.target.checkpoint.path)
 
 
 def test_dry_run_prints_the_plan_and_a_torch_pipeline_refuses_it(tmp_path, tiny_checkpoints):
@@ -135,7 +139,7 @@ def test_dry_run_prints_the_plan_and_a_torch_pipeline_refuses_it(tmp_path, tiny_
     result = run_cli("build", str(example), "--engines-dir", str(tmp_path / "engines"), "--dry-run")
     assert result.returncode == 0, result.stderr
     assert "trtllm-build --checkpoint_dir" in result.stdout and "--moe_ep_size 4" in result.stdout
-    assert "26.04-trtllm-python-py3" in result.stdout and "[5/5]" in result.stdout
+    assert "26.04-trtllm-python-py3" in result.stdout and "[4/4]" in result.stdout
     assert not (tmp_path / "engines").exists()
     torch_pipeline = tiny_pipeline(tmp_path, "tiny", tiny_checkpoints["target"])
     refused = run_cli("build", str(torch_pipeline), "--engines-dir", str(tmp_path / "engines"), "--dry-run")
@@ -199,7 +203,7 @@ def test_parallelism_that_does_not_divide_the_model_fails_before_anything_runs(t
         plan(load_pipeline(moe), tmp_path / "engines")
     fits = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], backend={"kind": "trtllm", "trtllm": {"tp_size": 2}})
     steps, notes = plan(load_pipeline(fits), tmp_path / "engines")
-    assert notes == ["target: llama, 4 attention heads, 2 key/value heads"] and len(steps) == 5
+    assert notes == ["target: llama, 4 attention heads, 2 key/value heads"] and len(steps) == 4  # no export
 
 
 def test_a_real_build_here_stops_naming_what_is_missing_and_writes_nothing(tmp_path, tiny_checkpoints):
@@ -223,7 +227,7 @@ def test_a_medusa_build_checks_the_converter_before_running_anything(tmp_path, t
     assert any("Medusa converter at /app/examples/medusa/convert_checkpoint.py" in line
                for line in missing_requirements(default))
     steps, _ = plan(default, tmp_path / "engines")
-    assert steps[2].command[:2] == ("python3", "/app/examples/medusa/convert_checkpoint.py")
+    assert steps[1].command[:2] == ("python3", "/app/examples/medusa/convert_checkpoint.py")  # after the heads
     converter = tmp_path / "convert_checkpoint.py"
     converter.write_text("")
     given = load_pipeline(trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation=medusa, backend={
@@ -243,11 +247,11 @@ def test_the_llm_api_line_writes_speculative_config(tmp_path, tiny_checkpoints):
     pipeline = load_pipeline(path)
     config = llm_api_config(pipeline, tmp_path / "trtllm")
     assert config["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
-                                            "speculative_model_dir": str(tmp_path / "trtllm" / "hf" / "draft")}
+                                            "speculative_model_dir": str(tiny_checkpoints["draft"])}
     assert config["backend"] == "pytorch" and config["tensor_parallel_size"] == 2
     assert config["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True}
     steps, _ = plan(pipeline, tmp_path / "engines")
-    assert [s.action for s in steps] == ["export target", "export draft", "write llm_api.yaml"]
+    assert [s.action for s in steps] == ["write llm_api.yaml"]  # the LLM reads both checkpoints where they are
     ngram = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], "n", speculation={"method": "ngram"},
                             backend={"kind": "trtllm", "trtllm": {"line": "llm_api"}})
     assert llm_api_config(load_pipeline(ngram), tmp_path)["speculative_config"] == {

@@ -10,19 +10,15 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 import yaml
 from google.protobuf import json_format, text_format
-from safetensors.torch import load_file
 from test_cli import run_cli
 from test_trtllm import trtllm_pipeline
-from transformers import LlamaForCausalLM, MixtralForCausalLM
+from transformers import MixtralForCausalLM
 from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.builders import trtllm
-from specdeploy.builders.checkpoints import load_checkpoint
 from specdeploy.builders.trtllm_upstream import LLMAPI_INPUTS, LLMAPI_MODEL_CODE
-from specdeploy.models.llama import LlamaModel
 from specdeploy.pipeline import load_pipeline
 from specdeploy.speculative.medusa import MedusaHeads
 
@@ -65,14 +61,9 @@ def test_draft_target_builds_both_engines_per_rank_and_skips_when_unchanged(doub
     draft = json.loads((root / "engines" / "draft" / "config.json").read_text())
     assert draft["pretrained_config"]["quantization"]["quant_algo"] == "W4A16"  # derive: int4
     assert (root / "logs").is_dir() and (engines / "t" / "build_manifest.json").is_file()
-    # the export transformers reads is the target's weights: same logits as our model of the checkpoint
-    exported = LlamaForCausalLM.from_pretrained(root / "hf" / "target", dtype=torch.float32).eval()
-    source = load_checkpoint(load_pipeline(path).target.checkpoint, load_pipeline(path))
-    ours = LlamaModel(source.config, source.state)
-    tokens = torch.tensor([[5, 17, 3, 99, 42]])
-    with torch.no_grad():
-        expected = ours.logits(ours(tokens, torch.arange(5)[None], ours.new_cache(1, 8)))
-        torch.testing.assert_close(exported(tokens).logits, expected, atol=0.1, rtol=0.05)  # the export is bf16
+    # a Hugging Face checkpoint goes to the converter as it is: nothing exported, both conversions read it
+    logs = "".join(log.read_text() for log in (root / "logs").glob("*.log"))
+    assert not (root / "hf").exists() and logs.count(f"--model_dir {tiny_checkpoints['target']} ") == 2
     again = run_cli("build", str(path), "--engines-dir", str(engines))
     assert again.returncode == 0 and "up to date" in again.stdout
 
@@ -86,8 +77,11 @@ def test_an_moe_target_exports_per_expert_and_its_dense_source_as_the_draft(doub
     assert run_cli("build", str(path), "--engines-dir", str(engines)).returncode == 0
     root = engines / "t" / "trtllm"
     assert MixtralForCausalLM.from_pretrained(root / "hf" / "target").config.num_local_experts == 4
-    assert "model.layers.0.mlp.gate_proj.weight" in load_file(str(root / "hf" / "dense_source" /
-                                                                   "model.safetensors"))
+    # the int4 draft is converted from the dense checkpoint itself
+    assert not (root / "hf" / "dense_source").exists()
+    logs = "".join(log.read_text() for log in (root / "logs").glob("*.log")).splitlines()
+    convert_draft = next(line for line in logs if "trtllm_convert" in line and "/checkpoints/draft " in line)
+    assert f"--model_dir {tiny_checkpoints['target']} " in convert_draft
     target = json.loads((root / "engines" / "target" / "config.json").read_text())["pretrained_config"]
     assert target["architecture"] == "MixtralForCausalLM"
     assert (target["mapping"]["moe_tp_size"], target["mapping"]["moe_ep_size"]) == (1, 2)
@@ -146,9 +140,10 @@ def test_the_llm_api_line_writes_its_configuration_with_the_final_paths(double, 
     assert run_cli("build", str(path), "--engines-dir", str(engines)).returncode == 0
     root = engines / "t" / "trtllm"
     config = yaml.safe_load((root / "llm_api.yaml").read_text())
-    assert Path(config["model"]) == root / "hf" / "target" and (root / "hf" / "target" / "config.json").is_file()
-    assert Path(config["speculative_config"]["speculative_model_dir"]) == root / "hf" / "draft"
-    assert (root / "hf" / "draft" / "model.safetensors").is_file() and not (root / "engines").exists()
+    # the LLM reads the checkpoints where they are: nothing exported
+    assert Path(config["model"]) == tiny_checkpoints["target"] and not (root / "hf").exists()
+    assert Path(config["speculative_config"]["speculative_model_dir"]) == tiny_checkpoints["draft"]
+    assert not (root / "engines").exists()
 
     # Packaged: Triton's LLM-API model, its code from a TensorRT-LLM checkout, model.yaml naming the checkpoints
     # where the server will see them, and the upstream template's tensors.

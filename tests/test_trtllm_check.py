@@ -91,7 +91,9 @@ def test_the_servers_command_is_the_overlays(tmp_path):
     check = helper()
     two_engines = check.trtllm_variant(REPO / "pipelines" / "smollm2-draft-target.yaml", tmp_path)
     command = check.serve_command(two_engines, tmp_path / "repo")
-    assert command.startswith("env TRTLLM_ORCHESTRATOR=1 mpirun --allow-run-as-root -n 1 tritonserver")
+    # mpirun runs under the launcher, which drains tritonserver on SIGTERM before stopping mpirun
+    assert command.startswith("env TRTLLM_ORCHESTRATOR=1 python3 -m specdeploy.deploy.launch run --drain-timeout 40 "
+                              "--drain-rank 0 -- mpirun --allow-run-as-root -n 1 tritonserver")
     assert f"--model-repository={tmp_path / 'repo'}" in command
     assert "--pinned-memory-pool-byte-size=0 --enable-peer-access=false --cuda-memory-pool-byte-size=0:0" in command
     one_engine = check.trtllm_variant(REPO / "pipelines" / "smollm2-ngram.yaml", tmp_path)

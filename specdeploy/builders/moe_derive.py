@@ -12,43 +12,80 @@ no MoE checkpoint can be downloaded.
    softmax weights to sum to one. So the router's scores are scaled down until its softmax is nearly uniform
    (the top-k weights stay within about 1% of 1/k; the ranking, and so the choice, is unchanged) and every w2 is
    multiplied by k. With k = E and a zero router every weight is exactly 1/E and the MoE computes the dense MLP.
+
+The dense model runs one layer at a time (calibration_layers), so a layer's experts are derived from that layer's
+weights alone: a dense Hugging Face checkpoint is read lazily and the MoE written layer by layer
+(export_derived_target), holding about one layer, never the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
+from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 from specdeploy import corpus
 from specdeploy.builders.checkpoints import Checkpoint
+from specdeploy.builders.hf_export import export_layers
+from specdeploy.builders.hf_tensors import HFTensors
 from specdeploy.errors import BuildError
+from specdeploy.kv_cache import KVCache
 from specdeploy.models.config import ModelConfig
-from specdeploy.models.llama import LlamaModel
+from specdeploy.models.llama import DecoderLayer, GatedMLP
 from specdeploy.pipeline import MoESpec
 
 ROUTER_LOGIT_STD = 0.01  # the router's logits' spread after scaling: softmax weights within ~1% of uniform
 KMEANS_ITERATIONS = 12
 
 
-def mlp_inputs(model: LlamaModel, sequences: list[list[int]]) -> list[torch.Tensor]:
-    """Per layer, the MLP's input at every position of every sequence: [P, H] fp32 each."""
-    recorded: list[list[torch.Tensor]] = [[] for _ in model.layers]
-    original = [layer.calls for layer in model.layers]
-    for index, layer in enumerate(model.layers):
-        def record(x: torch.Tensor, _index: int = index, _forward=layer.calls.feed_forward) -> torch.Tensor:
-            recorded[_index].append(x.reshape(-1, x.shape[-1]).float())
+def rotary_table(config: ModelConfig, length: int) -> torch.Tensor:
+    """[length, head_dim / 2] complex: the first rows of LlamaModel's `rotations` buffer (the same arithmetic)."""
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+    angles = torch.outer(torch.arange(length).float(), inv_freq)
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def through_layer(layer: DecoderLayer, config: ModelConfig, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
+    """x [1, T, H] → [1, T, H]: one sequence through one decoder layer from an empty cache, as LlamaModel.forward
+    runs it (causal mask by position, none for a single token)."""
+    length = x.shape[1]
+    positions = torch.arange(length)[None]
+    mask = None
+    if length > 1:  # [1, T, S] → [1, 1, G*T, S], the grouped query layout of DecoderLayer
+        group = config.num_heads // config.num_kv_heads
+        mask = (torch.arange(length) <= positions[..., None])[:, None].expand(-1, group, -1, -1)
+        mask = mask.reshape(1, 1, -1, length)
+    cache = KVCache(1, 1, config.num_kv_heads, length, config.head_dim, torch.float32)
+    return layer.forward(x, rotations[positions][:, :, None], *cache.layer(0), positions, mask, length)
+
+
+def calibration_layers(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
+                       sequences: list[list[int]]) -> Iterator[tuple[dict[str, torch.Tensor], torch.Tensor]]:
+    """The dense model (canonical `tensors`, any dtype, read a layer at a time) run over the calibration sequences
+    one layer after another, in fp32. Yields, per layer: its weights (fp32) and its MLP's input at every position
+    ([P, H], the sequences' positions in order)."""
+    embed = tensors["model.embed_tokens.weight"]
+    hidden = [embed[torch.tensor(tokens)].float()[None] for tokens in sequences]  # [1, T, H] each
+    del embed
+    rotations = rotary_table(config, max(len(tokens) for tokens in sequences))
+    for index in range(config.num_layers):
+        prefix = f"model.layers.{index}"
+        state = {name: tensors[name].float() for name in tensors if name.startswith(f"{prefix}.")}
+        layer = DecoderLayer(config, state, prefix, torch.float32, GatedMLP(state, f"{prefix}.mlp", torch.float32))
+        recorded: list[torch.Tensor] = []
+
+        def record(x: torch.Tensor, _forward=layer.calls.feed_forward, _recorded=recorded) -> torch.Tensor:
+            _recorded.append(x.reshape(-1, x.shape[-1]).float())
             return _forward(x)
+
         layer.calls = layer.calls._replace(feed_forward=record)
-    try:
         with torch.inference_mode():
-            for tokens in sequences:
-                model(torch.tensor([tokens]), torch.arange(len(tokens))[None], model.new_cache(1, len(tokens)))
-    finally:
-        for layer, calls in zip(model.layers, original):
-            layer.calls = calls
-    return [torch.cat(rows) for rows in recorded]
+            hidden = [through_layer(layer, config, x, rotations) for x in hidden]
+        yield state, torch.cat(recorded)
 
 
 def balanced_assignment(similarity: torch.Tensor, group_size: int) -> torch.Tensor:
@@ -119,23 +156,37 @@ def derive_layer(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: to
             "experts.down_proj": torch.stack([down[:, g] * experts_per_token for g in groups])}
 
 
-def derive_moe(config: ModelConfig, state: dict[str, torch.Tensor], sequences: list[list[int]], num_experts: int,
-               experts_per_token: int, router_scale: float | None = None) -> tuple[ModelConfig, dict]:
-    """The MoE's config and canonical fp32 weights from a dense Llama's (see the module docstring)."""
+def moe_config(config: ModelConfig, num_experts: int, experts_per_token: int) -> ModelConfig:
+    """The derived MoE's architecture: the dense model's, each MLP split into num_experts experts."""
     if config.intermediate_size % num_experts:
         raise BuildError(f"target.moe.experts: intermediate_size {config.intermediate_size} does not split into "
                          f"{num_experts} experts")
-    inputs = mlp_inputs(LlamaModel(config, state), sequences)
-    moe_state = {name: tensor for name, tensor in state.items() if ".mlp." not in name}
-    for index, x in enumerate(inputs):
+    return dataclasses.replace(config, architecture="mixtral", num_experts=num_experts,
+                               intermediate_size=config.intermediate_size // num_experts,
+                               experts_per_token=experts_per_token)
+
+
+def derive_layers(config: ModelConfig, tensors: Mapping[str, torch.Tensor], sequences: list[list[int]],
+                  num_experts: int, experts_per_token: int,
+                  router_scale: float | None = None) -> Iterator[dict[str, torch.Tensor]]:
+    """Per layer, in order: its weights as the MoE's, canonical names, fp32 (the dense layer's attention and norms,
+    and the experts and router in place of its MLP), each derived from that layer's dense weights alone."""
+    for index, (state, x) in enumerate(calibration_layers(config, tensors, sequences)):
         mlp = f"model.layers.{index}.mlp"
         layer = derive_layer(x, state[f"{mlp}.gate_proj.weight"], state[f"{mlp}.up_proj.weight"],
                              state[f"{mlp}.down_proj.weight"], num_experts, experts_per_token, router_scale)
-        moe_state.update({f"{mlp}.{name}": tensor for name, tensor in layer.items()})
-    moe_config = ModelConfig.from_dict(config.to_dict() | {
-        "architecture": "mixtral", "intermediate_size": config.intermediate_size // num_experts,
-        "num_experts": num_experts, "experts_per_token": experts_per_token})
-    return moe_config, moe_state
+        kept = {name: tensor for name, tensor in state.items() if ".mlp." not in name}
+        yield kept | {f"{mlp}.{name}": tensor for name, tensor in layer.items()}
+
+
+def derive_moe(config: ModelConfig, state: dict[str, torch.Tensor], sequences: list[list[int]], num_experts: int,
+               experts_per_token: int, router_scale: float | None = None) -> tuple[ModelConfig, dict]:
+    """The MoE's config and canonical fp32 weights from a dense Llama's (see the module docstring)."""
+    derived = moe_config(config, num_experts, experts_per_token)
+    moe_state = {name: tensor for name, tensor in state.items() if not name.startswith("model.layers.")}
+    for layer in derive_layers(config, state, sequences, num_experts, experts_per_token, router_scale):
+        moe_state.update(layer)
+    return derived, moe_state
 
 
 def calibration_sequences(tokenizer, budget: int, max_length: int = 512, seed: int = 0) -> list[list[int]]:
@@ -152,11 +203,35 @@ def calibration_sequences(tokenizer, budget: int, max_length: int = 512, seed: i
     return sequences
 
 
-def derive_target(spec: MoESpec, dense: Checkpoint, source: str) -> Checkpoint:
-    """The pipeline's MoE target (target.moe) from its dense checkpoint."""
-    if dense.config.architecture != "llama":
+def check_dense(config: ModelConfig, source: str) -> None:
+    if config.architecture != "llama":
         raise BuildError(f"target.moe derives an MoE from a dense llama checkpoint, but {source} is a "
-                         f"{dense.config.architecture}: remove target.moe to use it as it is")
+                         f"{config.architecture}: remove target.moe to use it as it is")
+
+
+def derive_target(spec: MoESpec, dense: Checkpoint, source: str) -> Checkpoint:
+    """The pipeline's MoE target (target.moe) from its dense checkpoint, loaded whole (the torch builder, and GGUF
+    or packaged sources, which transformers dequantizes whole; export_derived_target streams a Hugging Face one)."""
+    check_dense(dense.config, source)
     sequences = calibration_sequences(dense.tokenizer, spec.calibration_tokens)
     config, state = derive_moe(dense.config, dense.state, sequences, spec.experts, spec.experts_per_token)
     return Checkpoint(config, state, dense.tokenizer, dense.files)
+
+
+def export_derived_target(spec: MoESpec, directory: Path, output: Path, dtype: torch.dtype) -> Path:
+    """The pipeline's MoE target derived from the dense Hugging Face checkpoint at `directory` and written to `output`
+    as a Hugging Face directory in `dtype`, one shard per layer: the dense weights are read a layer at a time and
+    each MoE layer is written as soon as it is derived, so memory holds about one layer (its dense and derived
+    weights, calibration activations and the refit's [I, I] system), not the model."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
+    check_dense(config, str(directory))
+    derived = moe_config(config, spec.experts, spec.experts_per_token)
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tensors = HFTensors(directory)
+    outside = tensors.read(["model.embed_tokens.weight", "model.norm.weight"] +
+                           ([] if config.tie_word_embeddings else ["lm_head.weight"]))  # mapped, not copied
+    layers = derive_layers(config, tensors, calibration_sequences(tokenizer, spec.calibration_tokens), spec.experts,
+                           spec.experts_per_token)
+    return export_layers(derived, layers, outside, tokenizer, output, dtype)

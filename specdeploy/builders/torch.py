@@ -24,7 +24,7 @@ import specdeploy
 from specdeploy.builders.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, pipeline_sources
 from specdeploy.builders.moe_derive import derive_target
 from specdeploy.errors import BuildError, SpecdeployError
-from specdeploy.layout import engine_path, save_engine_pipeline, staging_dir
+from specdeploy.layout import build_lock, engine_path, save_engine_pipeline, staging_dir
 from specdeploy.manifest import fingerprint, reuse, write_manifest
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 from specdeploy.models.registry import DTYPES, projection_key
@@ -135,8 +135,15 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                          f"trtllm pipeline)")
     final = engine_path(engines_root, pipeline)
     inputs = build_inputs(pipeline, final)
-    if not force and reuse(final, inputs, pipeline):
-        return BuildResult(final, False)
+    with build_lock(final):  # checked under the lock: a build that held it before us may have just written it
+        if not force and reuse(final, inputs, pipeline):
+            return BuildResult(final, False)
+        write_engine(pipeline, final, inputs, quiet)
+    return BuildResult(final, True)
+
+
+def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool) -> None:
+    """Write the engine at `final` through a staging directory (the caller holds build_lock(final))."""
     speculation = pipeline.speculation
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
@@ -182,4 +189,3 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
             write_medusa(staging / "medusa", pipeline, target)
         write_manifest(staging, inputs)
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")
-    return BuildResult(final, True)

@@ -18,7 +18,8 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 import specdeploy
 from specdeploy.builders.checkpoints import Checkpoint, load_checkpoint, pipeline_sources, target_config
 from specdeploy.builders.hf_export import export_model
-from specdeploy.builders.moe_derive import derive_target
+from specdeploy.builders.hf_tensors import read_projection
+from specdeploy.builders.moe_derive import derive_target, export_derived_target
 from specdeploy.builders.torch import BuildResult
 from specdeploy.builders.trtllm_plan import (
     TRITON_IMAGE,
@@ -27,9 +28,11 @@ from specdeploy.builders.trtllm_plan import (
     build_plan,
     check_model_fits,
     llm_api_config,
+    readable_checkpoint,
+    streams_target,
 )
 from specdeploy.errors import BuildError
-from specdeploy.layout import engine_path, save_engine_pipeline, staging_dir
+from specdeploy.layout import build_lock, engine_path, save_engine_pipeline, staging_dir
 from specdeploy.manifest import fingerprint, reuse, write_manifest
 from specdeploy.pipeline import PipelineSpec
 
@@ -80,7 +83,9 @@ def format_plan(pipeline: PipelineSpec, steps: list[Step], notes: list[str]) -> 
 
 
 class Sources:
-    """The pipeline's models, each loaded once when an export first needs it."""
+    """The pipeline's models, each loaded whole once when an export first needs it: only sources TensorRT-LLM cannot
+    read as they are (GGUF and packaged files, which transformers dequantizes whole; the small CPU models), since a
+    Hugging Face checkpoint is read where it is or streamed (trtllm_plan.hf_dirs)."""
 
     def __init__(self, pipeline: PipelineSpec) -> None:
         self.pipeline = pipeline
@@ -107,14 +112,21 @@ def run_action(step: Step, pipeline: PipelineSpec, final: Path, output: Path, so
 
     dtype = DTYPES[pipeline.backend.settings.dtype]
     exports = {"export target": "target", "export draft": "draft", "export dense source": "dense"}
-    if step.action in exports:
+    if step.action == "export target" and streams_target(pipeline):
+        export_derived_target(pipeline.target.moe, readable_checkpoint(pipeline, "dense_source"), output, dtype)
+    elif step.action in exports:
         model = sources.get(exports[step.action])
         export_model(model.config, model.state, model.tokenizer, output, dtype, step.action.removeprefix("export "))
     elif step.action == "export medusa heads":
-        target = sources.get("target")
         heads = MedusaHeads.load(pipeline.resolve(pipeline.speculation.medusa.heads))
+        target_dir = readable_checkpoint(pipeline, "target")
+        if target_dir is not None:  # the heads need the target's projection only: read it alone
+            projection = read_projection(target_dir)
+        else:
+            target = sources.get("target")
+            projection = target.state[projection_key(target.state)]
         output.mkdir(parents=True)
-        export_trtllm(heads, target.state[projection_key(target.state)], output / MEDUSA_HEADS_FILE, dtype)
+        export_trtllm(heads, projection, output / MEDUSA_HEADS_FILE, dtype)
         (output / "config.json").write_text(json.dumps({"medusa_num_heads": heads.num_heads,
                                                         "medusa_num_layers": heads.num_layers}, indent=2))
     elif step.action == "write llm_api.yaml":
@@ -152,8 +164,15 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                          f"{len(steps)} steps it would run.")
     final = engine_path(engines_root, pipeline)
     inputs = build_inputs(pipeline, final)
-    if not force and reuse(final, inputs, pipeline):
-        return BuildResult(final, False)
+    with build_lock(final):  # checked under the lock: a build that held it before us may have just written it
+        if not force and reuse(final, inputs, pipeline):
+            return BuildResult(final, False)
+        run_plan(pipeline, final, inputs, steps, quiet)
+    return BuildResult(final, True)
+
+
+def run_plan(pipeline: PipelineSpec, final: Path, inputs: dict, steps: list[Step], quiet: bool) -> None:
+    """Run the plan's steps into a staging directory that becomes `final` (the caller holds build_lock(final))."""
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}]", total=None)
@@ -166,4 +185,3 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
             else:
                 run_command(step, staging / "trtllm" / "logs" / f"{number}-{step.output.name}.log")
         write_manifest(staging, inputs)
-    return BuildResult(final, True)

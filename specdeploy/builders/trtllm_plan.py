@@ -3,8 +3,13 @@ path, computed without TensorRT-LLM. `specdeploy build --dry-run` prints it; a r
 and a GPU exist. The flags, keys and file layouts follow the pinned release; docs/trtllm-upstream.md records each
 with its upstream path.
 
+The converters read a Hugging Face directory. A checkpoint that is one already (source: hf_dir) and needs no
+derivation is read where it is: upstream's converter loads it tensor by tensor, a rank's share at a time, so the
+build never holds the model. Only what TensorRT-LLM cannot read is exported: a GGUF or packaged source (which
+transformers dequantizes whole), an MoE target we derive (written layer by layer), Medusa heads.
+
 Layout under the engine directory (engines/<name>/trtllm/):
-  hf/<component>/           Hugging Face checkpoints exported from our sources (what the converters read)
+  hf/<component>/           our exports, where a component needs one (hf_dirs says which directory each reads)
   checkpoints/<component>/  TensorRT-LLM checkpoints, one rank<r>.safetensors per GPU
   engines/<component>/      TensorRT engines (the engine line)
   llm_api.yaml              the LLM-API configuration (the llm_api line)
@@ -18,7 +23,7 @@ from pathlib import Path
 
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
-from specdeploy.pipeline import PipelineSpec, TrtllmSpec
+from specdeploy.pipeline import DraftSpec, PipelineSpec, TrtllmSpec
 
 TRTLLM_VERSION = "1.2.1"
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"  # the first NGC image carrying 1.2.1
@@ -41,6 +46,61 @@ class Step:
 
 def export(title: str, action: str, output: Path) -> Step:
     return Step(title, output, action=action)
+
+
+# The components TensorRT-LLM reads as Hugging Face directories: (the export's title, its action).
+EXPORTS = {"target": ("export the target as a Hugging Face checkpoint", "export target"),
+           "draft": ("export the draft", "export draft"),
+           "dense_source": ("export the dense model the MoE target is derived from", "export dense source")}
+
+
+def draft_reads(draft: DraftSpec) -> str:
+    """The component a draft is converted from: its own checkpoint, the dense source of a derived MoE (int4_dense),
+    or the target (int4, int8: TensorRT-LLM quantizes it to weight-only itself)."""
+    return {"none": "draft", "int4_dense": "dense_source"}.get(draft.derive, "target")
+
+
+def hf_components(pipeline: PipelineSpec) -> list[str]:
+    """The EXPORTS keys a pipeline's converters (or its LLM) read."""
+    if pipeline.speculation.method != "draft_target":
+        return ["target"]
+    return list(dict.fromkeys(["target", draft_reads(pipeline.speculation.draft)]))
+
+
+def readable_checkpoint(pipeline: PipelineSpec, component: str) -> Path | None:
+    """The checkpoint directory TensorRT-LLM reads as it is for `component`, or None when it needs our export: a
+    GGUF or packaged source, or the MoE target we derive (its dense source is read as it is)."""
+    target = pipeline.target
+    spec = {"target": None if target.moe is not None else target.checkpoint, "dense_source": target.checkpoint,
+            "draft": pipeline.speculation.draft.checkpoint if pipeline.speculation.draft else None}[component]
+    return pipeline.resolve(spec.path) if spec is not None and spec.source == "hf_dir" else None
+
+
+def hf_dirs(pipeline: PipelineSpec, root: Path) -> dict[str, Path]:
+    """Component → the Hugging Face directory TensorRT-LLM reads it from: the checkpoint itself where it can, else
+    our export under root/hf/<component>."""
+    return {component: readable_checkpoint(pipeline, component) or root / "hf" / component
+            for component in hf_components(pipeline)}
+
+
+def streams_target(pipeline: PipelineSpec) -> bool:
+    """Whether the target's export is an MoE derived from a Hugging Face checkpoint, read and written a layer at a
+    time (moe_derive.export_derived_target); every other export loads its source whole."""
+    return pipeline.target.moe is not None and readable_checkpoint(pipeline, "dense_source") is not None
+
+
+def export_steps(pipeline: PipelineSpec, root: Path) -> list[Step]:
+    """The exports of the components TensorRT-LLM cannot read as they are."""
+    return [export(*EXPORTS[component], root / "hf" / component) for component in hf_components(pipeline)
+            if readable_checkpoint(pipeline, component) is None]
+
+
+def build_workers(spec: TrtllmSpec) -> int:
+    """trtllm-build's --workers: one, its default. Each worker holds about three copies of its rank's weights
+    (deploy/build_memory.py), so tp × pp workers at once would hold about three copies of the model: 460 GiB of host
+    memory for Llama-3.1-70B. One rank at a time keeps the build Job within a node's memory, at tp × pp times the
+    engine-build time."""
+    return 1
 
 
 def moe_mapping(spec: TrtllmSpec) -> tuple[int, int]:
@@ -95,7 +155,7 @@ def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode:
                "--gemm_plugin", "auto", "--max_batch_size", str(limits.max_batch_size),
                "--max_input_len", str(limits.max_sequence_length), "--max_seq_len", str(limits.max_sequence_length),
                "--max_num_tokens", str(spec.max_num_tokens), "--use_paged_context_fmha", "enable",
-               "--workers", str(spec.tp_size * spec.pp_size)]
+               "--workers", str(build_workers(spec))]
     if mode is not None:
         command += ["--speculative_decoding_mode", mode, "--max_draft_len", str(limits.max_draft_tokens)]
     if pipeline.speculation.method == "draft_target" and exact_sampling_needs_logits(pipeline):
@@ -113,14 +173,15 @@ def exact_sampling_needs_logits(pipeline: PipelineSpec) -> bool:
 def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
     spec, speculation = pipeline.backend.settings, pipeline.speculation
     hf, checkpoints, engines = root / "hf", root / "checkpoints", root / "engines"
-    steps = [export("export the target as a Hugging Face checkpoint", "export target", hf / "target")]
+    sources = hf_dirs(pipeline, root)
+    steps = export_steps(pipeline, root)
     mode = None
     if speculation.method == "medusa":
         heads = speculation.medusa
         steps.append(export("write the Medusa heads as medusa_lm_head.safetensors + config.json",
                             "export medusa heads", hf / "medusa"))
         steps.append(Step("convert target + Medusa heads", checkpoints / "target", (
-            "python3", spec.medusa_converter, "--model_dir", str(hf / "target"),
+            "python3", spec.medusa_converter, "--model_dir", str(sources["target"]),
             "--medusa_model_dir", str(hf / "medusa"), "--output_dir", str(checkpoints / "target"),
             "--dtype", spec.dtype,
             "--num_medusa_heads", str(heads.num_heads), "--num_medusa_layers", str(heads.num_layers),
@@ -129,22 +190,14 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
         mode = "medusa"
     else:
         steps.append(Step("convert the target", checkpoints / "target",
-                          convert_command(spec, hf / "target", checkpoints / "target", None)))
+                          convert_command(spec, sources["target"], checkpoints / "target", None)))
         if speculation.method in ("draft_target", "ngram"):
             mode = "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
     if speculation.method == "draft_target":
         draft = speculation.draft
-        if draft.derive == "none":
-            steps.append(export("export the draft", "export draft", hf / "draft"))
-            draft_source = hf / "draft"
-        elif draft.derive == "int4_dense":
-            steps.append(export("export the dense model the MoE target is derived from", "export dense source",
-                                hf / "dense_source"))
-            draft_source = hf / "dense_source"
-        else:
-            draft_source = hf / "target"  # TensorRT-LLM quantizes it to int4 or int8 weight-only itself
         steps.append(Step("convert the draft", checkpoints / "draft",
-                          convert_command(spec, draft_source, checkpoints / "draft", draft.weight_only)))
+                          convert_command(spec, sources[draft_reads(draft)], checkpoints / "draft",
+                                          draft.weight_only)))
         steps.append(Step("build the draft engine", engines / "draft",
                           engine_command(pipeline, checkpoints / "draft", engines / "draft", None)))
     steps.append(Step("build the target engine", engines / "target",
@@ -160,12 +213,14 @@ def build_plan(pipeline: PipelineSpec, engine_dir: Path) -> list[Step]:
     return llm_api_plan(pipeline, root)
 
 
-def llm_api_config(pipeline: PipelineSpec, root: Path) -> dict:
+def llm_api_config(pipeline: PipelineSpec, root: Path, models: dict[str, Path] | None = None) -> dict:
     """The LLM-API options (PyTorch backend) that Triton's llmapi model reads from model.yaml and trtllm-serve from
-    --extra_llm_api_options: the model, parallelism, limits, KV cache and speculation."""
+    --extra_llm_api_options: the model, parallelism, limits, KV cache and speculation. models: where the LLM finds
+    each component (default: hf_dirs(pipeline, root), where the build leaves them)."""
     spec, limits, speculation = pipeline.backend.settings, pipeline.limits, pipeline.speculation
+    models = models if models is not None else hf_dirs(pipeline, root)
     moe_tp, moe_ep = moe_mapping(spec)
-    config = {"model": str(root / "hf" / "target"), "backend": "pytorch", "tensor_parallel_size": spec.tp_size,
+    config = {"model": str(models["target"]), "backend": "pytorch", "tensor_parallel_size": spec.tp_size,
               "pipeline_parallel_size": spec.pp_size, "moe_tensor_parallel_size": moe_tp,
               "moe_expert_parallel_size": moe_ep, "max_batch_size": limits.max_batch_size,
               "max_num_tokens": spec.max_num_tokens, "max_seq_len": limits.max_sequence_length,
@@ -174,7 +229,7 @@ def llm_api_config(pipeline: PipelineSpec, root: Path) -> dict:
     gamma = speculation.num_draft_tokens
     if speculation.method == "draft_target":
         config["speculative_config"] = {"decoding_type": "DraftTarget", "max_draft_len": gamma,
-                                        "speculative_model_dir": str(root / "hf" / "draft")}
+                                        "speculative_model_dir": str(models["draft"])}
     elif speculation.method == "ngram":
         config["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": gamma,
                                         "max_matching_ngram_size": speculation.ngram.max_n}
@@ -182,10 +237,7 @@ def llm_api_config(pipeline: PipelineSpec, root: Path) -> dict:
 
 
 def llm_api_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
-    hf = root / "hf"
-    steps = [export("export the target as a Hugging Face checkpoint", "export target", hf / "target")]
-    if pipeline.speculation.method == "draft_target":
-        steps.append(export("export the draft", "export draft", hf / "draft"))
+    steps = export_steps(pipeline, root)
     steps.append(export("write the LLM-API configuration (model, parallelism, speculative_config)",
                         "write llm_api.yaml", root / "llm_api.yaml"))
     return steps

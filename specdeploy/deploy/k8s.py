@@ -2,22 +2,18 @@
 
 DIR/base/ is the base (deploy/k8s_base.py, the same for every pipeline), DIR/overlays/<name>/ the pipeline's
 overlay, DIR/monitoring/ the Prometheus adapter's values. The overlay carries the pipeline itself (a ConfigMap),
-the image, the build Job's and the server's commands, resources sized from the model (deploy/sizing.py), GPUs from
-the parallelism and the PrometheusRule with the pipeline's break-even acceptance.
-
-Serving, by backend:
-- torch: `specdeploy serve` on the packaged repository (drains on SIGTERM), CPUs only.
-- trtllm on one node: the image's tritonserver. Two tensorrtllm models (draft and target) or a world size above 1
-  run in TensorRT-LLM's orchestrator mode (TRTLLM_ORCHESTRATOR=1 under `mpirun -n 1`, which spawns one worker per
-  GPU), as upstream's launch script does with --multi-model.
-- trtllm across nodes (tp × pp > --gpus-per-node): a LeaderWorkerSet; the leader's mpirun starts one tritonserver
-  per rank on its group's pods through `kubectl exec` (the kubessh agent of Triton's multi-node tutorials); only
-  rank 0 serves. Orchestrator mode is single-node, so a draft-target pipeline (two engines) cannot span nodes.
+the image, the build Job's and the server's commands (deploy/k8s_commands.py), resources sized from the model
+(deploy/sizing.py, deploy/build_memory.py), GPUs from the parallelism, placement and the data volume
+(deploy/k8s_placement.py), and the PrometheusRule with the pipeline's break-even acceptance. Every object's name is
+prefixed with the pipeline's name and every selector includes its instance label, so several pipelines share a
+namespace. A model wider than one node is a LeaderWorkerSet (deploy/k8s_multinode.py).
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,16 +22,23 @@ import yaml
 
 import specdeploy
 from specdeploy.deploy import k8s_base as base
-from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule
+from specdeploy.deploy import k8s_placement as placement
+from specdeploy.deploy.build_memory import build_memory_gib
+from specdeploy.deploy.k8s_commands import EXIT_MARGIN, engine_models, server_command, under_launcher
+from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
+from specdeploy.deploy.k8s_multinode import group_disruption_budget, leader_worker_set
+from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.sizing import PodSize, pod_size
 from specdeploy.errors import SpecdeployError
 from specdeploy.pipeline import PipelineSpec, load_pipeline
 
-EXIT_MARGIN = 10  # seconds tritonserver's exit timeout exceeds the drain (triton/server.py's margin)
-GPU_RESOURCE = "nvidia.com/gpu"
 CHECKPOINTS_CLAIM = "specdeploy-checkpoints"  # the user's volume holding the checkpoints a pipeline names
 DEFAULT_IMAGES = {"torch": "specdeploy-cpu", "trtllm": "specdeploy-gpu"}
 KUSTOMIZATION = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
+INSTANCE_LABEL = "app.kubernetes.io/instance"
+LONGEST_NAME = f"{base.BUILD_JOB}-0123456789"  # the build Job, named after the pipeline's hash
+DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+MONITORING_KINDS = ("PodMonitor", "HorizontalPodAutoscaler")  # base objects left out by --no-monitoring
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,12 @@ class OverlayOptions:
     longest_generation_s: int = 120  # the drain: running requests get this long after SIGTERM
     draft_cost_ratio: float | None = None  # c (default: 0.1 for a draft model, 0 for heads and n-grams)
     verify_cost_ratio: float = 1.1  # v
+    gpu_product: str | None = None  # the nvidia.com/gpu.product label value engines are built and served on
+    storage_class: str | None = None  # the data volume's class (default: the cluster's default class)
+    access_mode: str | None = None  # ReadWriteOnce / ReadWriteMany (default: by how many nodes a group spans)
+    monitoring: bool = True  # PodMonitor, PrometheusRule and the HPA (need prometheus-operator's CRDs)
+    prometheus_release: str = "prometheus"  # kube-prometheus-stack's Helm release, which selects by `release`
+    prometheus_namespace: str = "monitoring"  # where that Prometheus runs (the adapter's URL)
 
 
 class PlainDumper(yaml.SafeDumper):
@@ -114,62 +123,6 @@ def target_dimensions(pipeline: PipelineSpec, weights_gib: float | None):
         return None
 
 
-def resources(size: PodSize) -> dict:
-    requests = {"cpu": str(size.cpu_request), "memory": f"{size.memory_request_gib}Gi"}
-    limits = {"cpu": str(size.cpu_limit), "memory": f"{size.memory_limit_gib}Gi"}
-    if size.gpus:
-        requests[GPU_RESOURCE] = limits[GPU_RESOURCE] = str(size.gpus)
-    return {"requests": requests, "limits": limits}
-
-
-def triton_arguments(repository: str, drain_s: int, rank: int = 0, load: list[str] | None = None) -> list[str]:
-    """One tritonserver's flags. Ranks above 0 of a multi-node group load only the engines and open no endpoint."""
-    arguments = [f"--model-repository={repository}", "--disable-auto-complete-config",
-                 f"--backend-config=python,shm-region-prefix-name=prefix{rank}_",
-                 f"--exit-timeout-secs={drain_s + EXIT_MARGIN}"]
-    if rank == 0:
-        return [*arguments, *(f"--{name}-port={port}" for name, port in base.PORTS.items()),
-                "--allow-metrics=true", "--allow-gpu-metrics=true"]
-    return [*arguments, "--allow-http=false", "--allow-grpc=false", "--allow-metrics=false",
-            "--model-control-mode=explicit", *(f"--load-model={name}" for name in load or [])]
-
-
-def orchestrator_arguments(gpus: int) -> list[str]:
-    """The orchestrating tritonserver runs no engine (the executor workers it spawns hold the GPUs), so it keeps
-    no pinned or CUDA memory pool and no peer access on them, as upstream's launch script does with --multi-model
-    (triton_backend/scripts/launch_triton_server.py, add_multi_model_config; tensorrtllm_backend 7970847f "Avoid
-    Triton using GPU memory in orchestrator mode")."""
-    return ["--pinned-memory-pool-byte-size=0", "--enable-peer-access=false",
-            *(f"--cuda-memory-pool-byte-size={gpu}:0" for gpu in range(gpus))]
-
-
-def engine_models(pipeline: PipelineSpec) -> list[str]:
-    from specdeploy.triton.repository import trtllm_engines
-
-    return list(trtllm_engines(pipeline))
-
-
-def server_command(pipeline: PipelineSpec, repository: str, drain_s: int, size: PodSize) -> tuple[list, list, list]:
-    """(command, args, extra env) of the serving container (the leader's, across nodes)."""
-    if pipeline.backend.kind == "torch":
-        return (["specdeploy"], ["serve", "--model-repository", repository, "--address", "0.0.0.0",
-                                 "--drain-timeout", str(drain_s)], [])
-    models = engine_models(pipeline)
-    if size.nodes == 1 and size.gpus == 1 and len(models) == 1:
-        return ["tritonserver"], triton_arguments(repository, drain_s), []
-    if size.nodes == 1:
-        arguments = [*triton_arguments(repository, drain_s), *orchestrator_arguments(size.gpus)]
-        return (["mpirun"], ["--allow-run-as-root", "-n", "1", "tritonserver", *arguments],
-                [{"name": "TRTLLM_ORCHESTRATOR", "value": "1"}])
-    hosts = ",".join(["$(POD_NAME)", *(f"$(POD_NAME)-{i}" for i in range(1, size.nodes))])
-    arguments = ["--allow-run-as-root", "-mca", "plm_rsh_agent", "kubessh", "-np", str(size.gpus * size.nodes),
-                 "--host", ",".join(f"{host}:{size.gpus}" for host in hosts.split(","))]
-    for rank in range(size.gpus * size.nodes):
-        arguments += [":"] if rank else []
-        arguments += ["-n", "1", "tritonserver", *triton_arguments(repository, drain_s, rank, models)]
-    return ["mpirun"], arguments, [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
-
-
 def break_even_length(pipeline: PipelineSpec, options: OverlayOptions) -> float:
     """gamma × c + v: below this mean accepted length a speculative step costs more time than it yields."""
     cost = options.draft_cost_ratio
@@ -178,20 +131,38 @@ def break_even_length(pipeline: PipelineSpec, options: OverlayOptions) -> float:
     return round(pipeline.speculation.num_draft_tokens * cost + options.verify_cost_ratio, 3)
 
 
-def gpu_scheduling(size: PodSize) -> dict:
-    return {"tolerations": [{"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}]} if size.gpus else {}
+def build_copies(pipeline: PipelineSpec) -> int:
+    """How many copies of the weights a build leaves on the volume: the torch engine; or TensorRT-LLM's
+    checkpoints and engines, plus the Hugging Face directory where the plan exports one (a derived model)."""
+    if pipeline.backend.kind == "torch":
+        return 1
+    from specdeploy.builders.trtllm_plan import build_plan
+
+    exports = {"export target", "export draft", "export dense source"}
+    return 2 + any(step.action in exports for step in build_plan(pipeline, Path("/engine")))
 
 
-def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize) -> dict:
+def build_deadline_s(pipeline: PipelineSpec, size: PodSize) -> int:
+    """The Job's activeDeadlineSeconds: an hour for a torch build (SmolLM2 builds in minutes); for TensorRT-LLM
+    two hours plus a minute per GiB of weights (an estimate: conversion and engine build read and write every
+    weight a few times), so a hung build does not hold its GPUs forever."""
+    if pipeline.backend.kind == "torch":
+        return 3600
+    return 7200 + 60 * math.ceil(size.weights_gib)
+
+
+def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize, memory_gib: int,
+                    placement_spec: dict) -> dict:
     pipeline_file = f"{base.PIPELINE_DIR}/{base.PIPELINE_KEY}"
     package = ["package", pipeline_file, "--output", repository]
     if pipeline.backend.kind == "trtllm":
         package += ["--served-at", repository]
     roots = checkpoint_roots(pipeline)
     mounts = [{"name": f"checkpoints-{i}", "mountPath": root, "readOnly": True} for i, root in enumerate(roots)]
-    step = {"resources": resources(size), **({"volumeMounts": mounts} if mounts else {})}
+    step = {"resources": placement.resources(size.cpu_request, size.cpu_limit, memory_gib, memory_gib, size.gpus),
+            "env": base.journal_environment(repository), **({"volumeMounts": mounts} if mounts else {})}
     spec = {"initContainers": [{"name": "build", "args": ["build", pipeline_file], **step}],
-            "containers": [{"name": "package", "args": package, **step}], **gpu_scheduling(size)}
+            "containers": [{"name": "package", "args": package, **step}], **placement_spec}
     spec["volumes"] = [{"name": f"checkpoints-{i}", "persistentVolumeClaim": {
         "claimName": CHECKPOINTS_CLAIM, "readOnly": True}} for i, _ in enumerate(roots)]
     if pipeline.backend.kind == "trtllm":  # TensorRT's builder and the conversions write scratch files
@@ -199,25 +170,27 @@ def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize) -> d
     if not spec["volumes"]:
         del spec["volumes"]
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": base.BUILD_JOB},
-            "spec": {"template": {"spec": spec}}}
+            "spec": {"activeDeadlineSeconds": build_deadline_s(pipeline, size), "template": {"spec": spec}}}
 
 
 def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, options: OverlayOptions,
-                     pipeline_hash: str) -> dict:
+                     pipeline_hash: str, placement_spec: dict) -> dict:
     drain = options.longest_generation_s
     command, arguments, env = server_command(pipeline, repository, drain, size)
-    container = {"name": "triton", "command": command, "args": arguments, "resources": resources(size)}
+    container = {"name": "triton", "command": command, "args": arguments,
+                 "resources": placement.server_resources(size)}
     if env:
         container["env"] = env
     if pipeline.backend.kind == "trtllm":  # loading engines of tens of GB: up to 30 minutes
         container["startupProbe"] = base.probe("/v2/health/ready", 15, 120)
     return {"metadata": {"annotations": {"specdeploy.dev/pipeline": pipeline_hash}},
-            "spec": {"terminationGracePeriodSeconds": base.PRESTOP_SECONDS + drain + EXIT_MARGIN + 5,
+            "spec": {"terminationGracePeriodSeconds": base.PRESTOP_SECONDS + drain + EXIT_MARGIN + 5
+                     + (STOP_GRACE_S if under_launcher(command) else 0),
                      "initContainers": [{"name": "wait-for-repository",
-                                         "env": [{"name": "REPOSITORY", "value": repository}]}],
+                                         "env": base.journal_environment(repository)}],
                      "containers": [container],
                      "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{size.shm_gib}Gi"}}],
-                     **gpu_scheduling(size)}}
+                     **placement_spec}}
 
 
 def deployment_patch(pod: dict) -> dict:
@@ -225,73 +198,43 @@ def deployment_patch(pod: dict) -> dict:
             "spec": {"template": pod}}
 
 
-def merged(document: dict, patch: dict) -> dict:
-    """A strategic-merge-like merge for building the LeaderWorkerSet's pods from the base pod (lists of named
-    items merge by name, other lists are replaced)."""
-    result = dict(document)
-    for key, value in patch.items():
-        old = result.get(key)
-        if isinstance(old, dict) and isinstance(value, dict):
-            result[key] = merged(old, value)
-        elif isinstance(old, list) and isinstance(value, list) and all(isinstance(v, dict) and "name" in v
-                                                                        for v in old + value):
-            by_name = {item["name"]: item for item in old}
-            for item in value:
-                by_name[item["name"]] = merged(by_name.get(item["name"], {}), item)
-            result[key] = list(by_name.values())
-        else:
-            result[key] = value
-    return result
-
-
-def leader_worker_set(pod_patch: dict, size: PodSize, image: str) -> list[dict]:
-    """The LeaderWorkerSet (one group = size.nodes pods) and the RBAC its leader's kubessh needs."""
-    leader_labels = base.SERVER_LABELS  # the Service, PDB and PodMonitor select the leaders
-    worker_labels = {**base.SERVER_LABELS, "app.kubernetes.io/component": "worker"}
-    leader = merged({"metadata": {"labels": leader_labels}, "spec": base.server_pod()}, pod_patch)
-    leader["spec"]["automountServiceAccountToken"] = True
-    worker = merged(leader, {"metadata": {"labels": worker_labels}})
-    worker["spec"] = {**worker["spec"], "initContainers": [],
-                      "containers": [{**worker["spec"]["containers"][0], "command": ["sleep"], "args": ["infinity"]}]}
-    # Workers only host the ranks the leader starts in them: no ports of their own to probe
-    for key in ("startupProbe", "livenessProbe", "readinessProbe", "ports", "lifecycle"):
-        worker["spec"]["containers"][0].pop(key, None)
-    del worker["spec"]["initContainers"]
-    for template in (leader, worker):
-        for container in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
-            container["image"] = image
-    lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-           "metadata": {"name": base.SERVER, "labels": base.SERVER_LABELS},
-           "spec": {"replicas": 1, "startupPolicy": "LeaderReady",
-                    "rolloutStrategy": {"type": "RollingUpdate",
-                                        "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
-                    "leaderWorkerTemplate": {"size": size.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
-                                             "leaderTemplate": leader, "workerTemplate": worker}}}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "specdeploy-mpi"},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                      {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]}]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": {"name": "specdeploy-mpi"},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "specdeploy-mpi"},
-               "subjects": [{"kind": "ServiceAccount", "name": base.SERVICE_ACCOUNT}]}
-    # MPI and NCCL between a group's pods use ports of their own choosing
-    group_traffic = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
-                     "metadata": {"name": "specdeploy-group"},
-                     "spec": {"podSelector": {"matchLabels": {"leaderworkerset.sigs.k8s.io/name": base.SERVER}},
-                              "policyTypes": ["Ingress"],
-                              "ingress": [{"from": [{"podSelector": {"matchLabels": {
-                                  "leaderworkerset.sigs.k8s.io/name": base.SERVER}}}]}]}}
-    return [lws, role, binding, group_traffic]
-
-
-def image_reference(pipeline: PipelineSpec, image: str | None) -> tuple[str, str]:
+def image_reference(pipeline: PipelineSpec, image: str | None) -> dict:
+    """kustomize's `images` entry for `--image`: repository:tag (a pinned tag) or repository@sha256:digest (what
+    production should pin: a tag can be moved, a digest cannot)."""
     reference = image or f"{DEFAULT_IMAGES[pipeline.backend.kind]}:{specdeploy.__version__}"
+    if "@" in reference:
+        name, _, digest = reference.partition("@")
+        if not name or not DIGEST.match(digest):
+            raise SpecdeployError(f"--image {reference!r}: a digest reference is repository@sha256:<64 hex digits>")
+        return {"name": base.IMAGE, "newName": name, "digest": digest}
     name, _, tag = reference.rpartition(":")
     if not name or "/" in tag:
-        raise SpecdeployError(f"--image {reference!r}: give repository:tag (a pinned tag, not latest)")
+        raise SpecdeployError(f"--image {reference!r}: give repository:tag (a pinned tag, not latest) or "
+                              f"repository@sha256:digest")
     if tag == "latest":
-        raise SpecdeployError(f"--image {reference!r}: the tag latest is refused (pin a version)")
-    return name, tag
+        raise SpecdeployError(f"--image {reference!r}: the tag latest is refused (pin a version or a digest)")
+    return {"name": base.IMAGE, "newName": name, "newTag": tag}
+
+
+def image_text(entry: dict) -> str:
+    return f"{entry['newName']}@{entry['digest']}" if "digest" in entry else f"{entry['newName']}:{entry['newTag']}"
+
+
+def checked_prefix(pipeline: PipelineSpec, path: Path) -> str:
+    """The object names' prefix; a name too long for the Job's pod labels (63 characters) is refused."""
+    prefix = f"{pipeline.name}-"
+    if len(prefix + LONGEST_NAME) > 63:
+        raise SpecdeployError(f"{path}: name {pipeline.name!r} is too long for Kubernetes object names in the "
+                              f"overlay (at most {63 - len(LONGEST_NAME) - 1} characters)")
+    return prefix
+
+
+def delete_patch(kind: str, api_version: str, name: str) -> dict:
+    return {"$patch": "delete", "apiVersion": api_version, "kind": kind, "metadata": {"name": name}}
+
+
+def json_patch(kind: str, name: str, operations: list[dict]) -> dict:
+    return {"target": {"kind": kind, "name": name}, "patch": yaml.safe_dump(operations)}
 
 
 def write_overlay(pipeline_path: Path, output: Path, options: OverlayOptions = OverlayOptions()) -> Path:
@@ -310,55 +253,78 @@ def write_overlay(pipeline_path: Path, output: Path, options: OverlayOptions = O
                                   f"in orchestrator mode, which is single-node; tp_size × pp_size = "
                                   f"{settings.tp_size * settings.pp_size} exceeds --gpus-per-node "
                                   f"{options.gpus_per_node} (use Medusa or n-gram speculation across nodes)")
-    name, tag = image_reference(pipeline, options.image)
+    prefix = checked_prefix(pipeline, pipeline_path)
+    gpu_product = placement.checked_gpu_product(pipeline, options.gpu_product)
+    mode = placement.access_mode(size, options.access_mode)
+    image = image_reference(pipeline, options.image)
     text = pipeline_path.read_text()
-    pipeline_hash = hashlib.sha256(f"{text}\n{name}:{tag}".encode()).hexdigest()[:10]
+    pipeline_hash = hashlib.sha256(f"{text}\n{image_text(image)}".encode()).hexdigest()[:10]
     repository = f"{base.MODELS_DIR}/{pipeline.name}"
+    instance = {INSTANCE_LABEL: pipeline.name}
     overlay = output / "overlays" / (options.name or pipeline.name)
     write_base(output / "base")
     monitoring = output / "monitoring"
     monitoring.mkdir(parents=True, exist_ok=True)
-    dump(monitoring / "prometheus-adapter-values.yaml", adapter_values(),
-         "helm install prometheus-adapter prometheus-community/prometheus-adapter -f prometheus-adapter-values.yaml\n"
-         "Serves the triton:queue_compute:ratio recording rule to the HPA as a pods metric.")
+    dump(monitoring / "prometheus-adapter-values.yaml", adapter_values(options.prometheus_namespace),
+         "helm install prometheus-adapter prometheus-community/prometheus-adapter -n monitoring "
+         "-f prometheus-adapter-values.yaml\nServes the triton:queue_compute:ratio recording rule and the scheduler's "
+         "waiting requests to the HPA as pods metrics.")
     if overlay.exists():
         shutil.rmtree(overlay)
     overlay.mkdir(parents=True)
     shutil.copy2(pipeline_path, overlay / base.PIPELINE_KEY)
-    pod = server_pod_patch(pipeline, repository, size, options, pipeline_hash)
-    resources_list = ["../../base", "prometheusrule.yaml"]
+    # A ReadWriteOnce volume attaches to one node: every pod of this pipeline goes to that node
+    placement_spec = placement.scheduling(size, gpu_product, instance if mode == placement.READ_WRITE_ONCE else None)
+    memory_gib = build_memory_gib(pipeline, size.weights_gib)
+    pod = server_pod_patch(pipeline, repository, size, options, pipeline_hash, placement_spec)
+    resources_list = ["../../base"]
     patches = [{"path": "build-job.yaml"}, {"path": "pvc.yaml"},
-               {"target": {"kind": "Job", "name": base.BUILD_JOB},
-                "patch": yaml.safe_dump([{"op": "replace", "path": "/metadata/name",
-                                          "value": f"{base.BUILD_JOB}-{pipeline_hash}"}])}]
-    dump(overlay / "build-job.yaml", build_job_patch(pipeline, repository, size))
-    dump(overlay / "pvc.yaml", {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
-                                "metadata": {"name": base.DATA_CLAIM},
-                                "spec": {"resources": {"requests": {"storage": f"{size.volume_gib}Gi"}}}})
-    dump(overlay / "prometheusrule.yaml", prometheus_rule(break_even_length(pipeline, options)))
+               json_patch("Job", base.BUILD_JOB, [{"op": "replace", "path": "/metadata/name",
+                                                   "value": f"{base.BUILD_JOB}-{pipeline_hash}"}])]
+    dump(overlay / "build-job.yaml", build_job_patch(pipeline, repository, size, memory_gib, placement_spec))
+    dump(overlay / "pvc.yaml", placement.data_claim_patch(size, mode, options.storage_class, build_copies(pipeline)))
+    if options.monitoring:
+        resources_list.append("prometheusrule.yaml")
+        dump(overlay / "prometheusrule.yaml", prometheus_rule(break_even_length(pipeline, options),
+                                                              options.prometheus_release))
+        dump(overlay / "podmonitor.yaml", {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+                                           "metadata": {"name": base.SERVER,
+                                                        "labels": release_labels(options.prometheus_release)},
+                                           "spec": {"selector": {"matchLabels": {**base.SERVER_LABELS,
+                                                                                 **instance}}}})
+        patches.append({"path": "podmonitor.yaml"})
+    else:
+        dump(overlay / "monitoring-delete.yaml", [
+            delete_patch("PodMonitor", "monitoring.coreos.com/v1", base.SERVER),
+            delete_patch("HorizontalPodAutoscaler", "autoscaling/v2", base.SERVER)])
+        patches.append({"path": "monitoring-delete.yaml"})
     if size.nodes == 1:
         dump(overlay / "deployment.yaml", deployment_patch(pod))
         patches.insert(0, {"path": "deployment.yaml"})
     else:
-        dump(overlay / "leaderworkerset.yaml", leader_worker_set(pod, size, f"{name}:{tag}"))
+        group = leader_worker_set(pod, size, image_text(image), prefix, instance, repository)
+        dump(overlay / "leaderworkerset.yaml", group)
         resources_list.append("leaderworkerset.yaml")
-        dump(overlay / "deployment-delete.yaml", {"$patch": "delete", "apiVersion": "apps/v1", "kind": "Deployment",
-                                                  "metadata": {"name": base.SERVER}})
+        dump(overlay / "deployment-delete.yaml", delete_patch("Deployment", "apps/v1", base.SERVER))
         patches.insert(0, {"path": "deployment-delete.yaml"})
-        patches.append({"target": {"kind": "HorizontalPodAutoscaler", "name": base.SERVER},
-                        "patch": yaml.safe_dump([{"op": "replace", "path": "/spec/scaleTargetRef", "value": {
-                            "apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-                            "name": base.SERVER}}])})
-    kustomization = {**KUSTOMIZATION, "namespace": options.namespace, "resources": resources_list,
-                     "labels": [{"pairs": {"app.kubernetes.io/instance": pipeline.name}}],
+        patches.append(json_patch("PodDisruptionBudget", base.SERVER, [
+            {"op": "replace", "path": "/spec/selector",
+             "value": group_disruption_budget(prefix)["spec"]["selector"]}]))
+        if options.monitoring:
+            patches.append(json_patch("HorizontalPodAutoscaler", base.SERVER, [
+                {"op": "replace", "path": "/spec/scaleTargetRef",
+                 "value": {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+                           "name": prefix + base.SERVER}}]))
+    kustomization = {**KUSTOMIZATION, "namespace": options.namespace, "namePrefix": prefix,
+                     "resources": resources_list, "labels": [{"pairs": instance, "includeSelectors": True}],
                      "configMapGenerator": [{"name": base.PIPELINE_CONFIGMAP, "files": [base.PIPELINE_KEY]}],
-                     "generatorOptions": {"disableNameSuffixHash": True},
-                     "images": [{"name": base.IMAGE, "newName": name, "newTag": tag}], "patches": patches}
+                     "generatorOptions": {"disableNameSuffixHash": True}, "images": [image], "patches": patches}
     roots = checkpoint_roots(pipeline)
     needs = (f"\nThe build Job mounts the PersistentVolumeClaim {CHECKPOINTS_CLAIM} (yours, holding the checkpoints) "
              f"at {', '.join(roots)}." if roots else "")
+    volume = f"the data volume {mode}" + (f" on class {options.storage_class}" if options.storage_class else
+                                          " on the default storage class")
     dump(overlay / "kustomization.yaml", kustomization,
-         f"specdeploy k8s {pipeline_path.name}: {size.comment()}.{needs}\n"
-         "Render: kubectl kustomize <this folder>; apply: kubectl apply -k <this folder>")
+         f"specdeploy k8s {pipeline_path.name}: {size.comment()}; build Job memory {memory_gib} GiB; {volume}."
+         f"{needs}\nRender: kubectl kustomize <this folder>; apply: kubectl apply -k <this folder>")
     return overlay
-

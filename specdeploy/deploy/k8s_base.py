@@ -11,11 +11,12 @@ from __future__ import annotations
 from specdeploy.triton.package_stamp import STAMP_FILE
 
 APP = "specdeploy"
-SERVER = "specdeploy-triton"  # Deployment (or LeaderWorkerSet), Service, PDB, HPA, PodMonitor, NetworkPolicy
-BUILD_JOB = "specdeploy-build"
-DATA_CLAIM = "specdeploy-data"
-PIPELINE_CONFIGMAP = "specdeploy-pipeline"
-SERVICE_ACCOUNT = "specdeploy"
+# Object names; each overlay prefixes them with its pipeline's name, so several pipelines share a namespace
+SERVER = "triton"  # Deployment (or LeaderWorkerSet), Service, PDB, HPA, PodMonitor, NetworkPolicy
+BUILD_JOB = "engine-build"
+DATA_CLAIM = "data"
+PIPELINE_CONFIGMAP = "pipeline"
+SERVICE_ACCOUNT = "server"
 IMAGE = "specdeploy"  # the name overlays replace through kustomize's `images`
 DATA_DIR = "/var/lib/specdeploy"
 ENGINES_DIR = f"{DATA_DIR}/engines"
@@ -27,6 +28,8 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 SERVER_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "server"}
 BUILD_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "engine-build"}
 PRESTOP_SECONDS = 10  # endpoints stop routing to a terminating pod before the server starts draining
+BUILD_BACKOFF_LIMIT = 2  # retries of a failed build pod; the serving pods' wait gives up after as many failures + 1
+BUILD_TTL_SECONDS = 7 * 24 * 3600  # a finished build Job (and its logs) is kept a week, then removed
 QUEUE_COMPUTE_METRIC = "triton:queue_compute:ratio"
 WAITING_METRIC = "specdeploy_waiting_requests"
 
@@ -45,6 +48,13 @@ def environment() -> list[dict]:
     """What every specdeploy container sees: no model hub, engines on the volume, a writable home."""
     return [{"name": "HF_HUB_OFFLINE", "value": "1"}, {"name": "SPECDEPLOY_ENGINES", "value": ENGINES_DIR},
             {"name": "HOME", "value": "/tmp"}]
+
+
+def journal_environment(repository: str = MODELS_DIR) -> list[dict]:
+    """Where the build journal lives (beside the repository, on the data volume) and what it is keyed by; overlays
+    set the repository's path."""
+    return [{"name": "REPOSITORY", "value": repository}, {"name": "JOURNAL", "value": f"{repository}.build-journal"},
+            {"name": "PIPELINE", "value": f"{PIPELINE_DIR}/{PIPELINE_KEY}"}]
 
 
 def mounts(pipeline: bool = True) -> list[dict]:
@@ -66,28 +76,43 @@ def service_account() -> dict:
 
 
 def data_claim() -> dict:
-    """Engines and model repositories. ReadWriteMany so that replicas on several nodes mount it; a single-node
-    cluster's ReadWriteOnce class also works (every pod is on that node)."""
+    """Engines and model repositories. Overlays set the access mode, the storage class and the size."""
     return {"apiVersion": "v1", "kind": "PersistentVolumeClaim", "metadata": {"name": DATA_CLAIM},
-            "spec": {"accessModes": ["ReadWriteMany"], "resources": {"requests": {"storage": "10Gi"}}}}
+            "spec": {"accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": "10Gi"}}}}
+
+
+def journal_command(*arguments: str) -> list[str]:
+    return ["python3", "-m", "specdeploy.deploy.build_journal", *arguments, "--journal", "$(JOURNAL)",
+            "--pipeline", "$(PIPELINE)"]
 
 
 def build_job() -> dict:
     """`specdeploy build` (an init container) then `specdeploy package`: both skip when their inputs are unchanged,
-    so rerunning the Job, or applying it again, does nothing. Overlays set the arguments and resources."""
+    so rerunning the Job, or applying it again, does nothing. Each step runs under the build journal (its start and
+    failures, for the serving pods' wait). A configuration error (exit status 2) fails the Job at once; an evicted or
+    preempted pod does not count against backoffLimit. Overlays set the arguments, resources and deadline."""
     def step(name: str) -> dict:
-        return {"name": name, "image": IMAGE, "imagePullPolicy": "IfNotPresent", "command": ["specdeploy"],
-                "args": [name], "env": environment(), "volumeMounts": mounts(),
-                "securityContext": container_security(),
+        return {"name": name, "image": IMAGE, "imagePullPolicy": "IfNotPresent",
+                "command": [*journal_command("record"), "--job-uid", "$(JOB_UID)", "--step", name, "--",
+                            "specdeploy"],
+                "args": [name], "env": [*environment(), *journal_environment(),
+                                        {"name": "JOB_UID", "valueFrom": {"fieldRef": {
+                                            "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}}],
+                "volumeMounts": mounts(), "securityContext": container_security(),
                 "resources": {"requests": {"cpu": "1", "memory": "2Gi"}, "limits": {"cpu": "2", "memory": "4Gi"}}}
 
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": BUILD_JOB, "labels": BUILD_LABELS},
-            "spec": {"backoffLimit": 2, "template": {
-                "metadata": {"labels": BUILD_LABELS},
-                "spec": {"restartPolicy": "Never", "serviceAccountName": SERVICE_ACCOUNT,
-                         "automountServiceAccountToken": False, "securityContext": pod_security(),
-                         "initContainers": [step("build")], "containers": [step("package")],
-                         "volumes": volumes()}}}}
+            "spec": {"backoffLimit": BUILD_BACKOFF_LIMIT, "ttlSecondsAfterFinished": BUILD_TTL_SECONDS,
+                     "activeDeadlineSeconds": 3600,
+                     "podFailurePolicy": {"rules": [
+                         {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2]}},
+                         {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
+                     "template": {
+                         "metadata": {"labels": BUILD_LABELS},
+                         "spec": {"restartPolicy": "Never", "serviceAccountName": SERVICE_ACCOUNT,
+                                  "automountServiceAccountToken": False, "securityContext": pod_security(),
+                                  "initContainers": [step("build")], "containers": [step("package")],
+                                  "volumes": volumes()}}}}
 
 
 def probe(path: str, period: int, failures: int) -> dict:
@@ -112,15 +137,13 @@ def server_container() -> dict:
 
 def wait_container(repository: str = MODELS_DIR) -> dict:
     """Holds the server back until the build Job has packaged the repository from this pipeline: the package stamp
-    (written last) records the pipeline file's SHA-256, which a pod of an older pipeline's repository lacks."""
-    wait = ('digest=$(sha256sum "$PIPELINE" | cut -d " " -f 1); '
-            f'until grep -qs "$digest" "$REPOSITORY/{STAMP_FILE}"; do sleep 5; done')
+    (written last) records the pipeline file's SHA-256, which a pod of an older pipeline's repository lacks. Gives up,
+    naming the failure, when the build journal shows that the Job has failed for good."""
     return {"name": "wait-for-repository", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
-            "command": ["sh", "-c", wait],
-            "env": [{"name": "REPOSITORY", "value": repository},
-                    {"name": "PIPELINE", "value": f"{PIPELINE_DIR}/{PIPELINE_KEY}"}],
-            "volumeMounts": mounts(), "securityContext": container_security(),
-            "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}}}
+            "command": [*journal_command("wait"), "--stamp", f"$(REPOSITORY)/{STAMP_FILE}",
+                        "--backoff-limit", str(BUILD_BACKOFF_LIMIT)],
+            "env": journal_environment(repository), "volumeMounts": mounts(), "securityContext": container_security(),
+            "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}}}
 
 
 def server_pod(grace_seconds: int = 60) -> dict:

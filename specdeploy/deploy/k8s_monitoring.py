@@ -30,9 +30,12 @@ def rate(metric: str, window: str = WINDOW) -> str:
 
 
 def recording_rules() -> list[dict]:
-    # `> 0` drops idle pods instead of dividing by zero
+    """The autoscaling ratio divides by clamp_min(compute, 1) as upstream's rule does (triton-inference-server/
+    tutorials Deployment/Kubernetes/EKS_Multinode_Triton_TRTLLM/multinode_helm_chart/triton-metrics_prometheus-rule.yaml
+    @ 66481c48): an idle pod then reads 0, so the HPA, which skips scaling while a pod's metric is missing, can scale
+    down. The acceptance ratios keep `> 0`: an idle pod has no acceptance to report, and no alert should fire."""
     return [{"record": QUEUE_COMPUTE_METRIC,
-             "expr": f"{rate(TRITON_QUEUE, '1m')} / ({rate(TRITON_COMPUTE, '1m')} > 0)"},
+             "expr": f"{rate(TRITON_QUEUE, '1m')} / clamp_min({rate(TRITON_COMPUTE, '1m')}, 1)"},
             {"record": ACCEPTANCE_RATE, "expr": f"{rate(ACCEPTED)} / ({rate(DRAFTED)} > 0)"},
             {"record": MEAN_ACCEPTED_LENGTH, "expr": f"({rate(ACCEPTED)} + {rate(STEPS)}) / ({rate(STEPS)} > 0)"}]
 
@@ -49,8 +52,17 @@ def collapse_alert(break_even_length: float) -> dict:
                                f"speculation off (num_draft_tokens 0) until it recovers."}}
 
 
-def prometheus_rule(break_even_length: float) -> dict:
-    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule", "metadata": {"name": SERVER},
+def release_labels(release: str) -> dict:
+    """kube-prometheus-stack's Prometheus selects PodMonitors and PrometheusRules labelled with its Helm release
+    (podMonitorSelectorNilUsesHelmValues and ruleSelectorNilUsesHelmValues default to true); Triton's tutorials
+    label theirs `release: prometheus` (tutorials Deployment/Kubernetes/TensorRT-LLM_Autoscaling_and_Load_Balancing/
+    chart/templates/pod-monitor.yaml @ 3f7025cd)."""
+    return {"release": release}
+
+
+def prometheus_rule(break_even_length: float, release: str) -> dict:
+    return {"apiVersion": "monitoring.coreos.com/v1", "kind": "PrometheusRule",
+            "metadata": {"name": SERVER, "labels": release_labels(release)},
             "spec": {"groups": [{"name": "specdeploy.rules", "interval": "15s", "rules": recording_rules()},
                                 {"name": "specdeploy.alerts", "rules": [collapse_alert(break_even_length)]}]}}
 
@@ -62,8 +74,12 @@ def adapter_rule(series: str) -> dict:
             "metricsQuery": "sum(<<.Series>>{<<.LabelMatchers>>}) by (<<.GroupBy>>)"}
 
 
-def adapter_values() -> dict:
+def adapter_values(prometheus_namespace: str) -> dict:
     """Helm values for prometheus-community/prometheus-adapter: serve the autoscaler's two signals (the
-    queue/compute recording rule, the scheduler's queued requests) as pods metrics of the custom metrics API."""
-    return {"metricsRelistInterval": "15s",
+    queue/compute recording rule, the scheduler's queued requests) as pods metrics of the custom metrics API.
+    prometheus.url must name the Prometheus to query (the chart's default points at none that kube-prometheus-stack
+    creates): `prometheus-operated`, the Service prometheus-operator creates beside every Prometheus it runs, whatever
+    the Helm release is called."""
+    return {"prometheus": {"url": f"http://prometheus-operated.{prometheus_namespace}.svc", "port": 9090},
+            "metricsRelistInterval": "15s",
             "rules": {"default": False, "custom": [adapter_rule(QUEUE_COMPUTE_METRIC), adapter_rule(WAITING_METRIC)]}}

@@ -42,7 +42,6 @@ class PodSize:
     cpu_request: int
     cpu_limit: int
     shm_gib: int
-    volume_gib: int  # engines + the model repository on the data volume
 
     def comment(self) -> str:
         return (f"weights {self.weights_gib:.2f} GiB, KV {self.kv_gib:.2f} GiB, {self.gpus} GPU(s) per pod on "
@@ -80,8 +79,7 @@ def pod_size(pipeline: PipelineSpec, target: ModelConfig | None, weights_gib: fl
             if target is not None else 0.0
         request = math.ceil(weights_gib + kv_gib + RUNTIME_GIB)
         return PodSize(gpus=0, nodes=1, weights_gib=weights_gib, kv_gib=kv_gib, memory_request_gib=request,
-                       memory_limit_gib=math.ceil(request * 1.5), cpu_request=2, cpu_limit=4, shm_gib=1,
-                       volume_gib=max(10, math.ceil(4 * weights_gib)))
+                       memory_limit_gib=math.ceil(request * 1.5), cpu_request=2, cpu_limit=4, shm_gib=1)
     settings = pipeline.backend.settings
     world = settings.tp_size * settings.pp_size
     nodes = math.ceil(world / gpus_per_node)
@@ -90,4 +88,4 @@ def pod_size(pipeline: PipelineSpec, target: ModelConfig | None, weights_gib: fl
     request = math.ceil(weights_gib / nodes + GPU_HOST_GIB_PER_GPU * gpus)
     return PodSize(gpus=gpus, nodes=nodes, weights_gib=weights_gib, kv_gib=0.0, memory_request_gib=request,
                    memory_limit_gib=math.ceil(request * 1.25), cpu_request=max(4, gpus), cpu_limit=max(8, 2 * gpus),
-                   shm_gib=max(2, 2 * gpus), volume_gib=max(50, math.ceil(3 * weights_gib)))
+                   shm_gib=max(2, 2 * gpus))

@@ -18,12 +18,12 @@ import yaml
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
-from specdeploy.builders.trtllm_plan import llm_api_config
+from specdeploy.builders.trtllm_plan import hf_dirs, llm_api_config
 from specdeploy.builders.trtllm_upstream import LLMAPI_CODE_FILES, LLMAPI_INPUTS, LLMAPI_MODEL_CODE, LLMAPI_OUTPUTS
 from specdeploy.errors import SpecdeployError
 from specdeploy.layout import staging_dir
 from specdeploy.pipeline import PipelineSpec
-from specdeploy.triton.model_files import link_or_copy
+from specdeploy.triton.model_files import hf_dir_files, link_or_copy
 
 MODEL, VERSION = "tensorrt_llm", "1"
 MODEL_YAML = "model.yaml"
@@ -47,9 +47,11 @@ def llmapi_model_config() -> pb.ModelConfig:
 
 
 def model_yaml(pipeline: PipelineSpec, served_at: Path) -> dict:
-    """model.yaml: the LLM options with the checkpoints where the server sees them, and TRITON_CONFIG (what the model
-    reads for itself)."""
-    return {**llm_api_config(pipeline, served_at / MODEL / VERSION), "triton_config": dict(TRITON_CONFIG)}
+    """model.yaml: the LLM options with the checkpoints where the server sees them (copied into 1/hf/<component>),
+    and TRITON_CONFIG (what the model reads for itself)."""
+    version = served_at / MODEL / VERSION
+    models = {component: version / "hf" / component for component in hf_dirs(pipeline, version)}
+    return {**llm_api_config(pipeline, version, models), "triton_config": dict(TRITON_CONFIG)}
 
 
 def write_llmapi_repository(engine_dir: Path, pipeline: PipelineSpec, output: Path, served_at: Path,
@@ -71,5 +73,8 @@ def write_llmapi_repository(engine_dir: Path, pipeline: PipelineSpec, output: Pa
         (version / MODEL_YAML).write_text(yaml.safe_dump(model_yaml(pipeline, served_at), sort_keys=False))
         for name in LLMAPI_CODE_FILES:
             shutil.copy2(code / name, version / name)
-        shutil.copytree(Path(engine_dir) / "trtllm" / "hf", version / "hf", copy_function=link_or_copy)
+        # each checkpoint where the build found it: our export, or the checkpoint itself (the server does not mount
+        # the build's checkpoint volume)
+        for component, source in hf_dirs(pipeline, Path(engine_dir) / "trtllm").items():
+            shutil.copytree(source, version / "hf" / component, ignore=hf_dir_files(True), copy_function=link_or_copy)
     return Path(output)

@@ -36,6 +36,24 @@ def load_tokenizer(args: dict):
     return AutoTokenizer.from_pretrained(parameter_path(args, TOKENIZER_PARAMETER))
 
 
+SAFETENSORS = ("*.safetensors", "*.safetensors.index.json")
+OTHER_WEIGHTS = ("*.bin", "*.bin.index.json", "*.pth", "*.pt", "*.gguf", "*.h5", "*.msgpack", "*.onnx")
+
+
+def hf_dir_files(weights: bool, *leave_out: str):
+    """A copytree `ignore` for a Hugging Face directory, which may be a checkpoint as downloaded: it keeps the top
+    level's configuration and tokenizer files and, with `weights`, the safetensors a loader reads. It drops other
+    weight formats, the names in `leave_out`, and every subdirectory (a hub download's original/ holds the weights
+    again in another format)."""
+    patterns = OTHER_WEIGHTS + (() if weights else SAFETENSORS) + leave_out
+
+    def ignore(directory: str, names: list[str]) -> set[str]:
+        folders = {name for name in names if os.path.isdir(os.path.join(directory, name))}
+        return set(shutil.ignore_patterns(*patterns)(directory, names)) | folders
+
+    return ignore
+
+
 def link_or_copy(source: str, destination: str) -> None:
     """Weights (safetensors, TensorRT engines) as hard links (no second copy on disk; a build never rewrites a
     file in place, it renames a new engine over the old one) where the file system allows it; every other file as

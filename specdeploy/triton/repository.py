@@ -18,6 +18,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 import specdeploy
+from specdeploy.builders.trtllm_plan import hf_dirs
 from specdeploy.errors import SpecdeployError
 from specdeploy.layout import PIPELINE_FILE, engine_pipeline, staging_dir
 from specdeploy.pipeline import PipelineSpec
@@ -29,6 +30,7 @@ from specdeploy.triton.model_files import (
     TARGET_MODEL_PARAMETER,
     TOKENIZER_PARAMETER,
     WEIGHTS,
+    hf_dir_files,
     link_or_copy,
 )
 from specdeploy.triton.requests import SCALAR_INPUTS, STATISTICS
@@ -38,7 +40,6 @@ MODEL_CODE = Path(specdeploy.__file__).resolve().parent / "model_repo"
 VERSION = "1"
 ENGINE_FOLDER, TOKENIZER_FOLDER = "engine", "tokenizer"
 MODEL_FILES = {WEIGHTS, "config.json"}  # a component's files that are not its tokenizer's
-WEIGHTS_PATTERN = "*.safetensors"  # a Hugging Face export's weights (possibly sharded), which the orchestration skips
 # The trtllm flavour: the tensorrtllm models' names (upstream's), the orchestration's parameters and files.
 TARGET_MODEL, DRAFT_MODEL = "tensorrt_llm", "tensorrt_llm_draft"
 TARGET_FOLDER = "target"  # the target's tokenizer and config.json (vocabulary size, end-of-sequence ids)
@@ -162,9 +163,10 @@ def write_repository(engine_dir: Path, output: Path, served_at: Path | None = No
     configs = model_configs(pipeline, served_at)
     trtllm = pipeline.backend.kind == "trtllm"
     # The files a model reads: folder in its version directory → where they come from (the engine's components,
-    # the tokenizer without the weights, the engines TensorRT-LLM built).
-    hf_target = engine_dir / "trtllm" / "hf" / "target" if trtllm else engine_dir / "target"
-    tokenizer_only = shutil.ignore_patterns(*MODEL_FILES, WEIGHTS_PATTERN)
+    # the tokenizer without the weights, the engines TensorRT-LLM built). A trtllm target's tokenizer and config are
+    # in the Hugging Face directory its converter read: our export, or the checkpoint itself.
+    hf_target = hf_dirs(pipeline, engine_dir / "trtllm")["target"] if trtllm else engine_dir / "target"
+    tokenizer_only = hf_dir_files(False, *MODEL_FILES)
     with staging_dir(output) as staging:
         for name, config in configs.items():
             version = staging / name / VERSION
@@ -176,7 +178,7 @@ def write_repository(engine_dir: Path, output: Path, served_at: Path | None = No
             if name == "preprocessing":
                 shutil.copytree(hf_target, version / TOKENIZER_FOLDER, ignore=tokenizer_only)
             elif name == "speculative" and trtllm:
-                shutil.copytree(hf_target, version / TARGET_FOLDER, ignore=shutil.ignore_patterns(WEIGHTS_PATTERN))
+                shutil.copytree(hf_target, version / TARGET_FOLDER, ignore=hf_dir_files(False))
                 shutil.copy2(engine_dir / PIPELINE_FILE, version / PIPELINE_FILE)
             elif name == "speculative":
                 shutil.copytree(engine_dir, version / ENGINE_FOLDER, copy_function=link_or_copy)

@@ -16,7 +16,9 @@ class LLaMAForCausalLM:
         config = json.loads((directory / "config.json").read_text())
         if config["architectures"][0] not in ARCHITECTURES:
             raise ValueError(f"unsupported architecture {config['architectures']}")
-        weights = load_file(str(directory / "model.safetensors"))
+        weights = {}  # every *.safetensors in the directory, as upstream's ModelWeightsLoader globs them
+        for shard in sorted(directory.glob("*.safetensors")):
+            weights.update(load_file(str(shard)))
         layer = "model.layers.0."
         if config["architectures"][0] == "MixtralForCausalLM":  # the per-expert layout upstream converts
             assert f"{layer}block_sparse_moe.gate.weight" in weights

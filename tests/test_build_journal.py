@@ -1,0 +1,93 @@
+"""The build journal (specdeploy/deploy/build_journal.py): the build Job's steps record their failures on the data
+volume, and the serving pods' wait gives up once the newest Job of the pipeline has failed for good."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+MODULE = [sys.executable, "-m", "specdeploy.deploy.build_journal"]
+
+
+@pytest.fixture
+def volume(tmp_path) -> dict[str, Path]:
+    pipeline = tmp_path / "pipeline.yaml"
+    pipeline.write_text("name: p\n")
+    return {"journal": tmp_path / "models" / "p.build-journal", "pipeline": pipeline,
+            "stamp": tmp_path / "models" / "p" / "stamp.json"}
+
+
+def record(volume: dict, job: str, *command: str) -> subprocess.CompletedProcess:
+    return subprocess.run([*MODULE, "record", "--journal", str(volume["journal"]), "--pipeline",
+                           str(volume["pipeline"]), "--job-uid", job, "--step", "build", "--", *command],
+                          capture_output=True, text=True, timeout=30)
+
+
+def wait(volume: dict, timeout: float = 1.5) -> subprocess.CompletedProcess | None:
+    """The wait's result, or None while it still waits after `timeout` seconds."""
+    try:
+        return subprocess.run([*MODULE, "wait", "--journal", str(volume["journal"]), "--pipeline",
+                               str(volume["pipeline"]), "--stamp", str(volume["stamp"]), "--backoff-limit", "2",
+                               "--poll", "0.2"], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None
+
+
+OOM_KILLED = ("python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+
+
+def test_a_killed_step_is_recorded_and_the_wait_gives_up_after_backoff_limit_plus_one_failures(volume):
+    assert wait(volume) is None  # no Job yet: waiting
+    for attempt in range(3):
+        assert record(volume, "job-1", *OOM_KILLED).returncode == 137
+        if attempt < 2:
+            assert wait(volume) is None, f"gave up after {attempt + 1} failures; the Job retries twice"
+    result = wait(volume)
+    assert result is not None and result.returncode == 1
+    assert "failed 3 times" in result.stderr and "SIGKILL" in result.stderr and "job-1" in result.stderr
+    lines = [json.loads(line) for line in volume["journal"].read_text().splitlines()]
+    assert [e["event"] for e in lines] == ["start", "failed"] * 3
+
+
+def test_a_configuration_error_gives_up_at_once_and_a_new_job_waits_again(volume):
+    assert record(volume, "job-1", sys.executable, "-c", "raise SystemExit(2)").returncode == 2
+    result = wait(volume)
+    assert result is not None and result.returncode == 1 and "configuration error" in result.stderr
+    assert record(volume, "job-2", "true").returncode == 0  # a new Job (after the fix) started and runs
+    assert wait(volume) is None
+
+
+def test_the_stamp_of_this_pipeline_ends_the_wait_and_another_pipelines_does_not(volume):
+    import hashlib
+
+    volume["stamp"].parent.mkdir(parents=True)
+    volume["stamp"].write_text(json.dumps({"pipeline_sha256": "0" * 64}))
+    assert wait(volume) is None
+    digest = hashlib.sha256(volume["pipeline"].read_bytes()).hexdigest()
+    volume["stamp"].write_text(json.dumps({"pipeline_sha256": digest}))
+    result = wait(volume)
+    assert result is not None and result.returncode == 0
+
+
+def test_a_stopped_pod_is_not_counted_as_a_failure(volume):
+    """SIGTERM (eviction, preemption) reaches the step and is recorded as interrupted, not failed: the Job's
+    podFailurePolicy does not count such pods either."""
+    step = subprocess.Popen([*MODULE, "record", "--journal", str(volume["journal"]), "--pipeline",
+                             str(volume["pipeline"]), "--job-uid", "job-1", "--step", "build", "--", "sleep", "30"])
+    deadline = time.monotonic() + 10
+    while not (volume["journal"].is_file() and volume["journal"].read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    step.send_signal(signal.SIGTERM)
+    assert step.wait(timeout=10) == 143
+    events = [json.loads(line)["event"] for line in volume["journal"].read_text().splitlines()]
+    assert events == ["start", "interrupted"]
+    for _ in range(3):
+        record(volume, "job-1", "sh", "-c", "kill -TERM $$")  # a step killed by a signal of its own is a failure
+    assert wait(volume) is not None
