@@ -25,6 +25,8 @@ import sys
 import time
 from pathlib import Path
 
+from specdeploy.deploy.launch import exit_status
+
 CONFIGURATION_ERROR = 2  # specdeploy's exit status for a bad pipeline or input: retrying cannot help
 INTERRUPTED = "interrupted"  # the pod was stopped (eviction, preemption, deletion): not the build's failure
 
@@ -58,9 +60,9 @@ def record(journal: Path, pipeline: Path, job_uid: str, step: str, command: list
     signal.signal(signal.SIGINT, stop)
     status = child.wait()
     if status != 0:
-        exit_status = 128 - status if status < 0 else status  # a signal, as a shell reports it
-        append(journal, {**entry, "event": INTERRUPTED if stopped else "failed", "status": exit_status})
-        return exit_status
+        status = exit_status(status)
+        append(journal, {**entry, "event": INTERRUPTED if stopped else "failed", "status": status})
+        return status
     return 0
 
 
@@ -78,9 +80,9 @@ def entries(journal: Path, digest: str) -> list[dict]:
     return found
 
 
-def verdict(journal: Path, digest: str, backoff_limit: int) -> str | None:
-    """Why the newest build Job of this pipeline can no longer produce the repository, or None while it still can."""
-    history = entries(journal, digest)
+def verdict(history: list[dict], backoff_limit: int) -> str | None:
+    """Why the newest build Job in this pipeline's journal `history` can no longer produce the repository, or None
+    while it still can."""
     if not history:
         return None
     job = history[-1]["job"]
@@ -106,12 +108,13 @@ def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s:
         if stamp.is_file() and digest in stamp.read_text(errors="replace"):
             print(f"the repository is packaged from this pipeline ({digest[:12]})", flush=True)
             return 0
-        reason = verdict(journal, digest, backoff_limit)
+        history = entries(journal, digest)
+        reason = verdict(history, backoff_limit)
         if reason is not None:
             print(f"giving up: {reason}. Read its logs (kubectl logs job/<name> --all-containers), fix the cause, "
                   f"delete the Job and apply again; journal: {journal}", file=sys.stderr, flush=True)
             return 1
-        state = "building" if entries(journal, digest) else "waiting for the build Job to start"
+        state = "building" if history else "waiting for the build Job to start"
         if state != said:
             print(f"{state}: {stamp} does not record pipeline {digest[:12]} yet", flush=True)
             said = state
