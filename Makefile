@@ -54,7 +54,7 @@ lint: venv
 	$(VENV)/bin/ruff check specdeploy tests
 	$(VENV)/bin/lint-imports
 
-# The committed overlays (tests/test_k8s.py checks they equal a fresh run). The GPU checkpoints are not here, so their
+# The committed overlays (tests/deploy/test_k8s.py checks they equal a fresh run). The GPU checkpoints are not here, so their
 # weights are given (GiB, as the pipelines' comments size them), and the GPU type the engines are built for.
 GPU_PRODUCT ?= NVIDIA-H100-80GB-HBM3
 k8s: venv

@@ -30,11 +30,11 @@ else:
 PY
 mkdir -p "$OUT"
 
-# The GPU tests (tests/test_cuda.py: greedy exactness, one host sync per step, the int4 and int8 kernels, the MoE
+# The GPU tests (tests/models/test_cuda.py: greedy exactness, one host sync per step, the int4 and int8 kernels, the MoE
 # path, a KIND_GPU repository served by tritonserver) and the device tests that run anywhere.
 # A failure is reported at the end: the benches and the summary still run.
 status=0
-timeout 300 "$PYTHON" -m pytest -q tests/test_cuda.py tests/test_device.py -p no:cacheprovider || status=$?
+timeout 300 "$PYTHON" -m pytest -q tests/models/test_cuda.py tests/models/test_device.py -p no:cacheprovider || status=$?
 
 # One prompt of each kind, 64 tokens each, on every shipped pipeline.
 "$PYTHON" scripts/one_prompt_per_kind.py "$OUT/prompts.jsonl"

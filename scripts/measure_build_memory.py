@@ -57,34 +57,34 @@ def peak_gib() -> float:
 
 def worker(kind: str, pipeline_path: Path, engines: Path) -> None:
     """One build in this fresh process, then its peak as JSON."""
-    from specdeploy.pipeline import load_pipeline
+    from specdeploy.spec.pipeline import load_pipeline
 
     if kind != "imports":
         pipeline = load_pipeline(pipeline_path)
     if kind == "torch":
-        from specdeploy.builders.torch import build
+        from specdeploy.build.torch_engine import build
 
         build(pipeline, engines, quiet=True)
     elif kind == "trtllm":
-        from specdeploy.builders import trtllm
+        from specdeploy.build.trtllm import engine_build as trtllm
 
         trtllm.missing_requirements = lambda pipeline: []  # the double stands in for TensorRT-LLM and a GPU
         trtllm.build(pipeline, engines, quiet=True)
     elif kind == "export":
-        from specdeploy.builders import trtllm
+        from specdeploy.build.trtllm import engine_build as trtllm
 
         output = engines / "export"
         step = trtllm.Step("export the target whole", output, action="export target")
         trtllm.run_action(step, pipeline, engines, output, trtllm.Sources(pipeline))
     else:
-        import specdeploy.builders.torch  # noqa: F401
-        import specdeploy.builders.trtllm  # noqa: F401
+        import specdeploy.build.torch_engine  # noqa: F401
+        import specdeploy.build.trtllm.engine_build  # noqa: F401
     print(json.dumps({"peak_gib": peak_gib()}))
 
 
 def double_env(bin_dir: Path) -> dict[str, str]:
     """The environment of a trtllm build through the double: trtllm-build and python3 on PATH, the tensorrt_llm
-    package on PYTHONPATH (as tests/test_trtllm_build.py's `double` fixture)."""
+    package on PYTHONPATH (as tests/build/trtllm/test_trtllm_build.py's `double` fixture)."""
     bin_dir.mkdir(parents=True, exist_ok=True)
     for name, target in (("trtllm-build", f"{sys.executable} {DOUBLE / 'trtllm_build.py'}"),
                          ("python3", sys.executable)):
@@ -150,9 +150,9 @@ def synthetic_pipeline(path: Path, checkpoint: Path, variant: str) -> Path:
 
 def weights_gib(pipeline_path: Path) -> float:
     """The pipeline's weights as the deploy sizing counts them (what build_memory_gib is given)."""
-    from specdeploy.builders.checkpoints import target_config
+    from specdeploy.build.checkpoints import target_config
     from specdeploy.deploy.sizing import estimate_weights_gib
-    from specdeploy.pipeline import load_pipeline
+    from specdeploy.spec.pipeline import load_pipeline
 
     pipeline = load_pipeline(pipeline_path)
     return estimate_weights_gib(pipeline, target_config(pipeline))

@@ -67,10 +67,10 @@ def trtllm_variant(shipped: Path, out_dir: Path) -> Path:
 
 def serve_command(pipeline_path: Path, repository: Path) -> str:
     """The overlay's serving command for this pipeline on one node (deploy/k8s.py decides the mode)."""
-    from specdeploy.builders.checkpoints import target_config
+    from specdeploy.build.checkpoints import target_config
     from specdeploy.deploy.k8s_commands import server_command
     from specdeploy.deploy.sizing import pod_size
-    from specdeploy.pipeline import load_pipeline
+    from specdeploy.spec.pipeline import load_pipeline
 
     pipeline = load_pipeline(pipeline_path)
     size = pod_size(pipeline, target_config(pipeline), None, gpus_per_node=8)
@@ -99,7 +99,7 @@ def generate_ids(url: str, prompt: str, max_tokens: int, **fields) -> tuple[list
     tokens it drafted."""
     import tritonclient.grpc as grpcclient
 
-    from specdeploy.triton.client import ENTRY_MODEL, build_inputs
+    from specdeploy.serve.client import ENTRY_MODEL, build_inputs
 
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
@@ -136,7 +136,7 @@ def agrees(first: list[int], second: list[int]) -> bool:
 
 
 def greedy(shipped: Path, url: str, prompts_file: Path, out: Path, max_tokens: int = 64) -> dict:
-    from specdeploy.sampling_params import SamplingParams
+    from specdeploy.spec.sampling_params import SamplingParams
     from specdeploy.workflows import load_engine
 
     engine = load_engine(shipped, Path(os.environ.get("SPECDEPLOY_ENGINES", "engines")),

@@ -12,7 +12,7 @@ from pathlib import Path
 import click
 
 from specdeploy.errors import SpecdeployError
-from specdeploy.layout import ENGINES_DIR
+from specdeploy.spec.engine_paths import ENGINES_DIR
 
 ENGINES_HELP = f"Directory holding <name>/ engines (default: ./{ENGINES_DIR}, or $SPECDEPLOY_ENGINES)."
 
@@ -76,12 +76,12 @@ def cli() -> None:
 @device_option
 def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool, device: str | None) -> None:
     """Build the pipeline's target (and draft) engines."""
-    from specdeploy.builders.torch import build as build_engine
+    from specdeploy.build.torch_engine import build as build_engine
     from specdeploy.workflows import load_spec
 
     pipeline = load_spec(pipeline_path, device)
     if pipeline.backend.kind == "trtllm":
-        from specdeploy.builders import trtllm
+        from specdeploy.build.trtllm import engine_build as trtllm
 
         if dry_run:
             click.echo(trtllm.format_plan(pipeline, *trtllm.plan(pipeline, engines_dir)))
@@ -209,9 +209,9 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
-    from specdeploy import bench as benchmarks
-    from specdeploy import bench_moe
-    from specdeploy.bench_peers import peer_ratios
+    from specdeploy.bench.peers import peer_ratios
+    from specdeploy.bench.run import moe_curve as bench_moe
+    from specdeploy.bench.run import run as benchmarks
     from specdeploy.workflows import load_engine
 
     prompts = benchmarks.load_prompts(prompts_path)
@@ -223,7 +223,7 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         raise click.UsageError("--report plots the in-process bench or the concurrency levels of --url, not "
                                "--stress or --long-stream")
     if report_dir is not None:
-        from specdeploy.bench_report import pyplot
+        from specdeploy.bench.report import pyplot
 
         pyplot()  # before measuring: a missing matplotlib is an error now, not after minutes of benchmarking
     if url is not None and len(pipeline_paths) > 1:
@@ -252,17 +252,17 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
             for one, measured in zip(engines, reports):
                 click.echo(bench_moe.save_gamma_cap(one, measured))
         if report_dir is not None:
-            from specdeploy.bench_report import write_report
+            from specdeploy.bench.report import write_report
 
             click.echo(f"wrote {write_report(reports, report_dir, list(pipeline_paths))}")
         report = reports[0]
         if len(reports) > 1:
-            from specdeploy.bench_comparison import compare, print_comparison
+            from specdeploy.bench.comparison import compare, print_comparison
 
             report = {"comparison": compare(reports), "reports": reports}
             print_comparison(report["comparison"])
     else:
-        from specdeploy.triton import load_report
+        from specdeploy.bench.run import server_load_report as load_report
 
         levels = integers(concurrency, "--concurrency")
         texts = [p["prompt"] for p in prompts]
@@ -280,7 +280,7 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
             report = load_report.run_server_bench(url, texts, levels, max_tokens, requests_per_level, in_process)
             load_report.print_server_report(report)
             if report_dir is not None:
-                from specdeploy.bench_report import write_server_report
+                from specdeploy.bench.report import write_server_report
 
                 served = None if engine is None else engine.pipeline
                 click.echo(f"wrote {write_server_report(report, report_dir, served)}")
@@ -314,9 +314,9 @@ def export_hf(pipeline_path: str, engines_dir: Path, component: str, output: Pat
 def moe_quality(pipeline_path: str, ks: str | None, json_out: Path | None) -> None:
     """Derive the pipeline's MoE target (target.moe) for each number of experts per token and score it against
     the dense model on held-out text: greedy agreement, KL divergence, perplexity."""
-    from specdeploy.moe_quality import moe_quality as measure
-    from specdeploy.moe_quality import print_quality
-    from specdeploy.pipeline import load_pipeline
+    from specdeploy.bench.moe_quality import moe_quality as measure
+    from specdeploy.bench.moe_quality import print_quality
+    from specdeploy.spec.pipeline import load_pipeline
 
     pipeline = load_pipeline(pipeline_path)
     chosen = None if ks is None else integers(ks, "--experts-per-token")
@@ -397,7 +397,7 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
     """Run tritonserver on the pipeline's model repository until SIGTERM or Ctrl-C, then drain and exit."""
     import signal
 
-    from specdeploy.triton.server import DRAIN_TIMEOUT, TritonServer
+    from specdeploy.serve.tritonserver import DRAIN_TIMEOUT, TritonServer
     from specdeploy.workflows import package as package_pipeline
 
     if model_repository is None:
@@ -433,7 +433,7 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
 def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | None, device: str | None) -> None:
     """The main job end to end: build, package, serve on free local ports, stream a generation over gRPC with the
     acceptance statistics and a plain-vs-speculative comparison, then stop the server."""
-    from specdeploy.triton.server import TritonServer
+    from specdeploy.serve.tritonserver import TritonServer
     from specdeploy.workflows import RequestOptions, generate_over_grpc
     from specdeploy.workflows import package as package_pipeline
 

@@ -16,13 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
-from specdeploy.builders.torch import BuildResult, build
+from specdeploy.build.torch_engine import BuildResult, build
+from specdeploy.decoding.text import IncrementalDetokenizer
 from specdeploy.errors import SpecdeployError
-from specdeploy.layout import MODEL_REPOSITORIES_DIR, build_lock
-from specdeploy.pipeline import Device, PipelineSpec, load_pipeline
-from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
-from specdeploy.text import IncrementalDetokenizer
+from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock
+from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
+from specdeploy.spec.request import GenerationRequest
 
 TextCallback = Callable[[str], None]
 
@@ -80,9 +80,9 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
     repository (default model_repository/<name>), unless it was packaged from the same inputs already (force:
     write it anyway). served_at: where a trtllm repository will be mounted on the server, which its engine paths
     name (default: where it is written); trtllm_source: a TensorRT-LLM checkout (the llm_api line's model code)."""
-    from specdeploy.builders import trtllm
-    from specdeploy.triton.package_stamp import is_current, package_stamp, write_stamp
-    from specdeploy.triton.repository import write_repository
+    from specdeploy.build.trtllm import engine_build as trtllm
+    from specdeploy.serve.package_stamp import is_current, package_stamp, write_stamp
+    from specdeploy.serve.repository import write_repository
 
     pipeline = load_spec(pipeline_path, device)
     builder = trtllm.build if pipeline.backend.kind == "trtllm" else build
@@ -101,7 +101,7 @@ def export_component(pipeline_path: str | Path, engines_dir: Path, component: st
                      dtype: str = "bfloat16") -> Path:
     """Build the pipeline's engine if needed and write one component (target or draft) as a Hugging Face checkpoint
     directory at `output` (an MoE target as a per-expert Mixtral)."""
-    from specdeploy.builders.hf_export import export_hf
+    from specdeploy.build.hf_export import export_hf
     from specdeploy.models.registry import DTYPES
 
     engine_dir = prepare_engine(pipeline_path, engines_dir).directory
@@ -146,7 +146,7 @@ def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: b
                        on_text: TextCallback) -> dict:
     """One request through a running server's ensemble; with compare, the same request with num_draft_tokens 0
     afterwards. Speeds are end to end, as the client sees them."""
-    from specdeploy.triton.client import generate
+    from specdeploy.serve.client import generate
 
     def run(fields: dict, show: TextCallback | None) -> tuple[str, dict, float]:
         started, text, statistics = time.perf_counter(), "", {}
@@ -176,9 +176,9 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     write them to `output`, with a report of each head's held-out accuracy beside it (<output>.json)."""
     from rich.console import Console
 
-    from specdeploy.bench import load_prompts
+    from specdeploy.bench.run import load_prompts
     from specdeploy.models.registry import load_projection
-    from specdeploy.pipeline import SpeculationSpec
+    from specdeploy.spec.pipeline import SpeculationSpec
     from specdeploy.speculative.medusa import MedusaHeads
     from specdeploy.speculative.medusa_accuracy import accuracies
     from specdeploy.training import medusa as training

@@ -127,9 +127,9 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
     """Loaded tiny engines: draft_target (noisy fp32 draft), int4 and int8 (derived drafts), ngram, heuristic (noisy
     draft, adaptive proposal length)."""
-    from specdeploy.builders.torch import build
-    from specdeploy.pipeline import load_pipeline
+    from specdeploy.build.torch_engine import build
     from specdeploy.runtime.engine import Engine
+    from specdeploy.spec.pipeline import load_pipeline
 
     root = tmp_path_factory.mktemp("tiny-engines")
     specs = {
@@ -147,9 +147,9 @@ def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
 @pytest.fixture(scope="session")
 def smollm2_fp32_engines(tmp_path_factory) -> dict[str, object]:
     """SmolLM2-135M-Instruct in fp32 (for exactness), built once and loaded for both shipped methods."""
-    from specdeploy.builders.torch import build
-    from specdeploy.pipeline import load_pipeline
+    from specdeploy.build.torch_engine import build
     from specdeploy.runtime.engine import Engine
+    from specdeploy.spec.pipeline import load_pipeline
 
     root = tmp_path_factory.mktemp("smollm2")
     spec = yaml.safe_load((REPO / "pipelines" / "smollm2-draft-target.yaml").read_text())

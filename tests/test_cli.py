@@ -12,10 +12,10 @@ import torch
 from click.testing import CliRunner
 from conftest import REPO, tiny_pipeline, write_pipeline
 
-from specdeploy.builders.torch import build
+from specdeploy.build.torch_engine import build
 from specdeploy.cli import cli
 from specdeploy.errors import BuildError
-from specdeploy.pipeline import load_pipeline
+from specdeploy.spec.pipeline import load_pipeline
 
 
 class Result:
@@ -248,7 +248,7 @@ def test_up_to_date_check_hashes_only_changed_sources(tmp_path, tiny_checkpoints
     import os
     import shutil
 
-    from specdeploy import manifest
+    from specdeploy.spec import manifest
 
     source = shutil.copytree(tiny_checkpoints["target"], tmp_path / "source")
     path = tiny_pipeline(tmp_path, "tiny-hash", source, method="ngram")
@@ -351,7 +351,7 @@ def test_weights_overwritten_with_nan_are_an_error_not_empty_text(tmp_path, buil
 
 def test_non_finite_logits_during_generation_are_an_error(tiny_engines, monkeypatch):
     from specdeploy.errors import SpecdeployError
-    from specdeploy.sampling_params import SamplingParams
+    from specdeploy.spec.sampling_params import SamplingParams
 
     engine = tiny_engines["ngram"]
     original = engine.target.logits

@@ -11,7 +11,7 @@ from pathlib import Path
 from conftest import REPO
 
 from specdeploy.models.registry import ARCHITECTURES
-from specdeploy.pipeline import Method
+from specdeploy.spec.pipeline import Method
 from specdeploy.speculative.proposer import Proposer
 from specdeploy.speculative.registry import PROPOSERS
 
@@ -26,9 +26,9 @@ def test_import_contracts_hold():
 
 
 def test_loading_a_pipeline_imports_no_torch():
-    code = ("import sys; from specdeploy.pipeline import load_pipeline; "
+    code = ("import sys; from specdeploy.spec.pipeline import load_pipeline; "
             f"load_pipeline({str(REPO / 'pipelines' / 'smollm2-draft-target.yaml')!r}); "
-            "import specdeploy.request, specdeploy.layout; print('torch' in sys.modules)")
+            "import specdeploy.spec.request, specdeploy.spec.engine_paths; print('torch' in sys.modules)")
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "False"

@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 from conftest import REPO
 
-from specdeploy.builders.trtllm import plan
-from specdeploy.pipeline import load_pipeline
+from specdeploy.build.trtllm.engine_build import plan
+from specdeploy.spec.pipeline import load_pipeline
 
 SCRIPT = REPO / "scripts" / "trtllm-check.sh"
 METHODS = ("draft-target", "ngram", "medusa")
@@ -24,7 +24,8 @@ METHODS = ("draft-target", "ngram", "medusa")
 @pytest.fixture(autouse=True, scope="module")
 def configs_read_once():
     """The SmolLM2 GGUF's configuration, read once for this module (transformers parses the whole file)."""
-    from specdeploy.builders import checkpoints, trtllm
+    from specdeploy.build import checkpoints
+    from specdeploy.build.trtllm import engine_build as trtllm
 
     read, seen = checkpoints.target_config, {}
     with pytest.MonkeyPatch.context() as patch:

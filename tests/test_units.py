@@ -5,6 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdeploy.decoding.draft_length import ProposalLength
+from specdeploy.decoding.sampling import greedy_tokens, sampling_distribution, seen_after_drafts, seen_mask
+from specdeploy.decoding.stats import RequestStats
+from specdeploy.decoding.text import IncrementalDetokenizer
 from specdeploy.errors import RequestError
 from specdeploy.models.quantize import (
     Int4Linear,
@@ -14,12 +18,8 @@ from specdeploy.models.quantize import (
     quantize_int4,
     quantize_int8,
 )
-from specdeploy.sampling import greedy_tokens, sampling_distribution, seen_after_drafts, seen_mask
-from specdeploy.sampling_params import SamplingParams
+from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.ngram import NgramProposer
-from specdeploy.speculative.schedule import ProposalLength
-from specdeploy.stats import RequestStats
-from specdeploy.text import IncrementalDetokenizer
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():

@@ -2,7 +2,7 @@
 the largest step sets it. Our steps are measured; TensorRT-LLM's (its converter and trtllm-build, which need a GPU
 and its image) are estimated from upstream's code. The Job gets the larger, with MARGIN.
 
-Our steps take one of four paths (our_path; builders/trtllm_plan.py decides which exports a pipeline needs):
+Our steps take one of four paths (our_path; build/trtllm/plan.py decides which exports a pipeline needs):
 - torch: the torch backend loads the target whole in fp32 (transformers dequantizes a GGUF whole) and writes the
   engine's copies;
 - whole: on trtllm, a GGUF or packaged source (the small CPU models) is loaded the same way, then exported through a
@@ -31,7 +31,7 @@ measured build is at or under its line; the constants below are the envelope of 
 
 TensorRT-LLM's steps (NVIDIA/TensorRT-LLM of the 1.1/1.2 era, the copies docs/trtllm-upstream.md reads; an estimate,
 nothing here runs them):
-- the converter (builders/trtllm_convert.py, one rank after another): `from_hugging_face` reads each tensor's share
+- the converter (build/trtllm/convert.py, one rank after another): `from_hugging_face` reads each tensor's share
   for the rank through safe_open (models/model_weights_loader.py: `load_tensor` slices, `fill` assigns), and
   `save_checkpoint` hands them to safetensors' save_file (models/modeling_utils.py), whose releases before 0.6 copy
   every tensor to bytes first: CONVERT_COPIES of a rank's share, plus its runtime.
@@ -51,8 +51,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from specdeploy.builders.trtllm_plan import EXPORTS, build_workers, export_steps, streams_target
-from specdeploy.pipeline import PipelineSpec
+from specdeploy.build.trtllm.plan import EXPORTS, build_workers, export_steps, streams_target
+from specdeploy.spec.pipeline import PipelineSpec
 
 # Measured lines (see the module docstring): runtime in GiB, k in GiB per GiB of weights.
 TORCH_RUNTIME_GIB, TORCH_K = 0.88, 2.29  # the runtime: smollm2-moe-draft-target's GGUF load and MoE derivation

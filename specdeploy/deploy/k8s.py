@@ -30,7 +30,7 @@ from specdeploy.deploy.k8s_multinode import group_disruption_budget, leader_work
 from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.sizing import PodSize, pod_size
 from specdeploy.errors import SpecdeployError
-from specdeploy.pipeline import PipelineSpec, load_pipeline
+from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 
 CHECKPOINTS_CLAIM = "specdeploy-checkpoints"  # the user's volume holding the checkpoints a pipeline names
 DEFAULT_IMAGES = {"torch": "specdeploy-cpu", "trtllm": "specdeploy-gpu"}
@@ -112,7 +112,7 @@ def checkpoint_roots(pipeline: PipelineSpec) -> list[str]:
 
 def target_dimensions(pipeline: PipelineSpec, weights_gib: float | None):
     """The target's ModelConfig when its checkpoint is readable here, else None (then weights_gib is required)."""
-    from specdeploy.builders.checkpoints import target_config
+    from specdeploy.build.checkpoints import target_config
 
     try:
         return target_config(pipeline)
@@ -136,7 +136,7 @@ def build_copies(pipeline: PipelineSpec) -> int:
     checkpoints and engines, plus the Hugging Face directory where the plan exports one (a derived model)."""
     if pipeline.backend.kind == "torch":
         return 1
-    from specdeploy.builders.trtllm_plan import build_plan
+    from specdeploy.build.trtllm.plan import build_plan
 
     exports = {"export target", "export draft", "export dense source"}
     return 2 + any(step.action in exports for step in build_plan(pipeline, Path("/engine")))

@@ -16,7 +16,7 @@ import re
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.sizing import PodSize
 from specdeploy.errors import SpecdeployError
-from specdeploy.pipeline import PipelineSpec
+from specdeploy.spec.pipeline import PipelineSpec
 
 GPU_RESOURCE = "nvidia.com/gpu"
 GPU_PRODUCT_LABEL = "nvidia.com/gpu.product"  # set on each GPU node by NVIDIA's gpu-feature-discovery

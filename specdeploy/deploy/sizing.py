@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from specdeploy.models.config import ModelConfig
-from specdeploy.pipeline import PipelineSpec
+from specdeploy.spec.pipeline import PipelineSpec
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}

@@ -10,7 +10,7 @@ from specdeploy.errors import SpecdeployError
 @dataclass(frozen=True)
 class ModelConfig:
     """A decoder's dimensions; `architecture` names its family in models/registry.py. `quantization` is None
-    (dense) or a description of a weight-only quantized copy (see builders/torch.py)."""
+    (dense) or a description of a weight-only quantized copy (see build/torch_engine.py)."""
 
     vocab_size: int
     hidden_size: int

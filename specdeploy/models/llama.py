@@ -18,11 +18,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdeploy.kv_cache import KVCache, write_entries
-from specdeploy.machine import onednn_bf16
 from specdeploy.models.config import ModelConfig
+from specdeploy.models.device_transfer import from_host
+from specdeploy.models.kv_cache import KVCache, write_entries
+from specdeploy.models.machine import onednn_bf16
 from specdeploy.models.quantize import Int4Linear, Int8Linear, RescoredHead
-from specdeploy.transfer import from_host
 
 
 def packs_for_cpu(weight: torch.Tensor) -> bool:

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from specdeploy.reductions import topk_indices
+from specdeploy.models.reductions import topk_indices
 
 GROUP_SIZE = 32
 INT4_KERNEL_ROWS = 16  # torch's CPU int4 kernel packs output rows in blocks of 16

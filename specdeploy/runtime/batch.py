@@ -16,13 +16,8 @@ from dataclasses import dataclass
 
 import torch
 
-from specdeploy.errors import SpecdeployError
-from specdeploy.kv_cache import KVCache
-from specdeploy.models.llama import LlamaModel, ragged_forward_all, tree_forward_all
-from specdeploy.pipeline import Acceptance, Schedule
-from specdeploy.reductions import argmax
-from specdeploy.request import GenerationRequest
-from specdeploy.sampling import (
+from specdeploy.decoding.draft_length import ProposalLength
+from specdeploy.decoding.sampling import (
     RowStreams,
     penalised,
     request_generator,
@@ -31,12 +26,17 @@ from specdeploy.sampling import (
     seen_after_drafts,
     seen_mask,
 )
-from specdeploy.sequence import Sequence
+from specdeploy.decoding.sequence import Sequence
+from specdeploy.errors import SpecdeployError
+from specdeploy.models.device_transfer import PhaseClock, from_host
+from specdeploy.models.kv_cache import KVCache
+from specdeploy.models.llama import LlamaModel, ragged_forward_all, tree_forward_all
+from specdeploy.models.reductions import argmax
+from specdeploy.spec.pipeline import Acceptance, Schedule
+from specdeploy.spec.request import GenerationRequest
 from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_greedy
 from specdeploy.speculative.proposer import Proposal, Proposer
-from specdeploy.speculative.schedule import ProposalLength
 from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_greedy, accept_tree_typical
-from specdeploy.transfer import PhaseClock, from_host
 
 
 def outcome_rows(result: AcceptanceResult) -> torch.Tensor:

@@ -16,19 +16,19 @@ from pathlib import Path
 
 import torch
 
-from specdeploy import text
+from specdeploy.decoding import text
+from specdeploy.decoding.sequence import Sequence
+from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
-from specdeploy.layout import engine_pipeline
-from specdeploy.manifest import check_outputs
 from specdeploy.models.registry import load_component
-from specdeploy.pipeline import Method, PipelineSpec
-from specdeploy.request import GenerationRequest, check_request
 from specdeploy.runtime.batch import BatchDecoder
-from specdeploy.sampling_params import SamplingParams
-from specdeploy.sequence import Sequence
+from specdeploy.spec.engine_paths import engine_pipeline
+from specdeploy.spec.manifest import check_outputs
+from specdeploy.spec.pipeline import Method, PipelineSpec
+from specdeploy.spec.request import GenerationRequest, check_request
+from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.proposer import EngineParts
 from specdeploy.speculative.registry import create_proposer
-from specdeploy.stats import RequestStats
 
 
 @dataclass

@@ -18,12 +18,12 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdeploy.decoding.sequence import Sequence
+from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import ShuttingDown
-from specdeploy.pipeline import ServingSpec
-from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
-from specdeploy.sequence import Sequence
-from specdeploy.stats import RequestStats
+from specdeploy.spec.pipeline import ServingSpec
+from specdeploy.spec.request import GenerationRequest
 
 # on_tokens(tokens, finished, stats): new tokens of one request; finished is None or the finish reason
 # ("stop", "length", "cancelled", "error: ..."); stats: the request's RequestStats so far.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdeploy.sampling import Randomness, sample, uniform
+from specdeploy.decoding.sampling import Randomness, sample, uniform
 
 
 @dataclass

@@ -18,14 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from specdeploy.kv_cache import KVCache
+from specdeploy.decoding.sampling import greedy_tokens, sample, sampling_distribution
+from specdeploy.decoding.sequence import Sequence
+from specdeploy.models.device_transfer import from_host
+from specdeploy.models.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel, pad_rows, ragged_forward
+from specdeploy.models.reductions import argmax
 from specdeploy.models.registry import load_component
-from specdeploy.reductions import argmax
-from specdeploy.sampling import greedy_tokens, sample, sampling_distribution
-from specdeploy.sequence import Sequence
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
-from specdeploy.transfer import from_host
 
 FED_PER_STEP = 2  # committed tokens an own-cache row feeds at most in the batched forward (more: caught up alone)
 

@@ -21,12 +21,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from specdeploy.decoding.sequence import Sequence
 from specdeploy.errors import SpecdeployError
-from specdeploy.reductions import topk_indices
-from specdeploy.sequence import Sequence
+from specdeploy.models.device_transfer import from_host
+from specdeploy.models.reductions import topk_indices
+from specdeploy.spec.token_tree import TokenTree
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
-from specdeploy.token_tree import TokenTree
-from specdeploy.transfer import from_host
 
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "config.json"

@@ -9,7 +9,7 @@ same tokens per step. q is one-hot on each proposed token.
 
 from __future__ import annotations
 
-from specdeploy.sequence import Sequence
+from specdeploy.decoding.sequence import Sequence
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
 
 

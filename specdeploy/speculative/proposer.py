@@ -21,11 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from specdeploy.kv_cache import KVCache
-from specdeploy.pipeline import PipelineSpec
-from specdeploy.sequence import Sequence
-from specdeploy.token_tree import TokenTree
-from specdeploy.transfer import from_host
+from specdeploy.decoding.sequence import Sequence
+from specdeploy.models.device_transfer import from_host
+from specdeploy.models.kv_cache import KVCache
+from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.spec.token_tree import TokenTree
 
 if TYPE_CHECKING:
     from specdeploy.models.llama import LlamaModel

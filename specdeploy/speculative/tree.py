@@ -1,5 +1,5 @@
 """The exact acceptance rule for a token tree of one-hot proposals (Medusa); the tree's shape is
-specdeploy/token_tree.py.
+specdeploy/spec/token_tree.py.
 
 Acceptance, exact at any temperature (`accept_tree`): at a node with target distribution p, its children are tried
 in order, each as a one-hot proposal: child c is accepted with probability p'(c), where p' is p with the already
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 
 import torch
 
-from specdeploy.sampling import Randomness, sample, uniform
+from specdeploy.decoding.sampling import Randomness, sample, uniform
+from specdeploy.models.device_transfer import from_host
+from specdeploy.spec.token_tree import TokenTree
 from specdeploy.speculative.acceptance import AcceptanceResult
-from specdeploy.token_tree import TokenTree
-from specdeploy.transfer import from_host
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""Seeded generators for the edits a user asks of a model, around the text of corpus.py: misspelt text to correct,
+"""Seeded generators for the edits a user asks of a model, around the text of text_corpus.py: misspelt text to correct,
 records to turn into JSON, JSON to rewrite, blunt messages to make polite."""
 
 from __future__ import annotations

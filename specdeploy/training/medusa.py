@@ -22,10 +22,10 @@ from rich.table import Table
 from safetensors.torch import load_file, save_file
 
 from specdeploy.errors import SpecdeployError
-from specdeploy.request import GenerationRequest
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
-from specdeploy.sampling_params import SamplingParams
+from specdeploy.spec.request import GenerationRequest
+from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.medusa import MedusaHeads
 from specdeploy.speculative.medusa_accuracy import IGNORE, TOP_K, Features, hidden_features
 

@@ -13,7 +13,7 @@ import importlib.resources
 import json
 import random
 
-from specdeploy import corpus
+from specdeploy.build import text_corpus as corpus
 from specdeploy.errors import SpecdeployError
 from specdeploy.training import material
 

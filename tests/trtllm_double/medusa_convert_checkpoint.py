@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from specdeploy.builders.trtllm_upstream import MEDUSA_CONVERT_FLAGS
+from specdeploy.build.trtllm.upstream import MEDUSA_CONVERT_FLAGS
 
 DEFAULTS = {"--num_medusa_heads": 4, "--num_medusa_layers": 1, "--max_medusa_token_len": 63, "--tp_size": 1,
             "--pp_size": 1, "--workers": 1}

@@ -10,7 +10,7 @@ import json
 import sys
 from pathlib import Path
 
-from specdeploy.builders.trtllm_upstream import TRTLLM_BUILD_FLAGS
+from specdeploy.build.trtllm.upstream import TRTLLM_BUILD_FLAGS
 
 INTEGER_FLAGS = {"--max_batch_size", "--max_input_len", "--max_seq_len", "--max_num_tokens", "--max_beam_width",
                  "--workers", "--max_draft_len"}

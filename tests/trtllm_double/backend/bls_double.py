@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 from tensorrtllm_double import DoubleError, TensorrtllmDouble, responses
 
-from specdeploy.builders.trtllm_plan import build_plan
-from specdeploy.pipeline import PipelineSpec
-from specdeploy.triton.repository import DRAFT_MODEL, trtllm_engines
-from specdeploy.triton.trtllm_models import tensorrtllm_model
+from specdeploy.build.trtllm.plan import build_plan
+from specdeploy.serve.repository import DRAFT_MODEL, trtllm_engines
+from specdeploy.serve.trtllm.model_configs import tensorrtllm_model
+from specdeploy.spec.pipeline import PipelineSpec
 
 
 @functools.cache

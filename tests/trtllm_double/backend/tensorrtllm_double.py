@@ -30,16 +30,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from specdeploy.builders.trtllm_upstream import (
+from specdeploy.build.trtllm.upstream import (
     BOOLEAN_VALUES,
     GPT_MODEL_TYPES,
     INSTANCE_ERROR,
     MISSING_PARAMETER,
     TENSORRTLLM_REQUIRED_PARAMETERS,
 )
+from specdeploy.decoding.sampling import seen_mask
 from specdeploy.models.llama import ragged_forward_all
 from specdeploy.models.registry import load_component
-from specdeploy.sampling import seen_mask
 from specdeploy.speculative.ngram import common_prefix_length
 
 REMEMBERED = 4096  # logits of this many recent (sequence, positions) queries are kept

@@ -1,0 +1,153 @@
+"""What verification costs on an MoE target. One decode token reads the k experts it is routed to; verifying n
+tokens reads the union of the experts they are routed to, so verification is no longer nearly free. Per
+verification length n this measures, on the prompts' own text (their greedy answers): the distinct experts the n
+tokens touch per layer, the expert weight bytes that reads, and the forward's time in plain decode steps."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+from specdeploy.build.checkpoints import load_checkpoint
+from specdeploy.errors import SpecdeployError
+from specdeploy.models.device_transfer import finish
+from specdeploy.models.llama import LlamaModel, ragged_forward_all
+from specdeploy.models.moe import MixtralModel
+from specdeploy.runtime.engine import Engine
+from specdeploy.spec.engine_paths import MEASURED_POLICY_FILE, PIPELINE_FILE, write_json
+from specdeploy.spec.pipeline import load_pipeline
+
+STARTS_PER_SEQUENCE = 2  # verification windows per prompt (its answer's first and last): up to 30 on 15 prompts
+
+
+def experts_touched(model: MixtralModel) -> list[int]:
+    """Per MoE layer, the distinct experts the last forward routed any token to."""
+    return [int((layer.expert_tokens > 0).sum()) for layer in model.moe_layers()]
+
+
+def dense_source(engine: Engine) -> LlamaModel | None:
+    """The dense model a derived MoE target was split from, in the target's dtype (None for an MoE checkpoint)."""
+    pipeline = engine.pipeline
+    if pipeline.target.moe is None:
+        return None
+    dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
+    # built on the engine's device: a CPU build may prepack bf16 weights for oneDNN, which a GPU cannot run
+    state = {key: value.to(engine.device) for key, value in dense.state.items()}
+    return LlamaModel(dense.config, state, engine.target.dtype).eval()
+
+
+def timed_forward(model: LlamaModel, cache, window: torch.Tensor, start: int, repeats: int) -> float:
+    """The median seconds of one forward (with logits) over `window` [1, n] at position `start`."""
+    samples = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        model.logits(ragged_forward_all(model, cache, window, [start]))
+        finish(window.device)
+        samples.append(time.perf_counter() - began)
+    return sorted(samples)[repeats // 2]
+
+
+def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], max_length: int,
+                       repeats: int = 1, dense: LlamaModel | None = None) -> dict:
+    """sequences: (prompt + answer ids, index of the answer's first token). For n = 1 .. max_length: the mean
+    distinct experts per layer over verification windows of n real tokens, the expert bytes a forward over them
+    reads, and its time relative to n = 1; n = 1 is a plain decode step. Each window is timed `repeats` times (its
+    median) and the median across windows drops the outliers, at a third of the cost of three timings per window.
+    With `dense`, the same windows timed on it, interleaved with the MoE's: the dense verify curve beside the
+    union's, and how fast the MoE's plain step is against the dense one's."""
+    model, device = engine.target, engine.device
+    models = [model] if dense is None else [model, dense]
+    distinct_at: dict[int, list[float]] = {n: [] for n in range(1, max_length + 1)}
+    seconds_at = [{n: [] for n in range(1, max_length + 1)} for _ in models]
+    with torch.inference_mode():
+        for ids, answer_start in sequences:
+            room = len(ids) - answer_start - max_length
+            if room < 0:
+                continue
+            caches = [m.new_cache(1, len(ids) + 1) for m in models]
+            for m, cache in zip(models, caches):
+                m(torch.tensor([ids], device=device), torch.arange(len(ids), device=device)[None], cache)  # once
+            for j in range(STARTS_PER_SEQUENCE):
+                start = answer_start + room * j // max(STARTS_PER_SEQUENCE - 1, 1)
+                for n in range(1, max_length + 1):
+                    window = torch.tensor([ids[start:start + n]], device=device)
+                    for m, cache, seconds in zip(models, caches, seconds_at):
+                        seconds[n].append(timed_forward(m, cache, window, start, repeats))
+                        if m is model:
+                            touched = experts_touched(model)
+                            distinct_at[n].append(sum(touched) / len(touched))
+    lengths = [n for n in distinct_at if distinct_at[n]]
+    if not lengths:
+        return {}
+    distinct = [sum(distinct_at[n]) / len(distinct_at[n]) for n in lengths]
+    medians = [[statistics.median(seconds[n]) for n in lengths] for seconds in seconds_at]
+    costs = [[s / median[0] for s in median] for median in medians]
+    layers = model.moe_layers()
+    curve = {"verification_length": lengths, "num_experts": model.config.num_experts,
+             "experts_per_token": model.config.experts_per_token,
+             "distinct_experts_per_layer": distinct,
+             "expert_bytes_read": [d * len(layers) * layers[0].expert_bytes for d in distinct],
+             "verify_cost": costs[0]}
+    if dense is not None:
+        curve["dense_verify_cost"] = costs[1]
+        # above 1: a plain decode step of the MoE is faster than the dense model's (same windows, interleaved)
+        curve["plain_step_speed_vs_dense"] = medians[1][0] / medians[0][0]
+    return curve
+
+
+def predicted_speedups(per_position_acceptance: list[float], draft_cost: float, verify_cost: list[float]
+                       ) -> list[float]:
+    """[gamma - 1]: the predicted speedup of drafting gamma tokens per step, for gamma = 1 .. len(verify_cost) - 1.
+    per_position_acceptance[i]: the fraction of steps drafting position i + 1 that accepted it (a chain accepts a
+    prefix, so that is the probability of accepting at least i + 1 tokens; measured, not assumed independent);
+    draft_cost: plain steps per drafted token; verify_cost[n - 1]: plain steps for verifying n tokens (the MoE's
+    union cost, measured). A step then emits 1 + sum(p[:gamma]) tokens for gamma * draft_cost + verify_cost[gamma]."""
+    gammas = range(1, min(len(verify_cost) - 1, len(per_position_acceptance)) + 1)
+    return [(1 + sum(per_position_acceptance[:gamma])) / (gamma * draft_cost + verify_cost[gamma]) for gamma in gammas]
+
+
+def measured_policy(report: dict) -> dict:
+    """What `bench --measure-gamma-cap` writes into the engine (layout.MEASURED_POLICY_FILE): the gamma with the
+    best predicted speedup, and the measurements it was picked from."""
+    curve = report["moe"]
+    return {"gamma_cap": curve["best_gamma"], "measured_at_gamma": report["num_draft_tokens"],
+            "predicted_speedup_by_gamma": curve["predicted_speedup_by_gamma"],
+            "realized_speedup_at_measured_gamma": report["speedup"],
+            "per_position_acceptance": report["per_position_acceptance"],
+            "draft_cost_ratio": report["draft_cost_ratio"], "verify_cost": curve["verify_cost"],
+            "machine": report["machine"], "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
+def lift_gamma_cap(engine: Engine) -> None:
+    """Let `engine` draft its pipeline's full gamma, whatever its cap, so a bench measures the acceptance of every
+    position (what picking a cap needs)."""
+    architecture = engine.target.config.architecture
+    if architecture != "mixtral":
+        raise SpecdeployError(f"{engine.pipeline.name}: --measure-gamma-cap picks a gamma from an MoE target's "
+                              f"expert-union verify cost, and this target is {architecture}")
+    if engine.method not in ("draft_target", "ngram"):
+        raise SpecdeployError(f"{engine.pipeline.name}: --measure-gamma-cap needs draft_target or ngram "
+                              f"speculation, the pipeline's is {engine.method}")
+    engine.pipeline = engine.pipeline.with_gamma_cap(None)
+
+
+def save_gamma_cap(engine: Engine, report: dict) -> str:
+    """Write the measured policy into the engine; returns what it picked and why, in a sentence."""
+    if "predicted_speedup_by_gamma" not in report.get("moe", {}):
+        raise SpecdeployError(f"{engine.pipeline.name}: no gamma could be predicted (no verification window fit "
+                              f"the answers, or nothing was drafted): use longer --max-tokens")
+    policy = measured_policy(report)
+    path = engine.dir / MEASURED_POLICY_FILE
+    write_json(path, policy)
+    cap, by_gamma = policy["gamma_cap"], policy["predicted_speedup_by_gamma"]
+    text = (f"gamma cap {cap}: predicted {by_gamma[cap - 1]:.2f}x plain decode, the best of "
+            f"{' '.join(f'{v:.2f}' for v in by_gamma)} for gamma 1 to {len(by_gamma)} (at gamma "
+            f"{policy['measured_at_gamma']} it ran at {policy['realized_speedup_at_measured_gamma']:.2f}x); "
+            f"written to {path}")
+    declared = load_pipeline(engine.dir / PIPELINE_FILE).serving.policy.gamma_cap
+    if declared != "measured":
+        text += (f". This pipeline's serving.policy.gamma_cap is {declared!r}: set it to measured (and rebuild) to "
+                 f"serve with it")
+    return text

@@ -1,0 +1,83 @@
+"""How much a derived MoE (target.moe) loses against its dense source, for each number of experts per token:
+teacher-forced over held-out text (text_corpus.py's held-out half, never used for calibration), the fraction of
+positions where both pick the same next token, the mean KL divergence from the dense model's next-token
+distribution, and each model's perplexity on the text."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from rich.console import Console
+from rich.progress import track
+from rich.table import Table
+
+from specdeploy.build import text_corpus as corpus
+from specdeploy.build.checkpoints import load_checkpoint
+from specdeploy.build.moe_derive import calibration_sequences, derive_moe
+from specdeploy.errors import SpecdeployError
+from specdeploy.models.llama import LlamaModel
+from specdeploy.models.moe import MixtralModel
+from specdeploy.spec.pipeline import PipelineSpec
+
+
+def held_out_sequences(tokenizer, count: int = 12, max_length: int = 256) -> list[list[int]]:
+    _, texts = corpus.calibration_split()
+    return [tokenizer.encode(text)[:max_length] for text in texts[:count]]
+
+
+def teacher_forced_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
+    """[T, V] fp32: the next-token logits at every position of `tokens`."""
+    with torch.inference_mode():
+        ids = torch.tensor([tokens])
+        return model.logits(model(ids, torch.arange(len(tokens))[None], model.new_cache(1, len(tokens))))[0]
+
+
+def perplexity(logits: list[torch.Tensor], sequences: list[list[int]]) -> float:
+    losses = [F.cross_entropy(scores[:-1], torch.tensor(tokens[1:]), reduction="sum")
+              for scores, tokens in zip(logits, sequences)]
+    return math.exp(float(sum(losses)) / sum(len(s) - 1 for s in sequences))
+
+
+def compare(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> dict:
+    positions = sum(len(r) for r in reference)
+    agree = sum(int((dense.argmax(-1) == moe.argmax(-1)).sum()) for dense, moe in zip(reference, logits))
+    divergence = sum(float(F.kl_div(moe.log_softmax(-1), dense.log_softmax(-1), log_target=True, reduction="sum"))
+                     for dense, moe in zip(reference, logits))
+    return {"greedy_agreement": agree / positions, "kl_from_dense": divergence / positions}
+
+
+def moe_quality(pipeline: PipelineSpec, experts_per_token: list[int], quiet: bool = False) -> dict:
+    """The dense model's perplexity and, per k, the derived MoE's quality against it (see the module docstring)."""
+    spec = pipeline.target.moe
+    if spec is None:
+        raise SpecdeployError(f"{pipeline.name}: the target has no moe section to derive an MoE with")
+    bad = [k for k in experts_per_token if not 1 <= k <= spec.experts]
+    if bad:
+        raise SpecdeployError(f"experts per token must be in [1, {spec.experts}], got {bad}")
+    dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
+    sequences = held_out_sequences(dense.tokenizer)
+    reference = [teacher_forced_logits(LlamaModel(dense.config, dense.state), s) for s in sequences]
+    calibration = calibration_sequences(dense.tokenizer, spec.calibration_tokens)
+    rows = []
+    for k in track(experts_per_token, description="deriving and scoring", disable=quiet):
+        config, state = derive_moe(dense.config, dense.state, calibration, spec.experts, k)
+        model = MixtralModel(config, state)
+        logits = [teacher_forced_logits(model, s) for s in sequences]
+        rows.append({"experts_per_token": k, **compare(reference, logits),
+                     "perplexity": perplexity(logits, sequences)})
+    return {"experts": spec.experts, "held_out_tokens": sum(len(s) for s in sequences),
+            "dense_perplexity": perplexity(reference, sequences), "by_experts_per_token": rows}
+
+
+def print_quality(report: dict, console: Console | None = None) -> None:
+    table = Table(title=f"derived MoE against the dense model ({report['experts']} experts, "
+                        f"{report['held_out_tokens']} held-out tokens, dense perplexity "
+                        f"{report['dense_perplexity']:.1f})")
+    for column in ("experts per token", "greedy agreement", "KL from dense", "perplexity"):
+        table.add_column(column, justify="right")
+    for row in report["by_experts_per_token"]:
+        table.add_row(str(row["experts_per_token"]), f"{row['greedy_agreement']:.3f}",
+                      f"{row['kl_from_dense']:.3f}", f"{row['perplexity']:.1f}")
+    (console or Console()).print(table)

@@ -1,0 +1,336 @@
+"""`specdeploy bench ... --report DIR`: the in-process bench as a self-contained report a reader can look at.
+
+DIR/report.md names the machine, threads, dtype, versions and pipelines and lists every figure; the PNG plots
+beside it (matplotlib, the `report` extra) show:
+- speedup.png: speedup against gamma per method. Points are measured; the solid line is the prediction from the
+  measured acceptance by position, c and v (1 + sum of p_i for i <= gamma over gamma c + v), the dashed one the
+  seed's formula with the overall acceptance alpha; a Medusa tree has its own prediction (one point).
+- acceptance.png: acceptance by draft position (Medusa: by tree depth, which is the head).
+- tokens_by_kind.png: plain and speculative tokens/s per prompt kind for each pipeline.
+- moe.png (MoE pipelines): distinct experts touched and verify cost against verification length, beside the
+  dense model's verify cost.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+from importlib import metadata
+from itertools import accumulate
+from pathlib import Path
+
+from specdeploy.bench.moe_curve import predicted_speedups
+from specdeploy.bench.peers import peer_ratios
+from specdeploy.bench.run import phases_text, predicted_speedup
+from specdeploy.errors import SpecdeployError
+
+FIGURE_SIZE = (7.5, 4.5)
+WIDE_FIGURE = (11.5, 4.8)  # room for a legend beside the axes
+DPI = 120
+
+
+def pyplot():
+    """matplotlib's pyplot on the file-only Agg backend; a clear error when the extra is not installed."""
+    try:
+        import matplotlib
+    except ImportError:
+        raise SpecdeployError("--report draws its plots with matplotlib: pip install 'specdeploy[report]'") from None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def label(report: dict) -> str:
+    return f"{report['pipeline']} ({report['method']})"
+
+
+def gamma_curves(report: dict) -> dict:
+    """Predicted speedup by gamma, as the lines of the speedup plot.
+    - by_position: from the measured acceptance by position, c and v, up to the measured gamma (a constant
+      schedule drafts every position each step; an MoE's verify cost is its measured union curve).
+    - formula: the seed's formula with the overall alpha up to twice the gamma (not for an MoE, whose verify cost
+      grows with the verification length).
+    With the report's verify_costs (a forward over n + 1 positions, in plain steps), v at each gamma follows that
+    curve, scaled to pass through the v measured at the served gamma; without them v is the same at every gamma."""
+    c, v = report["draft_cost_ratio"], report["verify_cost_ratio"]
+    positions = report["per_position_acceptance"]
+    curves: dict[str, dict[int, float]] = {"by_position": {}, "formula": {}}
+    if report.get("moe"):
+        curves["by_position"] = dict(enumerate(report["moe"].get("predicted_speedup_by_gamma", []), start=1))
+        return curves
+    top = max(2 * max(report["num_draft_tokens"], 1), 8)
+    widths = [v] * (top + 1)
+    if report.get("verify_costs"):
+        # a wider forward never costs less: the running maximum keeps timing noise from bending the lines down
+        costs = list(accumulate(report["verify_costs"], max))
+        served = round(measured_gamma(report))
+        if isinstance(report.get("gamma_cap"), int):  # v was measured at the capped gamma
+            served = min(served, report["gamma_cap"])
+        served = min(max(served, 0), len(costs) - 1)
+        widths = [v * cost / costs[served] for cost in costs]
+        top = len(costs) - 1
+    if report.get("schedule", "constant") == "constant" and positions:
+        curves["by_position"] = dict(enumerate(predicted_speedups(positions, c, widths[:len(positions) + 1]),
+                                               start=1))
+    curves["formula"] = {g: predicted_speedup(report["acceptance_rate"], g, c, widths[g]) for g in range(1, top + 1)}
+    return curves
+
+
+def measured_gamma(report: dict) -> float:
+    """Where the measured point sits: the gamma, or the mean proposal length under an adaptive schedule."""
+    if report.get("schedule", "constant") != "constant":
+        return report["mean_draft_tokens_per_step"]
+    return report["num_draft_tokens"]
+
+
+def plot_speedup(plt, reports: list[dict], path: Path) -> None:
+    figure, axes = plt.subplots(figsize=WIDE_FIGURE)
+    for index, report in enumerate(reports):
+        color = f"C{index}"
+        if report["method"] == "medusa":
+            size = report["medusa"]["tree_size"]
+            axes.scatter([size], [report["predicted_speedup"]], marker="x", color=color,
+                         label=f"{label(report)}: predicted, tree of {size} nodes")
+            axes.scatter([size], [report["speedup"]], color=color, zorder=3, label=f"{label(report)}: measured")
+            continue
+        curves = gamma_curves(report)
+        if curves["by_position"]:
+            axes.plot(list(curves["by_position"]), list(curves["by_position"].values()), color=color,
+                      label=f"{label(report)}: predicted from acceptance by position")
+        if curves["formula"]:
+            axes.plot(list(curves["formula"]), list(curves["formula"].values()), color=color, linestyle="--",
+                      alpha=0.6, label=f"{label(report)}: seed formula, alpha {report['acceptance_rate']:.2f}")
+        sweep = report.get("gamma_sweep", {})
+        if sweep:
+            axes.scatter([int(g) for g in sweep], list(sweep.values()), color=color, marker="^", zorder=3,
+                         label=f"{label(report)}: measured at other gammas")
+        schedule = "" if report.get("schedule", "constant") == "constant" else " (mean proposal length)"
+        axes.scatter([measured_gamma(report)], [report["speedup"]], color=color, zorder=3,
+                     label=f"{label(report)}: measured{schedule}")
+    axes.axhline(1.0, color="grey", linewidth=0.8)
+    whole_number_ticks(axes.xaxis)
+    axes.set_xlabel("gamma (drafted tokens per step; Medusa: tree nodes)")
+    axes.set_ylabel("speedup over plain decode (×)")
+    axes.set_title("Speedup against gamma: measured points, predicted lines (above 1: speculation pays)")
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    save(plt, figure, path)
+
+
+def plot_acceptance(plt, reports: list[dict], path: Path) -> None:
+    figure, axes = plt.subplots(figsize=FIGURE_SIZE)
+    width = 0.8 / max(len(reports), 1)
+    for index, report in enumerate(reports):
+        positions = report["per_position_acceptance"]
+        xs = [p + 1 + (index - (len(reports) - 1) / 2) * width for p in range(len(positions))]
+        axes.bar(xs, positions, width=width, label=label(report), color=f"C{index}")
+    whole_number_ticks(axes.xaxis)
+    axes.set_xlabel("draft position (Medusa: tree depth = head)")
+    axes.set_ylabel("fraction of steps accepting it")
+    axes.set_ylim(0, 1)
+    axes.set_title("Acceptance by draft position")
+    axes.legend(fontsize=8)
+    save(plt, figure, path)
+
+
+def plot_kinds(plt, reports: list[dict], path: Path) -> None:
+    kinds = sorted({kind for report in reports for kind in report["by_kind"]})
+    figure, axes = plt.subplots(figsize=WIDE_FIGURE)
+    bars = [(report, mode) for report in reports for mode in ("plain", "speculative")]
+    width = 0.8 / max(len(bars), 1)
+    for index, (report, mode) in enumerate(bars):
+        values = [report["by_kind"].get(kind, {}).get(f"{mode}_tokens_per_s", 0.0) for kind in kinds]
+        xs = [k + (index - (len(bars) - 1) / 2) * width for k in range(len(kinds))]
+        number = reports.index(report)
+        axes.bar(xs, values, width=width, color=f"C{number}", alpha=0.45 if mode == "plain" else 1.0,
+                 label=f"{label(report)}, {mode}")
+    axes.set_xticks(range(len(kinds)), kinds)
+    axes.set_xlabel("prompt kind")
+    axes.set_ylabel("decode tokens/s")
+    axes.set_title("Tokens per second by prompt kind (light: plain decode)")
+    axes.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    save(plt, figure, path)
+
+
+def plot_moe(plt, report: dict, path: Path) -> None:
+    curve = report["moe"]
+    figure, (experts, cost) = plt.subplots(1, 2, figsize=(FIGURE_SIZE[0] * 1.4, FIGURE_SIZE[1]))
+    lengths = curve["verification_length"]
+    experts.plot(lengths, curve["distinct_experts_per_layer"], marker="o")
+    experts.axhline(curve["num_experts"], color="grey", linestyle=":", label=f"all {curve['num_experts']} experts")
+    experts.set_xlabel("verification length (tokens)")
+    experts.set_ylabel("distinct experts per layer")
+    experts.set_ylim(0, curve["num_experts"] * 1.08)
+    experts.set_title(f"Experts touched ({curve['experts_per_token']} per token)")
+    experts.legend(fontsize=8)
+    cost.plot(lengths, curve["verify_cost"], marker="o", label="MoE target")
+    if "dense_verify_cost" in curve:
+        cost.plot(lengths, curve["dense_verify_cost"], marker="s", linestyle="--", label="dense model it came from")
+    for axes in (experts, cost):
+        whole_number_ticks(axes.xaxis)
+    cost.set_xlabel("verification length (tokens)")
+    cost.set_ylabel("forward time / plain decode step")
+    cost.set_title("Verify cost")
+    cost.legend(fontsize=8)
+    save(plt, figure, path)
+
+
+def whole_number_ticks(axis) -> None:
+    """Ticks only at whole numbers: gammas, positions and lengths have no 1.5."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def save(plt, figure, path: Path) -> None:
+    figure.tight_layout()
+    figure.savefig(path, dpi=DPI)
+    plt.close(figure)
+
+
+def versions() -> dict[str, str]:
+    found = {"python": platform.python_version()}
+    for package in ("specdeploy", "torch", "transformers", "nvidia-pytriton", "llama-cpp-python"):
+        try:
+            found[package] = metadata.version(package)
+        except metadata.PackageNotFoundError:
+            found[package] = "not installed"
+    return found
+
+
+def figures_table(reports: list[dict]) -> list[str]:
+    rows = [("plain decode tokens/s", "baseline_tokens_per_s", "{:.1f}"),
+            ("speculative tokens/s", "speculative_tokens_per_s", "{:.1f}"), ("speedup", "speedup", "{:.2f}×"),
+            ("predicted speedup", "predicted_speedup", "{:.2f}×"), ("acceptance rate", "acceptance_rate", "{:.2f}"),
+            ("mean accepted length (tokens/step)", "mean_accepted_length", "{:.2f}"),
+            ("draft cost c", "draft_cost_ratio", "{:.3f}"), ("verify cost v", "verify_cost_ratio", "{:.2f}"),
+            ("gamma", "num_draft_tokens", "{}"), ("dtype", "dtype", "{}"), ("temperature", "temperature", "{}"),
+            ("max tokens", "max_tokens", "{}"), ("prompts", "prompts", "{}"),
+            ("greedy output equal to plain", "greedy_match", "{}"),
+            ("transformers generate tokens/s", "transformers_tokens_per_s", "{:.1f}")]
+    lines = ["| figure | " + " | ".join(label(r) for r in reports) + " |",
+             "|---|" + "---|" * len(reports)]
+    for name, key, form in rows:
+        values = [form.format(r[key]) if r.get(key) is not None else "–" for r in reports]
+        lines.append(f"| {name} | " + " | ".join(values) + " |")
+    return lines
+
+
+def peer_lines(reports: list[dict]) -> list[str]:
+    """The Peers section: each peer's tokens/s and ours over theirs, from the same run; where a peer is faster."""
+    lines = []
+    for report in reports:
+        if "peers" not in report:
+            continue
+        ratios = peer_ratios(report)
+        lines += [f"## Peers: {label(report)}", "", "Measured in the same run on the same weights and prompts, greedy.",
+                  "", "| peer | configuration | tokens/s | ours plain ÷ peer | ours speculative ÷ peer |",
+                  "|---|---|---|---|---|"]
+        for name, peer in report["peers"].items():
+            if "skipped" in peer:
+                lines.append(f"| {name} | skipped: {peer['skipped']} | – | – | – |")
+                continue
+            ratio = ratios[name]
+            what = peer["what"]
+            if "common_prefix_tokens" in peer:
+                what += f"; its greedy output follows ours for {peer['common_prefix_tokens']:.1f} tokens on average"
+            lines.append(f"| {name} | {what} | {peer['tokens_per_s']:.1f} | {ratio['ours_plain']:.2f}× | "
+                         f"{ratio['ours_speculative']:.2f}× |")
+        faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
+        lines += ["", (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster else
+                       "No peer was faster than our speculative decoding here."), ""]
+    return lines
+
+
+def write_report(reports: list[dict], directory: Path, pipelines: list[str]) -> Path:
+    """Write DIR/report.md, the plots and DIR/reports.json for the in-process bench `reports` (one per pipeline,
+    measured in one run). Returns the report.md path."""
+    plt = pyplot()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    machine = reports[0]["machine"]
+    plots = {"speedup.png": "Speedup against gamma", "acceptance.png": "Acceptance by draft position",
+             "tokens_by_kind.png": "Tokens per second by prompt kind"}
+    plot_speedup(plt, reports, directory / "speedup.png")
+    plot_acceptance(plt, reports, directory / "acceptance.png")
+    plot_kinds(plt, reports, directory / "tokens_by_kind.png")
+    for report in reports:
+        if report.get("moe"):
+            name = f"moe-{report['pipeline']}.png"
+            plot_moe(plt, report, directory / name)
+            plots[name] = f"MoE: experts touched and verify cost ({report['pipeline']})"
+    (directory / "reports.json").write_text(json.dumps(reports, indent=2))
+    lines = ["# specdeploy bench report", "",
+             f"Pipelines: {', '.join(f'`{p}`' for p in pipelines)}, measured in one run, prompt by prompt, each "
+             f"decoded plain and with speculation.", "",
+             "## Machine", "",
+             *(f"- {key}: {value}" for key, value in machine.items()),
+             f"- torch threads: {reports[0]['threads']}",
+             *(f"- {package} {version}" for package, version in versions().items()), "",
+             "## Time spent (seconds)", "",
+             *(f"- {label(r)}: {phases_text(r['phase_seconds'])}" for r in reports if r.get("phase_seconds")), "",
+             "## Figures", "", *figures_table(reports), ""]
+    for report in reports:
+        kinds = report["by_kind"]
+        lines += [f"### {label(report)} by prompt kind", "", "| kind | prompts | plain tokens/s | speculative "
+                  "tokens/s | speedup |", "|---|---|---|---|---|"]
+        lines += [f"| {kind} | {v['prompts']} | {v['plain_tokens_per_s']:.1f} | {v['speculative_tokens_per_s']:.1f} "
+                  f"| {v['speedup']:.2f}× |" for kind, v in kinds.items()]
+        lines += ["", "Acceptance by position: " + ", ".join(f"{p:.2f}" for p in report["per_position_acceptance"]),
+                  ""]
+    lines += peer_lines(reports)
+    lines += ["## Plots", ""] + [f"### {title}\n\n![{title}]({name})\n" for name, title in plots.items()]
+    path = directory / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def plot_concurrency(plt, server: dict, policy: dict | None, path: Path) -> None:
+    """Aggregate tokens/s against concurrent streams, with and without speculation; `policy` (full_up_to,
+    off_above) shades where the batch-aware policy reduces gamma and marks where it turns speculation off."""
+    rows = server["levels"]
+    levels = [row["concurrency"] for row in rows]
+    figure, axes = plt.subplots(figsize=FIGURE_SIZE)
+    axes.plot(levels, [row["speculative_tokens_per_s"] for row in rows], marker="o", label="served speculation")
+    axes.plot(levels, [row["plain_tokens_per_s"] for row in rows], marker="s", linestyle="--",
+              label="num_draft_tokens 0 (plain)")
+    if policy is not None:
+        axes.axvspan(policy["full_up_to"], policy["off_above"], color="grey", alpha=0.12,
+                     label=f"policy reduces gamma ({policy['full_up_to']} < batch ≤ {policy['off_above']})")
+        axes.axvline(policy["off_above"], color="grey", linestyle=":",
+                     label=f"policy turns speculation off above {policy['off_above']}")
+    axes.set_xscale("log", base=2)
+    axes.set_xticks(levels, [str(level) for level in levels])
+    axes.set_xlabel("concurrent gRPC streams")
+    axes.set_ylabel("aggregate tokens/s")
+    axes.set_title("Throughput against concurrency over gRPC")
+    axes.legend(fontsize=8)
+    save(plt, figure, path)
+
+
+def write_server_report(server: dict, directory: Path, pipeline=None) -> Path:
+    """DIR/report.md and DIR/concurrency.png for `bench --url` (run_server_bench's report). `pipeline`: the served
+    pipeline's spec, when given, for its policy."""
+    plt = pyplot()
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    policy = None
+    if pipeline is not None:
+        policy = {"full_up_to": pipeline.serving.policy.full_up_to, "off_above": pipeline.serving.policy.off_above}
+    plot_concurrency(plt, server, policy, directory / "concurrency.png")
+    (directory / "server.json").write_text(json.dumps(server, indent=2))
+    tokens = server["max_tokens"] or "the server's default"
+    lines = ["# specdeploy bench over gRPC", "", f"Server {server['url']}, {tokens} tokens per request; each "
+             "concurrency level runs the same requests with the served speculation and with num_draft_tokens 0.", "",
+             *(f"- {package} {version}" for package, version in versions().items()), "",
+             "| streams | speculative tokens/s | plain tokens/s | speedup | acceptance | failed |",
+             "|---|---|---|---|---|---|"]
+    lines += [f"| {r['concurrency']} | {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+              f"{r['speedup']:.2f}× | {r['acceptance_rate']:.2f} | {r['failed']} |" for r in server["levels"]]
+    if policy is not None:
+        lines += ["", f"Policy of `{pipeline.name}`: the request's gamma up to a batch of {policy['full_up_to']}, "
+                      f"reduced up to {policy['off_above']}, no drafting above."]
+    lines += ["", "![Throughput against concurrency](concurrency.png)", ""]
+    path = directory / "report.md"
+    path.write_text("\n".join(lines))
+    return path

@@ -1,0 +1,111 @@
+"""Load generator for a running server: concurrent gRPC streams, speculative and plain side by side.
+
+For each concurrency level, the same requests run twice, once with the server's speculation and once with
+`num_draft_tokens = 0`, so the crossover (where speculation stops paying as the batch fills) shows in one table.
+Optionally a fraction of requests is cancelled at random mid-stream, to check that nothing else is lost.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+from specdeploy.errors import RequestError
+from specdeploy.serve.client import generate
+
+
+@dataclass
+class RequestResult:
+    prompt_index: int
+    text: str = ""
+    generated_tokens: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    seconds: float = 0.0
+    error: str | None = None
+    cancelled: bool = False
+    finished: bool = False
+
+
+@dataclass
+class LevelResult:
+    concurrency: int
+    speculative: bool
+    seconds: float
+    results: list[RequestResult] = field(default_factory=list)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return sum(r.generated_tokens for r in self.results if r.finished) / self.seconds if self.seconds else 0.0
+
+
+def one_request(url: str, prompt: str, index: int, max_tokens: int, num_draft_tokens: int | None,
+                cancel_after: int | None) -> RequestResult:
+    """Stream one request; with cancel_after, drop the stream after that many responses."""
+    result = RequestResult(index)
+    started = time.perf_counter()
+    try:
+        for count, chunk in enumerate(generate(url, prompt, max_tokens, stream=True,
+                                               num_draft_tokens=num_draft_tokens), 1):
+            result.text += chunk.text
+            if chunk.statistics:
+                result.generated_tokens = int(chunk.statistics["generated_tokens"])
+                result.drafted = int(chunk.statistics["total_draft_tokens"])
+                result.accepted = int(chunk.statistics["total_accepted_draft_tokens"])
+            if chunk.final:
+                result.finished = True
+            elif cancel_after is not None and count >= cancel_after:
+                result.cancelled = True
+                break  # closing the generator cancels the stream
+    except RequestError as exc:
+        result.error = str(exc)
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def run_level(url: str, prompts: list[str], concurrency: int, requests: int, max_tokens: int,
+              num_draft_tokens: int | None = None, cancel_fraction: float = 0.0, seed: int = 0) -> LevelResult:
+    """`requests` requests (prompts in turn) with at most `concurrency` in flight."""
+    chooser = random.Random(seed)
+    plan = [(i % len(prompts), chooser.randint(1, 4) if chooser.random() < cancel_fraction else None)
+            for i in range(requests)]
+    results: list[RequestResult | None] = [None] * requests
+    next_index = iter(range(requests))
+    lock = threading.Lock()
+
+    def worker() -> None:
+        while True:
+            with lock:
+                index = next(next_index, None)
+            if index is None:
+                return
+            prompt_index, cancel_after = plan[index]
+            results[index] = one_request(url, prompts[prompt_index], prompt_index, max_tokens, num_draft_tokens,
+                                         cancel_after)
+
+    started = time.perf_counter()
+    threads = [threading.Thread(target=worker) for _ in range(concurrency)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return LevelResult(concurrency, num_draft_tokens != 0, time.perf_counter() - started, list(results))
+
+
+def check_results(level: LevelResult, expected: dict[int, str]) -> dict[str, int]:
+    """Counts of finished, cancelled, failed and corrupted requests (a finished text that differs from the
+    prompt's reference text)."""
+    counts = {"finished": 0, "cancelled": 0, "failed": 0, "lost": 0, "corrupted": 0}
+    for result in level.results:
+        if result.error is not None:
+            counts["failed"] += 1
+        elif result.cancelled:
+            counts["cancelled"] += 1
+        elif not result.finished:
+            counts["lost"] += 1
+        else:
+            counts["finished"] += 1
+            counts["corrupted"] += result.text != expected[result.prompt_index]
+    return counts

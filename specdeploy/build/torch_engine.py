@@ -1,0 +1,191 @@
+"""Torch backend builder: pipeline checkpoints → engines/<name>/{target,draft}/ + pipeline.json.
+
+Each component directory holds model.safetensors, config.json (the architecture and the dtype: what loading the
+weights needs) and the tokenizer files; everything else an engine is run with comes from the pipeline.json beside
+them. The build manifest is written last and records a fingerprint of every input; a build with the same
+fingerprint is skipped (a change in a section that does not shape the engine, such as sampling or serving, only
+rewrites pipeline.json). The build happens in a hidden sibling directory that is moved into place only when
+complete, so a failed build never leaves an engine that looks finished.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import shutil
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import torch
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from safetensors.torch import save_file
+
+import specdeploy
+from specdeploy.build.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, pipeline_sources
+from specdeploy.build.moe_derive import derive_target
+from specdeploy.errors import BuildError, SpecdeployError
+from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
+from specdeploy.models.registry import DTYPES, projection_key
+from specdeploy.spec.engine_paths import build_lock, engine_path, save_engine_pipeline, staging_dir
+from specdeploy.spec.manifest import fingerprint, reuse, write_manifest
+from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
+
+ENGINE_FORMAT = 7  # bump whenever what a build writes changes, so existing engines are rebuilt
+LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+EXPERT_SUFFIXES = ("experts.gate_up_proj", "experts.down_proj")  # an MoE's stacked experts (models/moe.py)
+
+
+class BuildResult(NamedTuple):
+    directory: Path
+    built: bool  # False: the engine was already up to date
+
+
+def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
+    """The fingerprint of a build: spec sections, sources and versions."""
+    versions = {"specdeploy": specdeploy.__version__, "engine_format": ENGINE_FORMAT, "torch": torch.__version__}
+    return fingerprint(pipeline, pipeline_sources(pipeline), versions, final)
+
+
+def draft_quantization(draft: dict[str, torch.Tensor], precision: Literal["int4", "int8"]) -> dict:
+    """What quantized_draft_state produced, for the draft's config.json."""
+    if precision == "int8":
+        return {"method": "int8", "lm_head": "int8"}
+    head = "int4, top logits rescored at int8" if "lm_head.codes" in draft else "int8"
+    return {"method": "int4", "group_size": GROUP_SIZE, "lm_head": head}
+
+
+def quantized_draft_state(state: dict[str, torch.Tensor], precision: Literal["int4", "int8"]
+                          ) -> dict[str, torch.Tensor]:
+    """Weight-only quantized copy of the target. int4: projections (and each expert's) as int4 groups; the
+    vocabulary head as int4 groups plus int8 rows for rescoring its top logits (int8 alone when the vocabulary does
+    not suit the int4 kernel). int8: projections, experts and head as int8 rows. Either way norms and the embedding
+    table stay bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
+    quantize = quantize_int4 if precision == "int4" else quantize_int8
+    draft = {}
+    for name, tensor in state.items():
+        base = name.removesuffix(".weight")
+        if name.endswith(EXPERT_SUFFIXES):  # [E, N, K]: each expert's quantized parts, stacked
+            experts = [quantize(expert) for expert in tensor]
+            draft.update({f"{name}.{k}": torch.stack([e[k] for e in experts]) for k in experts[0]})
+        elif base.endswith(LINEAR_SUFFIXES):
+            draft.update({f"{base}.{k}": v for k, v in quantize(tensor).items()})
+        elif name != "lm_head.weight":
+            draft[name] = tensor.to(torch.bfloat16)
+    head = state[projection_key(state)]  # tied: the draft gets its own copy
+    if precision == "int4" and head.shape[0] % INT4_KERNEL_ROWS == 0:  # otherwise the head stays int8 only
+        draft.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
+    draft.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})
+    return draft
+
+
+def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, torch.Tensor], dtype: str,
+                    pipeline: PipelineSpec, quantization: dict | None = None) -> None:
+    directory.mkdir(parents=True)
+    config = dataclasses.replace(checkpoint.config, quantization=quantization,
+                                 max_position_embeddings=max(checkpoint.config.max_position_embeddings,
+                                                             pipeline.limits.max_sequence_length))
+    (directory / "config.json").write_text(json.dumps({"model": config.to_dict(), "dtype": dtype}, indent=2))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(directory / "model.safetensors"))
+    checkpoint.tokenizer.save_pretrained(directory)
+
+
+def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
+    """Int4 groups run along each projection's input dimension: hidden and intermediate (per expert) sizes.
+    `checkpoint`: what the draft is quantized from. (Int8 rows take any size.)"""
+    derive = pipeline.speculation.draft.derive
+    for name in ("hidden_size", "intermediate_size"):
+        if getattr(checkpoint.config, name) % GROUP_SIZE:
+            raise BuildError(f"speculation.draft.derive {derive} needs {name} divisible by {GROUP_SIZE}, got "
+                             f"{getattr(checkpoint.config, name)} in the {checkpoint.config.architecture} model it "
+                             f"quantizes (use derive: none with a draft checkpoint)")
+
+
+def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> None:
+    """The heads file (checked against the spec and the target) and its config.json, in the engine."""
+    spec = pipeline.speculation.medusa
+    source = pipeline.resolve(spec.heads)
+    try:
+        heads = MedusaHeads.load(source)
+    except SpecdeployError as exc:
+        raise BuildError(str(exc)) from None
+    found = {"num_heads": heads.num_heads, "num_layers": heads.num_layers}
+    for key, value in found.items():
+        if value != getattr(spec, key):
+            raise BuildError(f"speculation.medusa.{key} is {getattr(spec, key)} but {source} has {value}")
+    if heads.hidden_size != target.config.hidden_size:
+        raise BuildError(f"{source}: heads of hidden size {heads.hidden_size}, the target's is "
+                         f"{target.config.hidden_size}")
+    if heads.projections is not None and heads.projections.shape[1] != target.config.vocab_size:
+        raise BuildError(f"{source}: projections over {heads.projections.shape[1]} tokens, the target has "
+                         f"{target.config.vocab_size}")
+    directory.mkdir(parents=True)
+    heads.save(directory / HEADS_FILE)
+    write_heads_config(directory, heads)
+    report = source.with_suffix(".json")  # what train-medusa measured: bench predicts the speedup from it
+    if report.is_file():
+        shutil.copyfile(report, directory / ACCURACY_FILE)
+
+
+def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
+    """Build the pipeline's engines under engines_root/<name>/, unless they are up to date."""
+    if pipeline.backend.kind != "torch":
+        raise BuildError(f"{pipeline.name}: backend.kind is {pipeline.backend.kind}; in-process generation, bench "
+                         f"and the torch model repository need backend.kind: torch (specdeploy build builds a "
+                         f"trtllm pipeline)")
+    final = engine_path(engines_root, pipeline)
+    inputs = build_inputs(pipeline, final)
+    with build_lock(final):  # checked under the lock: a build that held it before us may have just written it
+        if not force and reuse(final, inputs, pipeline):
+            return BuildResult(final, False)
+        write_engine(pipeline, final, inputs, quiet)
+    return BuildResult(final, True)
+
+
+def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool) -> None:
+    """Write the engine at `final` through a staging directory (the caller holds build_lock(final))."""
+    speculation = pipeline.speculation
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
+        task = progress.add_task(f"[{pipeline.name}] loading target checkpoint", total=None)
+        target = dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
+        draft_spec = speculation.draft if speculation.method == "draft_target" else None
+        derive = None if draft_spec is None else draft_spec.derive
+        precision = None if draft_spec is None else draft_spec.weight_only
+        if derive == "int4_dense":
+            check_draft_quantizable(pipeline, dense)  # before the MoE's derivation, which takes minutes
+        moe = pipeline.target.moe
+        if moe is not None:
+            progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE "
+                                              f"({moe.experts_per_token} per token) from the dense target")
+            target = derive_target(moe, dense, str(pipeline.target.checkpoint.path))
+        if derive == "int4":
+            check_draft_quantizable(pipeline, target)
+        progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
+        save_engine_pipeline(staging, pipeline)
+        target_dtype = DTYPES[pipeline.target.dtype]
+        write_component(staging / "target", target, {k: v.to(target_dtype) for k, v in target.state.items()},
+                        pipeline.target.dtype, pipeline)
+        if draft_spec is not None:
+            if precision is not None:
+                # int4_dense: a derived MoE's dense source. Either way the attention is the target's, so the draft
+                # (activations in the target's dtype) can share the target's KV cache.
+                source = dense if derive == "int4_dense" else target
+                progress.update(task, description=f"[{pipeline.name}] quantizing the "
+                                                  f"{'dense source' if source is dense else 'target'} into an "
+                                                  f"{precision} draft")
+                draft_state = quantized_draft_state(source.state, precision)
+                write_component(staging / "draft", source, draft_state, pipeline.target.dtype, pipeline,
+                                draft_quantization(draft_state, precision))
+            else:
+                progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
+                draft = load_checkpoint(draft_spec.checkpoint, pipeline)
+                check_tokenizers_match(target.tokenizer, draft.tokenizer)
+                draft_dtype = DTYPES[draft_spec.dtype]
+                write_component(staging / "draft", draft, {k: v.to(draft_dtype) for k, v in draft.state.items()},
+                                draft_spec.dtype, pipeline)
+        if speculation.method == "medusa":
+            progress.update(task, description=f"[{pipeline.name}] writing Medusa heads")
+            write_medusa(staging / "medusa", pipeline, target)
+        write_manifest(staging, inputs)
+        progress.update(task, description=f"[{pipeline.name}] engine written to {final}")

@@ -1,0 +1,187 @@
+"""TensorRT-LLM builder (backend.kind: trtllm). It checks the pipeline against the target model, then runs the
+plan in build/trtllm/plan.py: our own exports first, then TensorRT-LLM's converters and trtllm-build, each
+logged to trtllm/logs/. Where TensorRT-LLM, trtllm-build or an NVIDIA GPU is missing it stops before doing anything
+and names what is missing; `specdeploy build --dry-run` prints the plan anywhere. As with the torch builder, the
+build happens in a hidden sibling directory moved into place when complete, and unchanged inputs skip the work."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+from pathlib import Path
+
+import yaml
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+import specdeploy
+from specdeploy.build.checkpoints import Checkpoint, load_checkpoint, pipeline_sources, target_config
+from specdeploy.build.hf_export import export_model
+from specdeploy.build.hf_tensors import read_projection
+from specdeploy.build.moe_derive import derive_target, export_derived_target
+from specdeploy.build.torch_engine import BuildResult
+from specdeploy.build.trtllm.plan import (
+    TRITON_IMAGE,
+    TRTLLM_VERSION,
+    Step,
+    build_plan,
+    check_model_fits,
+    llm_api_config,
+    readable_checkpoint,
+    streams_target,
+)
+from specdeploy.errors import BuildError
+from specdeploy.spec.engine_paths import build_lock, engine_path, save_engine_pipeline, staging_dir
+from specdeploy.spec.manifest import fingerprint, reuse, write_manifest
+from specdeploy.spec.pipeline import PipelineSpec
+
+MEDUSA_HEADS_FILE = "medusa_lm_head.safetensors"  # the name TensorRT-LLM's Medusa converter reads
+
+
+def missing_requirements(pipeline: PipelineSpec) -> list[str]:
+    """What this machine lacks for the pipeline's TensorRT-LLM build, in words (empty: nothing)."""
+    missing = []
+    converter = pipeline.backend.settings.medusa_converter
+    if pipeline.speculation.method == "medusa" and not Path(converter).is_file():
+        missing.append(f"TensorRT-LLM's Medusa converter at {converter} (backend.trtllm.medusa_converter: the "
+                       f"path of examples/medusa/convert_checkpoint.py from a TensorRT-LLM {TRTLLM_VERSION} "
+                       f"checkout)")
+    if importlib.util.find_spec("tensorrt_llm") is None:
+        missing.append(f"the tensorrt_llm package (TensorRT-LLM {TRTLLM_VERSION}; it ships in {TRITON_IMAGE})")
+    if shutil.which("trtllm-build") is None:
+        missing.append("trtllm-build on PATH (installed with TensorRT-LLM)")
+    import torch
+
+    if not torch.cuda.is_available():
+        missing.append("an NVIDIA GPU (torch sees no CUDA device)")
+    return missing
+
+
+def plan(pipeline: PipelineSpec, engines_root: Path) -> tuple[list[Step], list[str]]:
+    """The build's steps and notes on what was checked. Checks that need the target's config run when its
+    checkpoint is here; a checkpoint that is not (a GPU example planned on another machine) is a note."""
+    notes = []
+    try:
+        config = target_config(pipeline)
+    except BuildError as exc:
+        notes.append(f"head and expert divisibility not checked: {exc}")
+    else:
+        check_model_fits(pipeline, config)
+        notes.append(f"target: {config.architecture}, {config.num_heads} attention heads, {config.num_kv_heads} "
+                     f"key/value heads" + (f", {config.num_experts} experts" if config.num_experts else ""))
+    return build_plan(pipeline, engine_path(engines_root, pipeline)), notes
+
+
+def format_plan(pipeline: PipelineSpec, steps: list[Step], notes: list[str]) -> str:
+    settings = pipeline.backend.settings
+    lines = [f"{pipeline.name}: TensorRT-LLM {TRTLLM_VERSION}, line {settings.line}, served by {settings.server} "
+             f"({TRITON_IMAGE}); tp {settings.tp_size} x pp {settings.pp_size}, {settings.dtype}"]
+    lines += [f"  note: {note}" for note in notes]
+    lines += [f"[{number}/{len(steps)}] {step.describe()}" for number, step in enumerate(steps, 1)]
+    return "\n".join(lines)
+
+
+class Sources:
+    """The pipeline's models, each loaded whole once when an export first needs it: only sources TensorRT-LLM cannot
+    read as they are (GGUF and packaged files, which transformers dequantizes whole; the small CPU models), since a
+    Hugging Face checkpoint is read where it is or streamed (trtllm_plan.hf_dirs)."""
+
+    def __init__(self, pipeline: PipelineSpec) -> None:
+        self.pipeline = pipeline
+        self.loaded: dict[str, Checkpoint] = {}
+
+    def get(self, name: str) -> Checkpoint:
+        if name not in self.loaded:
+            pipeline = self.pipeline
+            if name == "dense":
+                self.loaded[name] = load_checkpoint(pipeline.target.checkpoint, pipeline)
+            elif name == "target":
+                dense, moe = self.get("dense"), pipeline.target.moe
+                self.loaded[name] = dense if moe is None else derive_target(moe, dense,
+                                                                            str(pipeline.target.checkpoint.path))
+            else:
+                self.loaded[name] = load_checkpoint(pipeline.speculation.draft.checkpoint, pipeline)
+        return self.loaded[name]
+
+
+def run_action(step: Step, pipeline: PipelineSpec, final: Path, output: Path, sources: Sources) -> None:
+    """The steps specdeploy does itself: exports and the LLM-API configuration."""
+    from specdeploy.models.registry import DTYPES, projection_key
+    from specdeploy.speculative.medusa import MedusaHeads, export_trtllm
+
+    dtype = DTYPES[pipeline.backend.settings.dtype]
+    exports = {"export target": "target", "export draft": "draft", "export dense source": "dense"}
+    if step.action == "export target" and streams_target(pipeline):
+        export_derived_target(pipeline.target.moe, readable_checkpoint(pipeline, "dense_source"), output, dtype)
+    elif step.action in exports:
+        model = sources.get(exports[step.action])
+        export_model(model.config, model.state, model.tokenizer, output, dtype, step.action.removeprefix("export "))
+    elif step.action == "export medusa heads":
+        heads = MedusaHeads.load(pipeline.resolve(pipeline.speculation.medusa.heads))
+        target_dir = readable_checkpoint(pipeline, "target")
+        if target_dir is not None:  # the heads need the target's projection only: read it alone
+            projection = read_projection(target_dir)
+        else:
+            target = sources.get("target")
+            projection = target.state[projection_key(target.state)]
+        output.mkdir(parents=True)
+        export_trtllm(heads, projection, output / MEDUSA_HEADS_FILE, dtype)
+        (output / "config.json").write_text(json.dumps({"medusa_num_heads": heads.num_heads,
+                                                        "medusa_num_layers": heads.num_layers}, indent=2))
+    elif step.action == "write llm_api.yaml":
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(yaml.safe_dump(llm_api_config(pipeline, final / "trtllm"), sort_keys=False))
+    else:
+        raise AssertionError(f"unknown build action {step.action!r}")
+
+
+def run_command(step: Step, log: Path) -> None:
+    """An external step, its output in `log`; a failure names the step, the exit status and the log."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("w") as sink:
+        sink.write(f"$ {' '.join(step.command)}\n")
+        sink.flush()
+        status = subprocess.run(step.command, stdout=sink, stderr=subprocess.STDOUT).returncode
+    if status != 0:
+        tail = log.read_text().splitlines()[-5:]
+        raise BuildError(f"{step.title} failed (exit status {status}); its log: {log}\n" + "\n".join(tail))
+
+
+def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
+    versions = {"specdeploy": specdeploy.__version__, "tensorrt_llm": TRTLLM_VERSION}
+    return fingerprint(pipeline, pipeline_sources(pipeline), versions, final)
+
+
+def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
+    """Run the plan into engines_root/<name>/trtllm, unless it is up to date; stops first, writing nothing, when
+    this machine lacks what a TensorRT-LLM build needs."""
+    steps, _ = plan(pipeline, engines_root)
+    missing = missing_requirements(pipeline)
+    if missing:
+        raise BuildError(f"{pipeline.name}: backend trtllm cannot build on this machine; missing: "
+                         f"{'; '.join(missing)}. Nothing was written. `specdeploy build --dry-run` prints the "
+                         f"{len(steps)} steps it would run.")
+    final = engine_path(engines_root, pipeline)
+    inputs = build_inputs(pipeline, final)
+    with build_lock(final):  # checked under the lock: a build that held it before us may have just written it
+        if not force and reuse(final, inputs, pipeline):
+            return BuildResult(final, False)
+        run_plan(pipeline, final, inputs, steps, quiet)
+    return BuildResult(final, True)
+
+
+def run_plan(pipeline: PipelineSpec, final: Path, inputs: dict, steps: list[Step], quiet: bool) -> None:
+    """Run the plan's steps into a staging directory that becomes `final` (the caller holds build_lock(final))."""
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, disable=quiet) as progress, staging_dir(final) as staging:
+        task = progress.add_task(f"[{pipeline.name}]", total=None)
+        save_engine_pipeline(staging, pipeline)
+        sources = Sources(pipeline)
+        for number, step in enumerate(build_plan(pipeline, staging), 1):
+            progress.update(task, description=f"[{pipeline.name}] {number}/{len(steps)}: {step.title}")
+            if step.command is None:
+                run_action(step, pipeline, final, step.output, sources)
+            else:
+                run_command(step, staging / "trtllm" / "logs" / f"{number}-{step.output.name}.log")
+        write_manifest(staging, inputs)

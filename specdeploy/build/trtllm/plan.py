@@ -1,0 +1,243 @@
+"""A TensorRT-LLM build as a plan: every conversion and engine build of a trtllm pipeline, with every argument and
+path, computed without TensorRT-LLM. `specdeploy build --dry-run` prints it; a real build runs it where TensorRT-LLM
+and a GPU exist. The flags, keys and file layouts follow the pinned release; docs/trtllm-upstream.md records each
+with its upstream path.
+
+The converters read a Hugging Face directory. A checkpoint that is one already (source: hf_dir) and needs no
+derivation is read where it is: upstream's converter loads it tensor by tensor, a rank's share at a time, so the
+build never holds the model. Only what TensorRT-LLM cannot read is exported: a GGUF or packaged source (which
+transformers dequantizes whole), an MoE target we derive (written layer by layer), Medusa heads.
+
+Layout under the engine directory (engines/<name>/trtllm/):
+  hf/<component>/           our exports, where a component needs one (hf_dirs says which directory each reads)
+  checkpoints/<component>/  TensorRT-LLM checkpoints, one rank<r>.safetensors per GPU
+  engines/<component>/      TensorRT engines (the engine line)
+  llm_api.yaml              the LLM-API configuration (the llm_api line)
+"""
+
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdeploy.errors import BuildError
+from specdeploy.models.config import ModelConfig
+from specdeploy.spec.pipeline import DraftSpec, PipelineSpec, TrtllmSpec
+
+TRTLLM_VERSION = "1.2.1"
+TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"  # the first NGC image carrying 1.2.1
+
+
+@dataclass(frozen=True)
+class Step:
+    """One unit of the build. `command`: the argv an external step runs (TensorRT-LLM's converters and
+    trtllm-build); None for work specdeploy does itself, named by `action` (an export, a configuration file)."""
+
+    title: str
+    output: Path
+    command: tuple[str, ...] | None = None
+    action: str | None = None
+
+    def describe(self) -> str:
+        how = shlex.join(self.command) if self.command else f"(specdeploy: {self.action})"
+        return f"{self.title} -> {self.output}\n    {how}"
+
+
+def export(title: str, action: str, output: Path) -> Step:
+    return Step(title, output, action=action)
+
+
+# The components TensorRT-LLM reads as Hugging Face directories: (the export's title, its action).
+EXPORTS = {"target": ("export the target as a Hugging Face checkpoint", "export target"),
+           "draft": ("export the draft", "export draft"),
+           "dense_source": ("export the dense model the MoE target is derived from", "export dense source")}
+
+
+def draft_reads(draft: DraftSpec) -> str:
+    """The component a draft is converted from: its own checkpoint, the dense source of a derived MoE (int4_dense),
+    or the target (int4, int8: TensorRT-LLM quantizes it to weight-only itself)."""
+    return {"none": "draft", "int4_dense": "dense_source"}.get(draft.derive, "target")
+
+
+def hf_components(pipeline: PipelineSpec) -> list[str]:
+    """The EXPORTS keys a pipeline's converters (or its LLM) read."""
+    if pipeline.speculation.method != "draft_target":
+        return ["target"]
+    return list(dict.fromkeys(["target", draft_reads(pipeline.speculation.draft)]))
+
+
+def readable_checkpoint(pipeline: PipelineSpec, component: str) -> Path | None:
+    """The checkpoint directory TensorRT-LLM reads as it is for `component`, or None when it needs our export: a
+    GGUF or packaged source, or the MoE target we derive (its dense source is read as it is)."""
+    target = pipeline.target
+    spec = {"target": None if target.moe is not None else target.checkpoint, "dense_source": target.checkpoint,
+            "draft": pipeline.speculation.draft.checkpoint if pipeline.speculation.draft else None}[component]
+    return pipeline.resolve(spec.path) if spec is not None and spec.source == "hf_dir" else None
+
+
+def hf_dirs(pipeline: PipelineSpec, root: Path) -> dict[str, Path]:
+    """Component → the Hugging Face directory TensorRT-LLM reads it from: the checkpoint itself where it can, else
+    our export under root/hf/<component>."""
+    return {component: readable_checkpoint(pipeline, component) or root / "hf" / component
+            for component in hf_components(pipeline)}
+
+
+def streams_target(pipeline: PipelineSpec) -> bool:
+    """Whether the target's export is an MoE derived from a Hugging Face checkpoint, read and written a layer at a
+    time (moe_derive.export_derived_target); every other export loads its source whole."""
+    return pipeline.target.moe is not None and readable_checkpoint(pipeline, "dense_source") is not None
+
+
+def export_steps(pipeline: PipelineSpec, root: Path) -> list[Step]:
+    """The exports of the components TensorRT-LLM cannot read as they are."""
+    return [export(*EXPORTS[component], root / "hf" / component) for component in hf_components(pipeline)
+            if readable_checkpoint(pipeline, component) is None]
+
+
+def build_workers(spec: TrtllmSpec) -> int:
+    """trtllm-build's --workers: one, its default. Each worker holds about three copies of its rank's weights
+    (deploy/build_memory.py), so tp × pp workers at once would hold about three copies of the model: 460 GiB of host
+    memory for Llama-3.1-70B. One rank at a time keeps the build Job within a node's memory, at tp × pp times the
+    engine-build time."""
+    return 1
+
+
+def moe_mapping(spec: TrtllmSpec) -> tuple[int, int]:
+    """(moe_tp_size, moe_ep_size) as TensorRT-LLM completes them: both unset → (tp, 1); one set → tp / it."""
+    if spec.moe_tp_size is None and spec.moe_ep_size is None:
+        return spec.tp_size, 1
+    if spec.moe_ep_size is None:
+        return spec.moe_tp_size, spec.tp_size // spec.moe_tp_size
+    if spec.moe_tp_size is None:
+        return spec.tp_size // spec.moe_ep_size, spec.moe_ep_size
+    return spec.moe_tp_size, spec.moe_ep_size
+
+
+def check_model_fits(pipeline: PipelineSpec, config: ModelConfig) -> None:
+    """BuildError naming the key when the parallelism does not divide the model (needs the target's config)."""
+    spec = pipeline.backend.settings
+    for name, count in (("attention heads", config.num_heads), ("key/value heads", config.num_kv_heads)):
+        if count % spec.tp_size:
+            raise BuildError(f"backend.trtllm.tp_size: {spec.tp_size} does not divide the target's {count} {name}")
+    experts = config.num_experts if config.architecture == "mixtral" else None
+    if pipeline.target.moe is not None:
+        experts = pipeline.target.moe.experts
+    if experts is not None:
+        ep = moe_mapping(spec)[1]
+        if experts % ep:
+            raise BuildError(f"backend.trtllm.moe_ep_size: {ep} does not divide the target's {experts} experts")
+        if pipeline.speculation.method == "medusa":
+            raise BuildError("speculation.method: medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "
+                             "converter maps tensor and pipeline parallelism only); use draft_target or ngram")
+
+
+def convert_command(spec: TrtllmSpec, model_dir: Path, output: Path, weight_only: str | None) -> tuple[str, ...]:
+    """Our converter (build/trtllm/convert.py): LLaMAForCausalLM.from_hugging_face + save_checkpoint per rank,
+    the same call TensorRT-LLM's llama convert_checkpoint.py makes (Mixtral goes through the same class)."""
+    moe_tp, moe_ep = moe_mapping(spec)
+    command = ["python3", "-m", "specdeploy.build.trtllm.convert", "--model_dir", str(model_dir),
+               "--output_dir", str(output), "--dtype", spec.dtype, "--tp_size", str(spec.tp_size),
+               "--pp_size", str(spec.pp_size), "--moe_tp_size", str(moe_tp), "--moe_ep_size", str(moe_ep)]
+    if weight_only is not None:  # int4: QuantAlgo.W4A16, int8: W8A16
+        command += ["--use_weight_only", "--weight_only_precision", weight_only]
+    return tuple(command)
+
+
+def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode: str | None) -> tuple[str, ...]:
+    """trtllm-build for one component; mode: the target's speculative_decoding_mode (None for a draft).
+
+    --max_input_len is the whole sequence, not the prompt limit: the orchestration sends every call the sequence so
+    far (the executor finds its prefix in the reuse cache), which grows to max_sequence_length; the models enable
+    chunked context, so a context longer than --max_num_tokens is processed in pieces."""
+    spec, limits = pipeline.backend.settings, pipeline.limits
+    command = ["trtllm-build", "--checkpoint_dir", str(checkpoint), "--output_dir", str(output),
+               "--gemm_plugin", "auto", "--max_batch_size", str(limits.max_batch_size),
+               "--max_input_len", str(limits.max_sequence_length), "--max_seq_len", str(limits.max_sequence_length),
+               "--max_num_tokens", str(spec.max_num_tokens), "--use_paged_context_fmha", "enable",
+               "--workers", str(build_workers(spec))]
+    if mode is not None:
+        command += ["--speculative_decoding_mode", mode, "--max_draft_len", str(limits.max_draft_tokens)]
+    if pipeline.speculation.method == "draft_target" and exact_sampling_needs_logits(pipeline):
+        command.append("--gather_generation_logits")
+    return tuple(command)
+
+
+def exact_sampling_needs_logits(pipeline: PipelineSpec) -> bool:
+    """Exact acceptance at temperature > 0 compares the draft's and the target's distributions, so both engines
+    must return generation logits. Requests may sample whatever the pipeline's default, so an exact draft-target
+    pipeline always gathers them."""
+    return pipeline.speculation.acceptance == "exact"
+
+
+def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
+    spec, speculation = pipeline.backend.settings, pipeline.speculation
+    hf, checkpoints, engines = root / "hf", root / "checkpoints", root / "engines"
+    sources = hf_dirs(pipeline, root)
+    steps = export_steps(pipeline, root)
+    mode = None
+    if speculation.method == "medusa":
+        heads = speculation.medusa
+        steps.append(export("write the Medusa heads as medusa_lm_head.safetensors + config.json",
+                            "export medusa heads", hf / "medusa"))
+        steps.append(Step("convert target + Medusa heads", checkpoints / "target", (
+            "python3", spec.medusa_converter, "--model_dir", str(sources["target"]),
+            "--medusa_model_dir", str(hf / "medusa"), "--output_dir", str(checkpoints / "target"),
+            "--dtype", spec.dtype,
+            "--num_medusa_heads", str(heads.num_heads), "--num_medusa_layers", str(heads.num_layers),
+            "--max_medusa_token_len", str(pipeline.limits.max_draft_tokens), "--tp_size", str(spec.tp_size),
+            "--pp_size", str(spec.pp_size))))
+        mode = "medusa"
+    else:
+        steps.append(Step("convert the target", checkpoints / "target",
+                          convert_command(spec, sources["target"], checkpoints / "target", None)))
+        if speculation.method in ("draft_target", "ngram"):
+            mode = "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
+    if speculation.method == "draft_target":
+        draft = speculation.draft
+        steps.append(Step("convert the draft", checkpoints / "draft",
+                          convert_command(spec, sources[draft_reads(draft)], checkpoints / "draft",
+                                          draft.weight_only)))
+        steps.append(Step("build the draft engine", engines / "draft",
+                          engine_command(pipeline, checkpoints / "draft", engines / "draft", None)))
+    steps.append(Step("build the target engine", engines / "target",
+                      engine_command(pipeline, checkpoints / "target", engines / "target", mode)))
+    return steps
+
+
+def build_plan(pipeline: PipelineSpec, engine_dir: Path) -> list[Step]:
+    """Every step of the pipeline's TensorRT-LLM build, in order, writing under engine_dir/trtllm."""
+    root = Path(engine_dir) / "trtllm"
+    if pipeline.backend.settings.line == "engine":
+        return engine_line_plan(pipeline, root)
+    return llm_api_plan(pipeline, root)
+
+
+def llm_api_config(pipeline: PipelineSpec, root: Path, models: dict[str, Path] | None = None) -> dict:
+    """The LLM-API options (PyTorch backend) that Triton's llmapi model reads from model.yaml and trtllm-serve from
+    --extra_llm_api_options: the model, parallelism, limits, KV cache and speculation. models: where the LLM finds
+    each component (default: hf_dirs(pipeline, root), where the build leaves them)."""
+    spec, limits, speculation = pipeline.backend.settings, pipeline.limits, pipeline.speculation
+    models = models if models is not None else hf_dirs(pipeline, root)
+    moe_tp, moe_ep = moe_mapping(spec)
+    config = {"model": str(models["target"]), "backend": "pytorch", "tensor_parallel_size": spec.tp_size,
+              "pipeline_parallel_size": spec.pp_size, "moe_tensor_parallel_size": moe_tp,
+              "moe_expert_parallel_size": moe_ep, "max_batch_size": limits.max_batch_size,
+              "max_num_tokens": spec.max_num_tokens, "max_seq_len": limits.max_sequence_length,
+              "kv_cache_config": {"free_gpu_memory_fraction": spec.kv_cache_free_gpu_mem_fraction,
+                                  "enable_block_reuse": spec.enable_kv_cache_reuse}}
+    gamma = speculation.num_draft_tokens
+    if speculation.method == "draft_target":
+        config["speculative_config"] = {"decoding_type": "DraftTarget", "max_draft_len": gamma,
+                                        "speculative_model_dir": str(models["draft"])}
+    elif speculation.method == "ngram":
+        config["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": gamma,
+                                        "max_matching_ngram_size": speculation.ngram.max_n}
+    return config
+
+
+def llm_api_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
+    steps = export_steps(pipeline, root)
+    steps.append(export("write the LLM-API configuration (model, parallelism, speculative_config)",
+                        "write llm_api.yaml", root / "llm_api.yaml"))
+    return steps

@@ -1,0 +1,76 @@
+"""Preallocated KV cache indexed by absolute position.
+
+Entries are written at their slot (by default the token's position) and a row's `length` says how many leading
+slots hold the committed prefix. Rewinding after a rejection is setting the length: rejected entries stay in place
+and are overwritten by the next write at those slots, before anything attends to them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specdeploy.models.device_transfer import from_host
+
+
+class KVCache:
+    """Keys and values for every layer: `keys[layer]`, `values[layer]` are [batch, kv_heads, max_length, head_dim]."""
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
+        shape = (num_layers, batch_size, num_kv_heads, max_length, head_dim)
+        self.keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_length = max_length
+        self.lengths = [0] * batch_size  # committed prefix per row, host-side so no sync is needed to read it
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.lengths)
+
+    def rewind(self, row: int, length: int) -> None:
+        """Keep only the first `length` entries of `row` (the rest are overwritten later)."""
+        if not 0 <= length <= self.max_length:
+            raise ValueError(f"KV length {length} outside [0, {self.max_length}]")
+        self.lengths[row] = length
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Rows start..stop-1 as a cache sharing this one's storage; its lengths start as a copy of theirs."""
+        view = object.__new__(KVCache)
+        view.keys, view.values = self.keys[:, start:stop], self.values[:, start:stop]
+        view.max_length = self.max_length
+        view.lengths = self.lengths[start:stop]
+        return view
+
+    def move_row(self, source: int, destination: int) -> None:
+        """Copy row `source`'s committed entries into row `destination` (compacting the active rows)."""
+        length = self.lengths[source]
+        self.keys[:, destination, :, :length] = self.keys[:, source, :, :length]
+        self.values[:, destination, :, :length] = self.values[:, source, :, :length]
+        self.lengths[destination] = length
+
+    def move_entries(self, row: int, sources: list[int], destinations: list[int]) -> None:
+        """Copy row `row`'s entries at slots `sources` to slots `destinations` in every layer (a verified tree's
+        accepted path, moved from where its nodes were written to the positions it now holds)."""
+        if sources == destinations:
+            return
+        source = from_host(sources, self.keys.device)
+        destination = from_host(destinations, self.keys.device)
+        self.keys[:, row, :, destination] = self.keys[:, row, :, source]
+        self.values[:, row, :, destination] = self.values[:, row, :, source]
+
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One layer's keys and values: two [B, kv_heads, max_length, head_dim] views into the cache."""
+        return self.keys[index], self.values[index]
+
+
+def write_entries(keys_cache: torch.Tensor, values_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
+                  values: torch.Tensor) -> None:
+    """Store new entries of one layer. *_cache: [B, kv_heads, max_length, D]; slots: [B, T] long;
+    keys/values: [B, kv_heads, T, D]."""
+    if slots.shape[0] == 1:
+        keys_cache[0].index_copy_(1, slots[0], keys[0])
+        values_cache[0].index_copy_(1, slots[0], values[0])
+        return
+    rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
+    keys_cache[rows, :, slots] = keys.transpose(1, 2)
+    values_cache[rows, :, slots] = values.transpose(1, 2)

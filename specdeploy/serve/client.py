@@ -1,0 +1,94 @@
+"""gRPC client for the served models, through tritonclient's streaming API (the speculative model is decoupled, so
+even a non-streaming request travels on a stream and comes back as one response)."""
+
+from __future__ import annotations
+
+import queue
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+
+from specdeploy.errors import RequestError
+from specdeploy.serve.requests import SCALAR_INPUTS, STATISTICS
+
+# The model clients call: `speculative` takes text directly, and a cancelled or dropped stream frees its row at once.
+# The `ensemble` (tensorrtllm_backend's layout) answers the same inputs, but Triton 2.51 does not pass a client's
+# cancellation into a running ensemble step, so such a request runs to its end.
+ENTRY_MODEL = "speculative"
+
+
+@dataclass
+class Chunk:
+    text: str
+    statistics: dict[str, float]  # cumulative for the request
+    final: bool
+
+
+def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) -> list:
+    """InferInputs with tensorrtllm_backend names, typed as the ensemble declares them; None fields are not sent
+    (the server's pipeline supplies them)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import triton_to_np_dtype
+
+    def make(name: str, kind: str, array: np.ndarray):
+        item = grpcclient.InferInput(name, list(array.shape), kind)
+        item.set_data_from_numpy(array)
+        return item
+
+    inputs = [make("text_input", "BYTES", np.array([[prompt.encode("utf-8")]], dtype=object))]
+    if fields.get("stop_words") is not None:
+        words = fields.pop("stop_words")
+        inputs.append(make("stop_words", "BYTES", np.array([[w.encode("utf-8") for w in words]], dtype=object)))
+    for name, value in {**fields, "max_tokens": max_tokens, "stream": stream}.items():
+        if value is None:
+            continue
+        if name not in SCALAR_INPUTS:
+            allowed = ", ".join(["stop_words", *SCALAR_INPUTS])
+            raise RequestError(f"{name}: not an input of the ensemble (allowed: {allowed})")
+        kind = SCALAR_INPUTS[name].removeprefix("TYPE_")
+        dtype = np.dtype(triton_to_np_dtype(kind))
+        if dtype.kind in "iu" and not np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
+            # numpy would wrap it silently into another, valid-looking value
+            raise RequestError(f"{name}: {value} does not fit the input's type {kind} "
+                               f"([{np.iinfo(dtype).min}, {np.iinfo(dtype).max}])")
+        inputs.append(make(name, kind, np.array([[value]], dtype=dtype)))
+    return inputs
+
+
+def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True, model: str = ENTRY_MODEL,
+             timeout: float = 600.0, **fields) -> Iterator[Chunk]:
+    """Yield the text as the server sends it. RequestError carries the server's message for a bad request."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    client = grpcclient.InferenceServerClient(url)
+    responses: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: responses.put((result, error)))
+    finished = False
+    try:
+        client.async_stream_infer(model, build_inputs(prompt, max_tokens, stream, **fields),
+                                  enable_empty_final_response=True)
+        while True:
+            result, error = responses.get(timeout=timeout)
+            if error is not None:
+                finished = True  # the server ends a request with its error
+                message = error.message() if isinstance(error, InferenceServerException) else str(error)
+                raise RequestError(message)
+            response = result.get_response()
+            final = response.parameters["triton_final_response"].bool_param
+            if response.outputs:
+                text = b"".join(result.as_numpy("text_output").reshape(-1)).decode("utf-8")
+                statistics = {name: result.as_numpy(name).reshape(-1)[0].item() for name, *_ in STATISTICS}
+                yield Chunk(text, statistics, final)
+            elif final:
+                yield Chunk("", {}, True)
+            if final:
+                finished = True
+                return
+    finally:
+        # Cancel only an unfinished request (the caller stopped reading): cancelling one the server has ended
+        # (after its final response or its error) can leave Triton 2.51 holding the model, so it never unloads at
+        # shutdown.
+        client.stop_stream(cancel_requests=not finished)
+        client.close()

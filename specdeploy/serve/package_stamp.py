@@ -1,0 +1,49 @@
+"""What a model repository was packaged from, so that `specdeploy package` with unchanged inputs does nothing (the
+Kubernetes build Job reruns it on every rollout).
+
+The stamp names the engine's build manifest (rewritten by every build), its pipeline (a sampling or serving change
+updates it without a rebuild), its measured policy, the Triton model code, the specdeploy version and the packaging
+arguments. It is written into the repository after the repository is complete: a run interrupted before that
+packages again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import specdeploy
+from specdeploy.serve.repository import MODEL_CODE
+from specdeploy.spec.engine_paths import MANIFEST_FILE, MEASURED_POLICY_FILE, PIPELINE_FILE, write_json
+
+STAMP_FILE = ".specdeploy-package.json"  # Triton reads only directories at a repository's top level
+
+
+def digest(path: Path) -> str | None:
+    return hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+
+
+def package_stamp(pipeline_file: Path, engine_dir: Path, served_at: Path, trtllm_source: Path | None) -> dict:
+    """The inputs of packaging `engine_dir` (built from `pipeline_file`), as the stamp records them. The pipeline
+    file's own digest lets a deployment wait for the repository of the pipeline it was given (k8s_base.py)."""
+    engine_dir = Path(engine_dir).resolve()
+    files = {"pipeline_file": digest(Path(pipeline_file))}
+    files.update({name: digest(engine_dir / name) for name in (MANIFEST_FILE, PIPELINE_FILE, MEASURED_POLICY_FILE)})
+    files.update({f"model_repo/{path.relative_to(MODEL_CODE)}": digest(path)
+                  for path in sorted(MODEL_CODE.rglob("*.py"))})
+    return {"specdeploy": specdeploy.__version__, "engine": str(engine_dir), "served_at": str(served_at),
+            "trtllm_source": str(Path(trtllm_source).resolve()) if trtllm_source else None, "files": files}
+
+
+def is_current(repository: Path, stamp: dict) -> bool:
+    """True when `repository` was packaged from exactly these inputs."""
+    path = Path(repository) / STAMP_FILE
+    try:
+        return json.loads(path.read_text()) == stamp
+    except (OSError, ValueError):
+        return False
+
+
+def write_stamp(repository: Path, stamp: dict) -> None:
+    write_json(Path(repository) / STAMP_FILE, stamp)

@@ -1,0 +1,238 @@
+"""What both flavours' `speculative` models share: reading a request, answering it (text or ids, streamed or
+once, with its statistics), the specdeploy_* metrics and the drain watch. `pb_utils` (triton_python_backend_utils)
+is passed in, so this module imports without a server."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from specdeploy.decoding.text import IncrementalDetokenizer
+from specdeploy.errors import RequestError
+from specdeploy.runtime.scheduler import SchedulerCounters
+from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE
+from specdeploy.serve.requests import (
+    SCALAR_INPUTS,
+    STATISTICS,
+    encode_request,
+    error_response,
+    generation_request,
+    scalar,
+)
+from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.spec.request import GenerationRequest
+
+INPUTS = ("input_ids", "stop_words_ids", "text_input", "stop_words", *SCALAR_INPUTS)
+
+
+class Drainable(Protocol):
+    def drain(self, deadline: float) -> None: ...
+
+
+class RequestQueue(Protocol):
+    """What runs requests: the torch flavour's Scheduler or the trtllm flavour's Orchestrator."""
+
+    def submit(self, request: GenerationRequest, on_tokens, is_cancelled) -> object: ...
+
+
+class Metrics:
+    """specdeploy_* counters and gauges through the Python backend's metric API, labelled by model and method.
+
+    Counters follow the scheduler's totals: each update pushes the difference since the last one.
+    """
+
+    COUNTERS = {
+        "drafted": ("specdeploy_drafted_tokens_total", "Drafted tokens sent to verification"),
+        "accepted": ("specdeploy_accepted_tokens_total", "Drafted tokens accepted"),
+        "steps": ("specdeploy_verification_steps_total", "Target verification steps, summed over requests"),
+        "per_position": ("specdeploy_accepted_tokens_per_position_total",
+                         "Accepted drafted tokens by draft position (1-based; Medusa: tree depth = head)"),
+        "requests": ("specdeploy_requests_total", "Finished requests by outcome"),
+    }
+
+    def __init__(self, pb_utils, labels: dict[str, str]) -> None:
+        family = pb_utils.MetricFamily
+        self.labels = labels
+        # The backend deletes a metric when its family object goes away: keep every family referenced.
+        self.families = {key: family(name=name, description=text, kind=family.COUNTER)
+                         for key, (name, text) in self.COUNTERS.items()}
+        self.families["batch_size"] = family(name="specdeploy_batch_size", description="Sequences in the current "
+                                             "batch", kind=family.GAUGE)
+        self.families["free_kv"] = family(name="specdeploy_free_kv_slots", description="KV slots not reserved by "
+                                          "active sequences", kind=family.GAUGE)
+        # Triton's queue time misses these: the decoupled model hands every request over at once
+        self.families["waiting"] = family(name="specdeploy_waiting_requests", description="Requests accepted and "
+                                          "queued for a batch row, not yet running", kind=family.GAUGE)
+        self.batch_size = self.families["batch_size"].Metric(labels=labels)
+        self.free_kv = self.families["free_kv"].Metric(labels=labels)
+        self.waiting = self.families["waiting"].Metric(labels=labels)
+        self.gauges: dict[str, int] = {}
+        self.series: dict[tuple, object] = {}
+        self.pushed: dict[tuple, int] = {}
+        self.invalid = 0
+        self.lock = threading.Lock()
+
+    def _advance(self, key: str, total: int, **extra_labels: str) -> None:
+        """Bring one counter series up to `total`."""
+        series = (key, tuple(sorted(extra_labels.items())))
+        if series not in self.series:
+            self.series[series] = self.families[key].Metric(labels={**self.labels, **extra_labels})
+        delta = total - self.pushed.get(series, 0)
+        if delta > 0:
+            self.series[series].increment(delta)
+            self.pushed[series] = total
+
+    def count_invalid(self) -> None:
+        with self.lock:
+            self.invalid += 1
+            self._advance("requests", self.invalid, outcome="invalid")
+
+    def update(self, counters: SchedulerCounters, batch_size: int, free_kv: int, waiting: int) -> None:
+        """Bring the metrics up to the totals in `counters` and set the gauges."""
+        with self.lock:
+            for key in ("drafted", "accepted", "steps"):
+                self._advance(key, getattr(counters, key))
+            for index, total in enumerate(counters.accepted_per_position):
+                self._advance("per_position", total, position=str(index + 1))
+            for outcome, total in counters.outcomes.items():
+                self._advance("requests", total, outcome=outcome)
+            self._set("batch_size", batch_size)
+            self._set("free_kv", free_kv)
+            self._set("waiting", waiting)
+
+    def _set(self, gauge: str, value: int) -> None:
+        """Set a gauge when its value changed: each set is a round trip to the backend process, and the scheduler
+        thread updates the metrics after every step (gauges change only when requests join or leave)."""
+        if self.gauges.get(gauge) != value:
+            getattr(self, gauge).set(value)
+            self.gauges[gauge] = value
+
+
+class DrainWatcher:
+    """Watches for the drain file `specdeploy serve` writes when a shutdown begins (its path is in the environment,
+    its content the deadline) and tells the scheduler. Triton gives a model no notice of its own: it unloads a
+    decoupled model only once its streams have ended, and aborts at its exit timeout while they have not."""
+
+    INTERVAL = 0.2  # seconds between looks
+
+    def __init__(self, scheduler: Drainable) -> None:
+        self.path = os.environ.get(DRAIN_FILE_VARIABLE)
+        self.scheduler = scheduler
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="specdeploy-drain-watch", daemon=True)
+        if self.path:
+            self.thread.start()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.INTERVAL):
+            try:
+                deadline = float(Path(self.path).read_text())
+            except (OSError, ValueError):
+                continue  # not there (yet)
+            self.scheduler.drain(deadline)
+            return
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+
+def read_request(pb, request, encoder, pipeline: PipelineSpec) -> tuple[GenerationRequest, bool, bool]:
+    """One Triton request as (GenerationRequest, stream, as_ids): token ids (from the ensemble's preprocessing) or
+    text (a client calling the speculative model directly), answered in text, or in ids when it asks for output_ids
+    and not text_output. RequestError names a bad field."""
+    inputs = {name: tensor.as_numpy() for name in INPUTS
+              if (tensor := pb.get_input_tensor_by_name(request, name)) is not None}
+    text_input, stop_words = inputs.pop("text_input", None), inputs.pop("stop_words", None)
+    if text_input is not None:
+        if "input_ids" in inputs or "stop_words_ids" in inputs:
+            raise RequestError("text_input: give text_input (and stop_words) or input_ids (and "
+                               "stop_words_ids), not both")
+        prompt, stops = encode_request(encoder, text_input, stop_words)
+        inputs.update(input_ids=np.array([prompt], dtype=np.int32),
+                      stop_words_ids=np.array([stops], dtype=np.int32))
+    elif "input_ids" not in inputs:
+        raise RequestError("text_input: required input is missing (or input_ids, as the ensemble sends)")
+    elif stop_words is not None:
+        raise RequestError("stop_words: only with text_input (with input_ids, send stop_words_ids)")
+    wanted = set(request.requested_output_names())
+    as_ids = "output_ids" in wanted and "text_output" not in wanted
+    return generation_request(inputs, pipeline), bool(scalar(inputs, "stream")), as_ids
+
+
+def submit_request(pb, request, encoder, pipeline: PipelineSpec, tokenizer, queue: RequestQueue,
+                   metrics: Metrics) -> None:
+    """Read one Triton request and queue it; a bad request (or a bug) gets one error response, never a traceback."""
+    sender = request.get_response_sender()
+    try:
+        generation, stream, as_ids = read_request(pb, request, encoder, pipeline)
+        queue.submit(generation, Responder(pb, sender, stream, None if as_ids else tokenizer),
+                     is_cancelled=sender.is_cancelled)
+    except Exception as exc:
+        if isinstance(exc, RequestError):
+            metrics.count_invalid()
+        sender.send(error_response(pb, exc), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+def stats_response(pb, stats, text: str | None = None, ids: list[int] | None = None) -> object:
+    """A response: text_output (or output_ids) and the request's statistics so far."""
+    if text is not None:
+        outputs = [pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
+    else:
+        outputs = [pb.Tensor("output_ids", np.array([ids], dtype=np.int32))]
+    for name, kind, field_name in STATISTICS:
+        dtype = np.int32 if kind == "TYPE_INT32" else np.float32
+        outputs.append(pb.Tensor(name, np.array([[getattr(stats, field_name)]], dtype=dtype)))
+    return pb.InferenceResponse(outputs)
+
+
+class Responder:
+    """The callback for one request's tokens: streamed, each step's tokens go out as the text they complete (never
+    broken UTF-8), or as token ids when `tokenizer` is None; otherwise everything goes out once at the end."""
+
+    def __init__(self, pb, sender, stream: bool, tokenizer) -> None:
+        self.pb, self.sender, self.stream = pb, sender, stream
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
+        self.ids: list[int] = []
+        self.sent = 0
+
+    def __call__(self, tokens: list[int], finished: str | None, stats) -> None:
+        pb = self.pb
+        self.ids.extend(tokens)
+        if finished == "cancelled":
+            self.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        if finished is not None and finished.startswith(("error", "shutdown")):
+            code = pb.TritonError.UNAVAILABLE if finished.startswith("shutdown") else pb.TritonError.INTERNAL
+            self.sender.send(pb.InferenceResponse(error=pb.TritonError(finished, code)),
+                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            return
+        if not self.stream and finished is None:
+            return
+        new = self.ids[self.sent:]
+        if self.detokenizer is not None:
+            response = stats_response(pb, stats, text=self.detokenizer.add(new))
+        else:
+            response = stats_response(pb, stats, ids=new)
+        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
+        self.sender.send(response, flags=flags)
+        self.sent = len(self.ids)
+
+
+class ServedModel:
+    """The Triton Python model's request loop, shared by both flavours' model files: `initialize` sets
+    `self.server` (whose submit answers each request on its own time, the model being decoupled) and this does the
+    rest."""
+
+    server = None
+
+    def execute(self, requests):
+        for request in requests:
+            self.server.submit(request)
+        return None
+
+    def finalize(self):
+        self.server.stop()

@@ -1,0 +1,55 @@
+"""The torch flavour's `speculative` Triton model: requests in, the continuous-batching scheduler over our torch
+engine, responses and Prometheus metrics out. `pb_utils` is passed in, so this module imports without a server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.scheduler import Scheduler
+from specdeploy.serve.served_model import DrainWatcher, Metrics, submit_request
+from specdeploy.spec.engine_paths import engine_pipeline
+
+
+def instance_device(args: dict) -> str:
+    """The torch device of the Triton model instance `args` describes: a KIND_GPU instance runs on its GPU."""
+    if args.get("model_instance_kind") == "GPU":
+        return f"cuda:{args['model_instance_device_id']}"
+    return "cpu"
+
+
+class SpeculativeServer:
+    def __init__(self, engine_dir: Path, model_name: str, pb_utils, device: str = "cpu") -> None:
+        """engine_dir: the engine this model serves; everything else (limits, defaults, policy) comes from the
+        pipeline saved in it. device: where this instance runs (instance_device)."""
+        self.pb = pb_utils
+        rows = engine_pipeline(engine_dir).limits.max_batch_size
+        # The engine is loaded on the scheduler's thread, which runs all its forwards (see Scheduler).
+        self.scheduler = Scheduler(lambda: Engine(engine_dir, device=device, batch_size=rows), on_step=self._on_step)
+        self.engine = self.scheduler.engine
+        # Text requests are tokenised on Triton's thread; the engine's tokenizer detokenises on the scheduler's.
+        self.encoder = AutoTokenizer.from_pretrained(Path(engine_dir) / "target")
+        self.metrics = Metrics(pb_utils, {"model": model_name, "method": self.engine.method})
+        self._on_step(self.scheduler)  # the gauges start at their idle values, not at 0
+        self.watcher = DrainWatcher(self.scheduler)
+        import torch
+
+        pb_utils.Logger.log_info(f"specdeploy: {engine_dir} ({self.engine.method}, gamma "
+                                 f"{self.engine.num_draft_tokens}), {self.scheduler.max_batch_size} rows, on "
+                                 f"{device}, {torch.get_num_threads()} torch threads")
+
+    def _on_step(self, scheduler: Scheduler) -> None:
+        if hasattr(self, "metrics"):  # steps only run once requests arrive, after __init__ has finished
+            self.metrics.update(scheduler.counters, len(scheduler.active), scheduler.free_kv_slots,
+                                len(scheduler.waiting))
+
+    def stop(self) -> None:
+        self.watcher.stop()
+        self.scheduler.stop()
+
+    def submit(self, request) -> None:
+        """Queue one request (see serving.read_request); a bad one gets its error response here."""
+        submit_request(self.pb, request, self.encoder, self.engine.pipeline, self.engine.tokenizer, self.scheduler,
+                       self.metrics)

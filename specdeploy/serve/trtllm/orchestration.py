@@ -1,0 +1,323 @@
+"""Speculation over TensorRT-LLM engines: the loop our `speculative` model runs in a trtllm repository.
+
+The engines run in Triton's `tensorrtllm` backend (in-flight batching, paged KV cache with block reuse); this loop
+only decides what to ask them. One request, step by step:
+1. prefill: the target generates the first token (its prompt blocks then stay in the reuse cache);
+2. propose up to gamma tokens: the draft engine generates them (with its raw logits when sampling), or the n-gram
+   proposer finds them in the text so far;
+3. verify: the target gets the sequence plus `draft_input_ids` and, when sampling, `draft_logits` whose softmax is
+   the distribution each drafted token was drawn from (trtllm_sampling.py: the executor applies nothing else to
+   them), and returns the accepted drafted tokens plus one of its own; they are committed and sent to the client.
+gamma comes from the request, the pipeline and the batch-aware policy (by how many requests are running now); when
+the policy turns speculation off, the target decodes plain chunks and the policy is asked again after each.
+
+Engine calls go through `EngineCalls` (Triton BLS in engine_calls.py; an in-process double in the tests), so the loop
+is tested without a server. Nothing here reads a tensor name.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import secrets
+import threading
+import time
+import traceback
+from collections import deque
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from specdeploy.decoding.draft_length import ProposalLength
+from specdeploy.decoding.sequence import Sequence
+from specdeploy.errors import ShuttingDown
+from specdeploy.runtime.scheduler import SchedulerCounters, TokenCallback
+from specdeploy.serve.trtllm import sampling as trtllm_sampling
+from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.spec.request import GenerationRequest, check_request
+from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.speculative.ngram import NgramProposer, common_prefix_length
+
+# Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
+# cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
+STREAM_CHUNK = 16
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What an engine call samples with: the request's processing and this call's own seed. Engines get no end
+    token: the executor stops at one without returning it, so this loop, which must see every token to stop at the
+    request's end tokens and stop sequences, ends requests itself."""
+
+    params: SamplingParams
+    seed: int
+
+
+def call_seed(base: int, call: int) -> int:
+    """Call `call`'s seed of a request whose base seed is `base`: a hash, so no two calls (of this request or of
+    another, whatever their bases) share a random stream, which the exact rule's independent draws need. The
+    executor seeds a call that brings no seed with 0, so every call brings one."""
+    digest = hashlib.blake2b(f"{base}:{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
+class EngineCalls(Protocol):
+    """The two engines as the loop uses them. `tokens` is the whole sequence so far (the engine reuses its cached
+    prefix); every call returns only new tokens."""
+
+    def draft(self, tokens: list[int], count: int, sampling: Sampling, with_logits: bool
+              ) -> tuple[list[int], np.ndarray | None]:
+        """Up to `count` tokens from the draft engine, and their logits [n, V] when asked."""
+
+    def target(self, tokens: list[int], count: int, sampling: Sampling, draft_ids: list[int] | None = None,
+               draft_logits: np.ndarray | None = None) -> Iterator[list[int]]:
+        """The target engine's tokens as it produces them (streamed). With draft_ids: one verification step, whose
+        tokens are the accepted drafted prefix and one more (the executor ends a request that brought drafts after
+        that step, whatever `count` says; an engine that decoded on would send more, each a plain target sample).
+        draft_logits: [k, padded vocabulary], q's logits (softmax only)."""
+
+
+@dataclass(eq=False)
+class Job:
+    sequence: Sequence
+    on_tokens: TokenCallback
+    is_cancelled: Callable[[], bool]
+    reserved: int
+    seed: int  # the request's seed, or a random one: every engine call's seed derives from it
+    calls: int = 0
+    pending: list[int] = field(default_factory=list)  # the last tokens, sent with the final callback
+    submitted: float = field(default_factory=time.perf_counter)
+
+    def sampling(self) -> Sampling:
+        """The sampling of this request's next engine call, with that call's own seed."""
+        self.calls += 1
+        return Sampling(self.sequence.params, call_seed(self.seed, self.calls))
+
+
+class Orchestrator:
+    def __init__(self, pipeline: PipelineSpec, calls: EngineCalls, vocab_size: int, end_ids: frozenset[int],
+                 on_change: Callable[[Orchestrator], None] | None = None) -> None:
+        """pipeline: the served pipeline (limits, sampling defaults, speculation, policy). end_ids: the model's
+        end-of-sequence tokens. on_change: called when a request joins or leaves (metrics)."""
+        self.pipeline, self.calls, self.vocab_size, self.end_ids = pipeline, calls, vocab_size, end_ids
+        self.on_change = on_change
+        self.policy = pipeline.serving.policy
+        self.kv_capacity = pipeline.kv_capacity_tokens
+        self.counters = SchedulerCounters()
+        self.ngram = (NgramProposer(pipeline.speculation.ngram.min_n, pipeline.speculation.ngram.max_n)
+                      if pipeline.speculation.method == "ngram" else None)
+        settings = pipeline.backend.settings
+        self.logits_width = trtllm_sampling.padded_vocab_size(vocab_size, settings.tp_size * settings.pp_size)
+        self.active: list[Job] = []
+        self.waiting: deque[Job] = deque()
+        self.lock = threading.Lock()
+        self.drain_deadline: float | None = None
+        # One thread per running request: each waits on its engine calls, which the engines batch in flight.
+        self.workers = ThreadPoolExecutor(pipeline.limits.max_batch_size, thread_name_prefix="specdeploy-orch")
+
+    # ---- requests -------------------------------------------------------------------------------------------
+    def submit(self, request: GenerationRequest, on_tokens: TokenCallback,
+               is_cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Queue a request (RequestError if invalid, ShuttingDown while draining); `on_tokens` gets its tokens."""
+        if self.drain_deadline is not None:
+            raise ShuttingDown("server is shutting down: not accepting new requests")
+        check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
+        proposal = ProposalLength(self.pipeline.speculation.schedule, request.gamma(self.pipeline))
+        sequence = Sequence.for_request(request, proposal, self.end_ids)
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
+        job = Job(sequence, on_tokens, is_cancelled, request.kv_slots(self.pipeline), seed)
+        with self.lock:
+            self.waiting.append(job)
+        self._changed()  # the queued-requests gauge
+        self.workers.submit(self._run, job)
+
+    def drain(self, deadline: float) -> None:
+        """Take no new requests, end the queued ones now and the running ones at `deadline` (time.time()) if they
+        have not finished by then, each with finish reason "shutdown: ..." (as the torch flavour's scheduler)."""
+        self.drain_deadline = deadline
+        with self.lock:
+            queued = list(self.waiting)
+            self.waiting.clear()
+            for job in queued:
+                job.sequence.finish_reason = "shutdown: the server is shutting down before this request started"
+                self.counters.count_outcome(job.sequence.finish_reason)
+        for job in queued:
+            job.on_tokens([], job.sequence.finish_reason, job.sequence.stats)
+
+    def stop(self) -> None:
+        self.drain(time.time())
+        self.workers.shutdown(wait=True, cancel_futures=False)
+
+    @property
+    def free_kv_slots(self) -> int:
+        return self.kv_capacity - sum(job.reserved for job in self.active)
+
+    # ---- one request --------------------------------------------------------------------------------------------
+    def _run(self, job: Job) -> None:
+        with self.lock:
+            if job not in self.waiting:
+                return  # ended by a drain while it waited
+            self.waiting.remove(job)
+            self.active.append(job)
+        self._changed()
+        sequence = job.sequence
+        try:
+            if not self._interrupted(job):  # cancelled while it waited: no engine call at all
+                self._emit(job, self._target(job, 1))  # prefill: the first token
+            while sequence.finish_reason is None:
+                if self._interrupted(job):
+                    break
+                if self.pipeline.speculation.method == "medusa":
+                    self._medusa(job)  # the engine speculates itself, every step: the policy has nothing to turn
+                elif (gamma := self._gamma(job)) == 0:
+                    self._plain(job)
+                else:
+                    self._speculate(job, gamma)
+        except Exception as exc:  # an engine error ends this request only
+            if sequence.finish_reason is None:
+                sequence.finish_reason = f"error: {exc}"
+            else:  # finished, then failed sending: its outcome stands
+                traceback.print_exc()
+        self._finish(job)
+
+    def _interrupted(self, job: Job) -> bool:
+        sequence = job.sequence
+        if job.is_cancelled():
+            sequence.finish_reason = "cancelled"
+        elif self.drain_deadline is not None and time.time() >= self.drain_deadline:
+            sequence.finish_reason = "shutdown: the server stopped before the request finished"
+        return sequence.finish_reason is not None
+
+    def _gamma(self, job: Job) -> int:
+        """This step's proposal length: the request's (adaptive under the heuristic schedule), within the policy's
+        cap for the current number of running requests, and leaving room for the target's own token."""
+        sequence = job.sequence
+        with self.lock:
+            running = len(self.active)
+        cap = self.policy.gamma(sequence.proposal.gamma, running)
+        return max(0, min(sequence.proposal.current, cap, sequence.remaining - 1))
+
+    def _target(self, job: Job, count: int, draft_ids: list[int] | None = None,
+                draft_logits: np.ndarray | None = None) -> list[int]:
+        """One target call's tokens, all of them (prefill or verification)."""
+        tokens: list[int] = []
+        for new in self.calls.target(list(job.sequence.committed), count, job.sampling(),
+                                     draft_ids, draft_logits):
+            tokens.extend(new)
+        if not tokens:
+            raise RuntimeError("the target engine returned no tokens")
+        return tokens
+
+    def _stream(self, job: Job, count: int, record: Callable[[list[int]], None]) -> None:
+        """A streamed target call of up to `count` tokens: each response's tokens committed, recorded as what was kept
+        of them (an end token, a stop sequence or max_tokens may cut it) and sent. A stream that ends short of
+        `count` ended at a limit of the engine's, and so does the request."""
+        sequence = job.sequence
+        started, received, ended = time.perf_counter(), 0, False
+        for new in self.calls.target(list(sequence.committed), count, job.sampling()):
+            if ended or not new:
+                continue  # read to its end: a BLS stream cannot be cancelled, and an abandoned one corrupts the stub
+            received += len(new)
+            kept = self._commit(job, new)
+            record(kept)
+            self._send(job, kept)
+            ended = sequence.finish_reason is not None or self._interrupted(job)
+        if not ended and received < count:
+            sequence.finish_reason = "stop"
+        sequence.stats.verify_seconds += time.perf_counter() - started
+
+    def _plain(self, job: Job) -> None:
+        """Plain decode, a chunk at a time (the policy is asked again after each, and a cancelled request waits for
+        at most one chunk). Each token is one engine step."""
+        sequence = job.sequence
+        self._stream(job, min(sequence.remaining, STREAM_CHUNK),
+                     lambda kept: [sequence.stats.record_step(0, 0) for _ in kept])
+
+    def _medusa(self, job: Job) -> None:
+        """Medusa runs inside the target engine: streamed calls of a chunk each, each response one engine step (the
+        tree's accepted path plus one token; nodes verified per step: the tree's size)."""
+        sequence = job.sequence
+        paths = self.pipeline.speculation.medusa.choices
+        nodes, depth = len(paths), max(len(path) for path in paths)
+        self._stream(job, min(sequence.remaining, STREAM_CHUNK),
+                     lambda kept: sequence.stats.record_step(nodes, len(kept) - 1, positions=depth) if kept else None)
+
+    def _speculate(self, job: Job, gamma: int) -> None:
+        sequence = job.sequence
+        params, context = sequence.params, list(sequence.committed)
+        started = time.perf_counter()
+        logits = None  # greedy: the target's top-k 1 token matching is exact, and needs no q
+        if self.ngram is not None:
+            drafts = self.ngram.continuation(context, gamma)
+            if drafts and not params.greedy:
+                logits = trtllm_sampling.point_mass_logits(drafts, self.logits_width)
+        else:
+            drafts, raw = self.calls.draft(context, gamma, job.sampling(), not params.greedy)
+            sequence.stats.draft_forwards += len(drafts)
+            if drafts and not params.greedy:
+                if raw is None or raw.shape[0] < len(drafts):  # token matching would bias the output
+                    raise RuntimeError("the draft engine returned no generation logits for its sampled drafts")
+                logits = trtllm_sampling.draft_logits(raw, context, drafts, params, self.vocab_size,
+                                                      self.logits_width)
+                drafts = drafts[:logits.shape[0]]  # up to the first position a tie decides
+        drafted_at = time.perf_counter()
+        sequence.stats.draft_seconds += drafted_at - started
+        if not drafts:
+            tokens = self._target(job, 1)
+            sequence.stats.record_step(0, 0)
+        else:
+            tokens = self._target(job, len(drafts) + 1, drafts, logits)
+            accepted = min(common_prefix_length(drafts, tokens), len(tokens) - 1)
+            sequence.stats.record_step(len(drafts), accepted)
+            for _ in tokens[accepted + 1:]:  # an engine that decoded on past the verification step (1.2 does not)
+                sequence.stats.record_step(0, 0)
+            sequence.proposal.update(len(drafts), accepted)
+        sequence.stats.verify_seconds += time.perf_counter() - drafted_at
+        self._emit(job, tokens)
+
+    def _emit(self, job: Job, tokens: list[int]) -> None:
+        self._send(job, self._commit(job, tokens))
+
+    @staticmethod
+    def _commit(job: Job, tokens: list[int]) -> list[int]:
+        """Commit tokens up to an end token, a stop sequence or max_tokens; returns those kept."""
+        kept = job.sequence.append(tokens)
+        job.sequence.stats.generated_tokens = job.sequence.generated
+        return kept
+
+    @staticmethod
+    def _send(job: Job, tokens: list[int]) -> None:
+        """Send committed tokens, unless the request is finished: _finish sends those with the final callback."""
+        if job.sequence.finish_reason is None:
+            job.on_tokens(tokens, None, job.sequence.stats)
+        else:
+            job.pending = tokens
+
+    def _finish(self, job: Job) -> None:
+        stats = job.sequence.stats
+        stats.total_seconds = time.perf_counter() - job.submitted
+        with self.lock:
+            self.active.remove(job)
+            self.counters.add(stats, job.sequence.finish_reason)
+        try:
+            job.on_tokens(job.pending, job.sequence.finish_reason, stats)  # the client's answer comes first
+        finally:
+            self._changed()
+
+    def _changed(self) -> None:
+        """Tell the metrics; a failure there is logged, never allowed to strand a request."""
+        if self.on_change is None:
+            return
+        try:
+            self.on_change(self)
+        except Exception:
+            traceback.print_exc()
+
+    def snapshot(self) -> tuple[SchedulerCounters, int, int, int]:
+        """(a copy of the counters, running requests, free KV slots, queued requests), read together under the
+        lock."""
+        with self.lock:
+            return copy.deepcopy(self.counters), len(self.active), self.free_kv_slots, len(self.waiting)

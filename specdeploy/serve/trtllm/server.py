@@ -1,0 +1,48 @@
+"""The trtllm flavour's `speculative` Triton model: requests in, the orchestration (orchestration.py) over the
+`tensorrtllm` backend's models through BLS, responses and Prometheus metrics out. It loads no weights: the
+pipeline and the target's tokenizer and config.json are files in its version directory. `pb_utils` is passed in."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from transformers import AutoConfig, AutoTokenizer
+
+from specdeploy.decoding.text import end_of_sequence_ids
+from specdeploy.models.config import ModelConfig
+from specdeploy.serve.served_model import DrainWatcher, Metrics, submit_request
+from specdeploy.serve.trtllm.engine_calls import BlsCalls
+from specdeploy.serve.trtllm.orchestration import Orchestrator
+from specdeploy.spec.pipeline import load_pipeline
+
+
+class OrchestrationServer:
+    def __init__(self, pipeline_file: Path, target_dir: Path, target_model: str, draft_model: str | None,
+                 model_name: str, pb_utils) -> None:
+        """pipeline_file: the served pipeline (pipeline.json); target_dir: the target's tokenizer and config.json;
+        target_model / draft_model: the tensorrtllm models' names (draft_model None: no draft engine)."""
+        self.pb = pb_utils
+        self.pipeline = load_pipeline(pipeline_file)
+        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
+        config = ModelConfig.from_hf(AutoConfig.from_pretrained(target_dir))
+        method = self.pipeline.speculation.method
+        self.metrics = Metrics(pb_utils, {"model": model_name, "method": method})
+        self.orchestrator = Orchestrator(self.pipeline, BlsCalls(pb_utils, target_model, draft_model),
+                                         config.vocab_size, end_of_sequence_ids(self.tokenizer, config.eos_token_ids),
+                                         on_change=self._on_change)
+        self._on_change(self.orchestrator)  # the gauges start at their idle values, not at 0
+        self.watcher = DrainWatcher(self.orchestrator)
+        pb_utils.Logger.log_info(f"specdeploy: orchestrating {target_model}" + (f" and {draft_model}" if draft_model
+                                 else "") + f" ({method}, gamma {self.pipeline.speculation.num_draft_tokens})")
+
+    def _on_change(self, orchestrator: Orchestrator) -> None:
+        if hasattr(self, "metrics"):
+            self.metrics.update(*orchestrator.snapshot())
+
+    def stop(self) -> None:
+        self.watcher.stop()
+        self.orchestrator.stop()
+
+    def submit(self, request) -> None:
+        submit_request(self.pb, request, self.tokenizer, self.pipeline, self.tokenizer, self.orchestrator,
+                       self.metrics)

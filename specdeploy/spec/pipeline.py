@@ -1,0 +1,595 @@
+"""PipelineSpec: the one validated configuration, loaded from a pipeline YAML (or the JSON a build saves).
+
+Every section is a frozen dataclass validated when it is constructed, so a spec built in code is checked exactly
+like one loaded from a file. `parse_pipeline` walks the data against the sections' type hints, so unknown keys,
+wrong types and values outside a Literal are errors naming the file, the key path, the bad value and what is
+allowed. Defaults are defined here and nowhere else; this module imports neither torch nor the runtime.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import reprlib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+import yaml
+
+from specdeploy.errors import PipelineError
+from specdeploy.spec.sampling_params import SamplingParams, sampling_problems
+from specdeploy.spec.token_tree import TokenTree
+
+SourceKind = Literal["package", "gguf", "hf_dir"]
+DType = Literal["float32", "bfloat16"]
+# The speculation methods: a new proposer adds its name here (and its settings section to SpeculationSpec, if it
+# has settings) and registers its class in speculative/registry.py.
+Method = Literal["draft_target", "ngram", "medusa", "none"]
+# exact: every emitted token is distributed as the target's. typical: Medusa's typical acceptance, LOSSY (it accepts
+# more and changes the distribution); only for medusa, and never the default.
+Acceptance = Literal["exact", "typical"]
+Schedule = Literal["constant", "heuristic"]  # proposal length per step: always gamma, or adaptive up to gamma
+BackendKind = Literal["torch", "trtllm"]
+Device = Literal["cpu", "cuda"]  # where the torch backend runs: the CPU, or an NVIDIA GPU
+
+_NEUTRAL = SamplingParams()
+
+
+QUOTE_LIMIT = 60  # characters of a bad value an error message shows
+
+
+def quoted(value: object) -> str:
+    """A short repr of value: a message must stay short (and quick to write) whatever the file holds."""
+    short = reprlib.Repr()
+    short.maxlevel, short.maxdict, short.maxlist, short.maxstring = 2, 3, 3, QUOTE_LIMIT
+    text = short.repr(value)
+    return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT - 3] + "..."
+
+
+class StrictLoader(yaml.SafeLoader):
+    """YAML without aliases (a few hundred bytes of nested aliases expand to billions of nodes) and without
+    duplicate keys (where the last one would silently win)."""
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            raise yaml.composer.ComposerError(None, None, f"aliases (*{event.anchor}) are not allowed",
+                                              event.start_mark)
+        return super().compose_node(parent, index)
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if not isinstance(key, typing.Hashable):
+                continue  # the SafeLoader reports an unhashable key itself
+            if key in seen:
+                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quoted(key)}",
+                                                        key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
+class Problem(PipelineError):
+    """Raised by a section's check(): `key` is relative to the section (the parser adds the section's path)."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key, self.message = key, message
+
+
+class Section:
+    """Base of every section: validated at construction by its `check` (a no-op unless the section has rules)."""
+
+    def __post_init__(self) -> None:
+        self.check()
+
+    def check(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class CheckpointSpec(Section):
+    """Where weights come from. package: '<python package>/<file inside it>'; gguf: a .gguf file; hf_dir: a
+    directory with config.json, *.safetensors and tokenizer files. Relative paths are relative to the YAML file."""
+
+    source: SourceKind
+    path: str
+
+    def check(self) -> None:
+        if not self.path.strip():
+            raise Problem("path", "must not be empty")
+        if self.source == "package" and "/" not in self.path:
+            raise Problem("path", f"package paths look like '<package>/<file>', got {quoted(self.path)}")
+
+
+@dataclass(frozen=True)
+class MoESpec(Section):
+    """Derive a Mixtral-architecture MoE target from a dense checkpoint (build/moe_derive.py): each MLP split
+    into `experts` experts, each token routed to `experts_per_token` of them."""
+
+    experts: int = 8
+    experts_per_token: int = 2
+    calibration_tokens: int = 8192  # of openly licensed text the routers are fitted on
+
+    def check(self) -> None:
+        if self.experts < 2:
+            raise Problem("experts", f"must be ≥ 2, got {self.experts}")
+        if not 1 <= self.experts_per_token <= self.experts:
+            raise Problem("experts_per_token", f"must be in [1, experts ({self.experts})], got "
+                                               f"{self.experts_per_token}")
+        if self.calibration_tokens < 256:
+            raise Problem("calibration_tokens", f"must be ≥ 256, got {self.calibration_tokens}")
+
+
+@dataclass(frozen=True)
+class TargetSpec(Section):
+    """The target model; `moe`, when given, turns a dense checkpoint into a Mixtral-architecture MoE at build."""
+
+    checkpoint: CheckpointSpec
+    dtype: DType = "bfloat16"
+    moe: MoESpec | None = None
+
+
+@dataclass(frozen=True)
+class DraftSpec(Section):
+    """The draft model. `derive: int4` quantizes the target into a draft (same tokenizer by construction; an MoE
+    target gives an int4 MoE); `int8` quantizes it to int8 rows instead (1.6× int4's bytes, closer to the target;
+    which pays depends on the device's kernels: bench both side by side); `int4_dense`, for a target derived with
+    target.moe, quantizes the dense model it was derived from to int4 instead; `derive: none` takes `checkpoint` as
+    it is (its tokenizer must match the target's)."""
+
+    derive: Literal["int4", "int8", "int4_dense", "none"] = "int4"
+    checkpoint: CheckpointSpec | None = None
+    dtype: DType = "bfloat16"
+    early_stop_threshold: float = 0.0  # stop drafting when the draft's top-1 probability falls below this
+
+    @property
+    def weight_only(self) -> Literal["int4", "int8"] | None:
+        """The precision the derived draft's weights are quantized to; None for a checkpoint taken as it is."""
+        return {"int4": "int4", "int4_dense": "int4", "int8": "int8", "none": None}[self.derive]
+
+    def check(self) -> None:
+        if self.derive == "none" and self.checkpoint is None:
+            raise Problem("checkpoint", "required when derive is 'none'")
+        if self.derive != "none" and self.checkpoint is not None:
+            raise Problem("checkpoint", f"not allowed when derive is {self.derive!r} (the draft is derived from the "
+                                        f"target)")
+        if not 0.0 <= self.early_stop_threshold < 1.0:
+            raise Problem("early_stop_threshold", f"must be in [0, 1), got {self.early_stop_threshold}")
+
+
+@dataclass(frozen=True)
+class NgramSpec(Section):
+    """Prompt lookup: match the last n tokens (max_n down to min_n) of prompt + output against earlier text."""
+
+    min_n: int = 2
+    max_n: int = 4
+
+    def check(self) -> None:
+        if self.min_n < 1:
+            raise Problem("min_n", f"must be ≥ 1, got {self.min_n}")
+        if self.max_n < self.min_n:
+            raise Problem("max_n", f"must be ≥ min_n ({self.min_n}), got {self.max_n}")
+
+
+# A small tree for a CPU, where verifying each extra position costs real time (a GPU preset of 63 nodes would not
+# pay here); `specdeploy bench` reports the tree built from measured head accuracies and verify costs.
+DEFAULT_MEDUSA_CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 0, 0))
+
+
+@dataclass(frozen=True)
+class MedusaSpec(Section):
+    """Medusa heads on the target's last hidden state. heads: the safetensors file `specdeploy train-medusa` writes
+    (relative to the YAML). choices: the tree of their candidates in TensorRT-LLM's medusa_choices format (paths
+    of top-k indices, [0] = the first head's best token, [0, 1] = the second head's second best below it)."""
+
+    heads: str = ""
+    num_heads: int = 4
+    num_layers: int = 1
+    choices: tuple[tuple[int, ...], ...] = DEFAULT_MEDUSA_CHOICES
+
+    def check(self) -> None:
+        if self.num_heads < 1:
+            raise Problem("num_heads", f"must be ≥ 1, got {self.num_heads}")
+        if self.num_layers < 1:
+            raise Problem("num_layers", f"must be ≥ 1, got {self.num_layers}")
+        try:
+            tree = TokenTree.from_choices([list(path) for path in self.choices])
+        except ValueError as exc:
+            raise Problem("choices", str(exc).removeprefix("medusa_choices: ")) from None
+        if tree.depth > self.num_heads:
+            raise Problem("choices", f"the tree is {tree.depth} deep but there are {self.num_heads} heads")
+
+
+@dataclass(frozen=True)
+class SpeculationSpec(Section):
+    method: Method = "none"
+    num_draft_tokens: int = 4
+    acceptance: Acceptance = "exact"
+    schedule: Schedule = "constant"
+    draft: DraftSpec | None = None
+    ngram: NgramSpec = field(default_factory=NgramSpec)
+    medusa: MedusaSpec = field(default_factory=MedusaSpec)
+
+    def check(self) -> None:
+        if self.num_draft_tokens <= 0:
+            raise Problem("num_draft_tokens", f"must be ≥ 1, got {self.num_draft_tokens}")
+        if self.method == "draft_target" and self.draft is None:
+            raise Problem("draft", "required when method is 'draft_target'")
+        if self.method != "draft_target" and self.draft is not None:
+            raise Problem("draft", f"only allowed when method is 'draft_target', not {self.method!r}")
+        if self.acceptance == "typical" and self.method != "medusa":
+            raise Problem("acceptance", f"'typical' (lossy) is only for method 'medusa', not {self.method!r}")
+        if self.method == "medusa":
+            if not self.medusa.heads:
+                raise Problem("medusa.heads", "required when method is 'medusa' (train them with "
+                                              "specdeploy train-medusa)")
+            if self.num_draft_tokens > self.medusa.num_heads:
+                raise Problem("num_draft_tokens", f"for medusa the tree depth cap, at most medusa.num_heads "
+                                                  f"({self.medusa.num_heads}), got {self.num_draft_tokens}")
+
+
+@dataclass(frozen=True)
+class SamplingSpec(Section):
+    """Defaults for requests that do not set them. temperature 0 means greedy; top_k 0 means off."""
+
+    temperature: float = _NEUTRAL.temperature
+    top_k: int = _NEUTRAL.top_k
+    top_p: float = _NEUTRAL.top_p
+    repetition_penalty: float = _NEUTRAL.repetition_penalty
+    max_tokens: int = 128
+
+    def check(self) -> None:
+        for key, problem in sampling_problems(self.temperature, self.top_k, self.top_p, self.repetition_penalty):
+            raise Problem(key, problem)
+        if self.max_tokens <= 0:
+            raise Problem("max_tokens", f"must be ≥ 1, got {self.max_tokens}")
+
+    def params(self, temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
+               repetition_penalty: float | None = None, seed: int | None = None) -> SamplingParams:
+        """A request's SamplingParams: the given values, this section's for those left None."""
+        return SamplingParams(temperature=self.temperature if temperature is None else temperature,
+                              top_k=self.top_k if top_k is None else top_k,
+                              top_p=self.top_p if top_p is None else top_p,
+                              repetition_penalty=(self.repetition_penalty if repetition_penalty is None
+                                                  else repetition_penalty),
+                              seed=seed)
+
+
+@dataclass(frozen=True)
+class LimitsSpec(Section):
+    max_batch_size: int = 8
+    max_input_length: int = 1024
+    max_sequence_length: int = 2048
+    max_draft_tokens: int = 16
+
+    def check(self) -> None:
+        for key in ("max_batch_size", "max_input_length", "max_sequence_length", "max_draft_tokens"):
+            if getattr(self, key) <= 0:
+                raise Problem(key, f"must be ≥ 1, got {getattr(self, key)}")
+        if self.max_input_length >= self.max_sequence_length:
+            raise Problem("max_input_length",
+                          f"must be below max_sequence_length ({self.max_sequence_length}), "
+                          f"got {self.max_input_length}")
+
+
+@dataclass(frozen=True)
+class PolicySpec(Section):
+    """Speculation by batch size B: the request's gamma while B ≤ full_up_to, then reduced linearly down to 1 at
+    off_above, and no drafting at all when B > off_above."""
+
+    # Measured over gRPC (bench --url, 64 tokens): gamma 5 at two streams 1.34x plain, gamma 2 at four 1.06x,
+    # while any drafting at eight or more streams gained at most 4% (the batch's GEMM is already compute-bound).
+    full_up_to: int = 2
+    off_above: int = 4
+    # The most tokens any step drafts, whatever a request asks (None: no cap). For an MoE target, where verifying
+    # n tokens reads the union of their experts, "measured" takes the gamma with the best predicted speedup that
+    # `bench --measure-gamma-cap` measured for the built engine (no cap until it has).
+    gamma_cap: int | Literal["measured"] | None = None
+
+    def check(self) -> None:
+        if self.full_up_to < 0:
+            raise Problem("full_up_to", f"must be ≥ 0, got {self.full_up_to}")
+        if self.off_above < self.full_up_to:
+            raise Problem("off_above", f"must be ≥ full_up_to ({self.full_up_to}), got {self.off_above}")
+        if self.gamma_cap is not None and self.gamma_cap != "measured" and not (
+                isinstance(self.gamma_cap, int) and self.gamma_cap >= 1):
+            raise Problem("gamma_cap", f"must be ≥ 1, 'measured' or null for no cap, got {quoted(self.gamma_cap)}")
+
+    def gamma(self, gamma: int, batch_size: int) -> int:
+        """The proposal cap for a request whose own gamma is `gamma` in a batch of `batch_size` sequences."""
+        if batch_size > self.off_above:
+            return 0
+        if batch_size <= self.full_up_to:
+            return gamma
+        remaining = (self.off_above - batch_size + 1) / (self.off_above - self.full_up_to + 1)
+        return max(1, round(gamma * remaining))
+
+
+@dataclass(frozen=True)
+class ServingSpec(Section):
+    """How the Triton `speculative` model schedules: the speculation policy and the KV budget in tokens (None:
+    limits.max_batch_size × limits.max_sequence_length, see PipelineSpec.kv_capacity_tokens)."""
+
+    policy: PolicySpec = field(default_factory=PolicySpec)
+    kv_capacity_tokens: int | None = None
+
+    def check(self) -> None:
+        if self.kv_capacity_tokens is not None and self.kv_capacity_tokens <= 0:
+            raise Problem("kv_capacity_tokens", f"must be ≥ 1, got {self.kv_capacity_tokens}")
+
+
+@dataclass(frozen=True)
+class TrtllmSpec(Section):
+    """TensorRT-LLM settings (backend.kind: trtllm). line: `engine` builds TensorRT engines with TensorRT-LLM 1.2.x
+    (trtllm-build), `llm_api` serves through the LLM API's PyTorch backend of newer releases. server: Triton (its
+    tensorrtllm backend, or its llmapi model on the llm_api line) or trtllm-serve. moe_tp_size × moe_ep_size must
+    equal tp_size (unset: TensorRT-LLM's completion, tp × 1). Batch, input and sequence limits come from `limits`;
+    the draft's weight-only int4 or int8 from speculation.draft.derive. medusa_converter: TensorRT-LLM's
+    examples/medusa/convert_checkpoint.py, which is not in its wheel; the default is where the pinned Triton image
+    keeps it (tensorrtllm_backend's Dockerfile: WORKDIR /app, the repository's examples copied to examples)."""
+
+    line: Literal["engine", "llm_api"] = "engine"
+    server: Literal["triton", "trtllm_serve"] = "triton"
+    dtype: Literal["float16", "bfloat16"] = "bfloat16"
+    tp_size: int = 1
+    pp_size: int = 1
+    moe_tp_size: int | None = None
+    moe_ep_size: int | None = None
+    max_num_tokens: int = 8192
+    kv_cache_free_gpu_mem_fraction: float = 0.9
+    enable_kv_cache_reuse: bool = True
+    medusa_converter: str = "/app/examples/medusa/convert_checkpoint.py"
+
+    def check(self) -> None:
+        for key in ("tp_size", "pp_size", "max_num_tokens"):
+            if getattr(self, key) < 1:
+                raise Problem(key, f"must be ≥ 1, got {getattr(self, key)}")
+        for key in ("moe_tp_size", "moe_ep_size"):
+            value = getattr(self, key)
+            if value is not None and (value < 1 or self.tp_size % value):
+                raise Problem(key, f"must divide tp_size ({self.tp_size}), got {value}")
+        if self.moe_tp_size is not None and self.moe_ep_size is not None \
+                and self.moe_tp_size * self.moe_ep_size != self.tp_size:
+            raise Problem("moe_ep_size", f"moe_tp_size × moe_ep_size must equal tp_size ({self.tp_size}), got "
+                                         f"{self.moe_tp_size} × {self.moe_ep_size}")
+        if not 0 < self.kv_cache_free_gpu_mem_fraction < 1:  # the executor's KvCacheConfig refuses 0 and 1
+            raise Problem("kv_cache_free_gpu_mem_fraction", f"must be in (0, 1), got "
+                                                            f"{self.kv_cache_free_gpu_mem_fraction}")
+
+
+@dataclass(frozen=True)
+class TorchSpec(Section):
+    """Torch backend settings (backend.kind: torch). device: cuda runs build measurements, generate, bench and serve
+    on an NVIDIA GPU (Triton gives the engine's model KIND_GPU instances); the engine files are the same on both, so
+    changing it rebuilds nothing."""
+
+    device: Device = "cpu"
+
+
+@dataclass(frozen=True)
+class BackendSpec(Section):
+    """Which engine the build produces and the Triton repository serves; each kind brings its own settings."""
+
+    kind: BackendKind = "torch"
+    trtllm: TrtllmSpec | None = None  # kind trtllm only; None there: every default
+    torch: TorchSpec | None = None  # kind torch only; None there: every default
+
+    def check(self) -> None:
+        if self.kind != "trtllm" and self.trtllm is not None:
+            raise Problem("trtllm", f"only with kind: trtllm (kind is {self.kind!r})")
+        if self.kind != "torch" and self.torch is not None:
+            raise Problem("torch", f"only with kind: torch (kind is {self.kind!r}; TensorRT-LLM always runs on "
+                                   f"GPUs)")
+
+    @property
+    def device(self) -> Device:
+        """Where the torch backend's engine runs."""
+        return self.torch.device if self.torch else "cpu"
+
+    def with_device(self, device: Device) -> BackendSpec:
+        """The same backend run on `device` (the CLI's --device); only the torch backend has a choice."""
+        if self.kind != "torch":
+            raise PipelineError(f"--device is for the torch backend (this pipeline's backend.kind is {self.kind!r})")
+        return dataclasses.replace(self, torch=TorchSpec(device=device))
+
+    @property
+    def settings(self) -> TrtllmSpec:
+        """The TensorRT-LLM settings (defaults when the section is left out)."""
+        return self.trtllm or TrtllmSpec()
+
+
+@dataclass(frozen=True)
+class PipelineSpec(Section):
+    name: str
+    target: TargetSpec
+    speculation: SpeculationSpec = field(default_factory=SpeculationSpec)
+    sampling: SamplingSpec = field(default_factory=SamplingSpec)
+    limits: LimitsSpec = field(default_factory=LimitsSpec)
+    serving: ServingSpec = field(default_factory=ServingSpec)
+    backend: BackendSpec = field(default_factory=BackendSpec)
+    source_file: Path | None = field(default=None, compare=False)
+
+    def check(self) -> None:
+        if not self.name or not all(ch.isalnum() or ch in "-_." for ch in self.name) or self.name.startswith("."):
+            # The name is a directory under the engines root: one path component, never '.', '..' or hidden.
+            raise Problem("name", f"must be letters, digits, '-', '_' or '.', not starting with '.', got "
+                                  f"{quoted(self.name)}")
+        gamma, limit = self.speculation.num_draft_tokens, self.limits.max_draft_tokens
+        if gamma > limit:
+            raise Problem("speculation.num_draft_tokens", f"{gamma} is above limits.max_draft_tokens ({limit})")
+        draft = self.speculation.draft
+        if draft is not None and draft.derive == "int4_dense" and self.target.moe is None:
+            raise Problem("speculation.draft.derive", "int4_dense quantizes the dense model an MoE target is derived "
+                                                      "from, and this target has no target.moe: use int4")
+        if self.backend.kind == "trtllm":
+            self.check_trtllm()
+        nodes = len(self.speculation.medusa.choices)
+        if self.speculation.method == "medusa" and nodes > limit:
+            # a tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens
+            raise Problem("speculation.medusa.choices", f"{nodes} nodes are above limits.max_draft_tokens ({limit})")
+
+    def check_trtllm(self) -> None:
+        """The combinations TensorRT-LLM cannot serve (facts in docs/trtllm-upstream.md). The checks that need the
+        model's head and expert counts run at build (builders/trtllm_plan.check_model_fits)."""
+        settings, method = self.backend.settings, self.speculation.method
+        if method == "medusa" and self.target.moe is not None:
+            raise Problem("speculation.method", "medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "
+                                                "converter has no expert mapping); use draft_target or ngram")
+        if method == "medusa" and settings.line == "llm_api":
+            raise Problem("backend.trtllm.line", "medusa runs on TensorRT engines only: use line: engine (the "
+                                                 "LLM API's PyTorch backend has no Medusa)")
+        if settings.line == "engine" and settings.server == "trtllm_serve" and method in ("draft_target", "ngram"):
+            raise Problem("backend.trtllm.server", f"{method} on the engine line runs through Triton (our "
+                                                   f"orchestration model feeds draft tokens to the engine); the "
+                                                   f"LLM API serves {method} only on line: llm_api")
+        if settings.line == "engine" and method in ("draft_target", "ngram") and not settings.enable_kv_cache_reuse:
+            raise Problem("backend.trtllm.enable_kv_cache_reuse", f"{method} verifies drafts on a "
+                                                                  f"draft_tokens_external target engine, which "
+                                                                  f"TensorRT-LLM refuses to load without KV cache "
+                                                                  f"block reuse: set it true")
+        draft = self.speculation.draft
+        if settings.line == "llm_api" and method == "draft_target" and draft.derive != "none":
+            raise Problem("speculation.draft.derive", f"{draft.derive} needs the engine line (TensorRT-LLM "
+                                                      f"quantizes it at conversion); on line: llm_api give the "
+                                                      f"draft a checkpoint (derive: none)")
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        """The KV budget shared by a server's active sequences, in tokens."""
+        limits = self.limits
+        return self.serving.kv_capacity_tokens or limits.max_batch_size * limits.max_sequence_length
+
+    def resolve(self, path: str) -> Path:
+        """A checkpoint path, relative to the pipeline file's directory when not absolute."""
+        candidate = Path(path).expanduser()
+        if candidate.is_absolute() or self.source_file is None:
+            return candidate
+        return (self.source_file.parent / candidate).resolve()
+
+    def with_gamma_cap(self, cap: int | None) -> PipelineSpec:
+        """The same spec with serving.policy.gamma_cap set to `cap`."""
+        policy = dataclasses.replace(self.serving.policy, gamma_cap=cap)
+        return dataclasses.replace(self, serving=dataclasses.replace(self.serving, policy=policy))
+
+    def resolved(self) -> PipelineSpec:
+        """The same spec with file checkpoints as absolute paths, so it means the same wherever it is saved."""
+
+        def absolute(checkpoint: CheckpointSpec | None) -> CheckpointSpec | None:
+            if checkpoint is None or checkpoint.source == "package":
+                return checkpoint
+            return dataclasses.replace(checkpoint, path=str(self.resolve(checkpoint.path)))
+
+        speculation = self.speculation
+        if speculation.draft is not None:
+            draft = dataclasses.replace(speculation.draft, checkpoint=absolute(speculation.draft.checkpoint))
+            speculation = dataclasses.replace(speculation, draft=draft)
+        if speculation.medusa.heads:
+            medusa = dataclasses.replace(speculation.medusa, heads=str(self.resolve(speculation.medusa.heads)))
+            speculation = dataclasses.replace(speculation, medusa=medusa)
+        target = dataclasses.replace(self.target, checkpoint=absolute(self.target.checkpoint))
+        return dataclasses.replace(self, target=target, speculation=speculation)
+
+    def to_dict(self) -> dict:
+        """Plain data, as JSON holds it (lists, not tuples), that parse_pipeline turns back into an equal spec."""
+        data = dataclasses.asdict(self, dict_factory=lambda items: {k: _as_lists(v) for k, v in items})
+        data.pop("source_file")
+        return data
+
+
+def _as_lists(value: object) -> object:
+    return [_as_lists(item) for item in value] if isinstance(value, tuple) else value
+
+
+def load_pipeline(path: str | Path) -> PipelineSpec:
+    """A pipeline YAML file (JSON, which YAML reads too, for the copy a build saves in the engine directory)."""
+    path = Path(path)
+    if not path.is_file():
+        raise PipelineError(f"{path}: pipeline file not found")
+    try:
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
+    except yaml.YAMLError as exc:
+        raise PipelineError(f"{path}: malformed YAML: {exc}") from None
+    except RecursionError:
+        raise PipelineError(f"{path}: nested too deeply to be a pipeline") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PipelineError(f"{path}: cannot be read as UTF-8 text: {exc}") from None
+    return parse_pipeline(data, source=path)
+
+
+def parse_pipeline(data: object, source: Path | None = None) -> PipelineSpec:
+    where = str(source) if source else "<pipeline>"
+    spec = _build(PipelineSpec, data, "", where)
+    return dataclasses.replace(spec, source_file=source.resolve() if source else None)
+
+
+def _describe(hint: object) -> str:
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
+    if dataclasses.is_dataclass(hint):
+        return "a mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def _convert(hint: object, value: object, key: str, where: str) -> object:
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        options = [h for h in typing.get_args(hint) if h is not type(None)]
+        if value is None:
+            return None
+        if len(options) == 1:
+            return _convert(options[0], value, key, where)
+        for option in options:
+            try:
+                return _convert(option, value, key, where)
+            except PipelineError:
+                continue
+        raise PipelineError(f"{where}: {key}: expected " + " or ".join(_describe(o) for o in options)
+                            + f" (or null), got {quoted(value)}")
+    if origin is Literal:
+        allowed = typing.get_args(hint)
+        if value not in allowed:
+            raise PipelineError(f"{where}: {key}: {quoted(value)} is not allowed (allowed: "
+                                + ", ".join(repr(v) for v in allowed) + ")")
+        return value
+    if dataclasses.is_dataclass(hint):
+        return _build(hint, value, key, where)
+    if hint is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if hint is float and isinstance(value, float) and not math.isfinite(value):
+        raise PipelineError(f"{where}: {key}: must be a finite number, got {quoted(value)}")
+    if origin is tuple:  # tuple[X, ...]: a YAML list
+        if not isinstance(value, list | tuple):
+            raise PipelineError(f"{where}: {key}: expected a list, got {quoted(value)}")
+        item = typing.get_args(hint)[0]
+        return tuple(_convert(item, element, f"{key}[{i}]", where) for i, element in enumerate(value))
+    if hint in (int, float, str, bool) and (type(value) is not hint):
+        raise PipelineError(f"{where}: {key}: expected {_describe(hint)}, got {quoted(value)}")
+    return value
+
+
+def _build(cls: type, data: object, prefix: str, where: str):
+    label = prefix or "top level"
+    if not isinstance(data, dict):
+        raise PipelineError(f"{where}: {label}: expected a mapping, got {quoted(data)}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_file"}
+    unknown = sorted(set(data) - set(fields), key=str)
+    if unknown:
+        raise PipelineError(f"{where}: {label}: unknown key {quoted(unknown[0])} (allowed: {', '.join(fields)})")
+    values = {}
+    for name, f in fields.items():
+        key = f"{prefix}.{name}" if prefix else name
+        if name in data:
+            values[name] = _convert(hints[name], data[name], key, where)
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise PipelineError(f"{where}: {key}: required key is missing ({_describe(hints[name])})")
+    try:
+        return cls(**values)
+    except Problem as problem:
+        key = f"{prefix}.{problem.key}" if prefix else problem.key
+        raise PipelineError(f"{where}: {key}: {problem.message}") from None

@@ -1,1 +1,0 @@
-"""Triton Inference Server integration: model repository writer, server launcher, gRPC client."""

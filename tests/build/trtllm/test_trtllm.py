@@ -1,0 +1,359 @@
+"""The trtllm backend without TensorRT-LLM: pipeline validation, the build plan against the upstream flag tables
+(docs/trtllm-upstream.md), the converter against a test double of TensorRT-LLM's Python API, and a real build
+that stops naming what is missing."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO, tiny_pipeline
+from google.protobuf import text_format
+from test_cli import run_cli
+from tritonclient.grpc import model_config_pb2 as pb
+
+from specdeploy.build.trtllm import convert as trtllm_convert
+from specdeploy.build.trtllm.engine_build import missing_requirements, plan
+from specdeploy.build.trtllm.plan import llm_api_config
+from specdeploy.build.trtllm.upstream import (
+    BATCH_SCHEDULER_POLICIES,
+    BOOLEAN_VALUES,
+    DECODING_MODES,
+    GPT_MODEL_TYPES,
+    LLAMA_CONVERT_FLAGS,
+    MEDUSA_CONVERT_FLAGS,
+    TENSORRTLLM_INPUTS,
+    TENSORRTLLM_PARAMETER_KEYS,
+    TENSORRTLLM_REQUIRED_PARAMETERS,
+    TRTLLM_BUILD_FLAGS,
+)
+from specdeploy.errors import BuildError, PipelineError
+from specdeploy.serve.repository import model_configs
+from specdeploy.serve.trtllm.model_configs import tensorrtllm_model
+from specdeploy.spec.pipeline import load_pipeline
+
+GPU_EXAMPLES = sorted((REPO / "pipelines" / "gpu").glob("*.yaml"))
+
+
+def flags(command: tuple[str, ...]) -> dict[str, str | None]:
+    """--flag value pairs of an argv (a flag followed by another flag, or last, is a switch: None)."""
+    found = {}
+    for index, word in enumerate(command):
+        if word.startswith("--"):
+            following = command[index + 1] if index + 1 < len(command) else None
+            found[word] = None if following is None or following.startswith("--") else following
+    return found
+
+
+def check_against(table: dict, command: tuple[str, ...]) -> None:
+    for flag, value in flags(command).items():
+        assert flag in table, f"{flag} is not an upstream flag"
+        allowed = table[flag]
+        if allowed == "switch":
+            assert value is None, f"{flag} takes no value"
+        elif isinstance(allowed, tuple):
+            assert value in allowed, f"{flag} {value}: upstream allows {allowed}"
+        else:
+            assert value is not None, f"{flag} needs a value"
+
+
+def table_for(command: tuple[str, ...]) -> dict:
+    if command[0] == "trtllm-build":
+        return TRTLLM_BUILD_FLAGS
+    return MEDUSA_CONVERT_FLAGS if command[1].endswith("medusa/convert_checkpoint.py") else LLAMA_CONVERT_FLAGS
+
+
+LLAMA70B = next(p for p in GPU_EXAMPLES if p.stem == "llama70b-draft-target")
+
+
+@pytest.mark.parametrize("path, derive", [(p, None) for p in GPU_EXAMPLES] + [(LLAMA70B, "int8")],
+                         ids=[p.stem for p in GPU_EXAMPLES] + ["llama70b-draft-target-int8"])
+def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive, tmp_path):
+    """derive: the example's draft derived as this instead (an int8 draft: TensorRT-LLM's W8A16)."""
+    if derive is not None:
+        spec = yaml.safe_load(path.read_text())
+        spec["speculation"]["draft"] = {"derive": derive}
+        path = tmp_path / path.name
+        path.write_text(yaml.safe_dump(spec))
+    pipeline = load_pipeline(path)
+    steps, notes = plan(pipeline, tmp_path / "engines")
+    assert any("not checked" in note for note in notes)  # the /models checkpoints are not on this machine
+    # Hugging Face checkpoints are read where they are: TensorRT-LLM's converter reads the directory itself
+    written = {pipeline.resolve(c.path) for c in (pipeline.target.checkpoint, getattr(pipeline.speculation.draft,
+                                                                                       "checkpoint", None))
+               if c is not None and c.source == "hf_dir"}
+    assert not {step.action for step in steps} & {"export target", "export draft", "export dense source"}
+    for step in steps:
+        if step.command is not None:
+            check_against(table_for(step.command), step.command)
+            given = flags(step.command)
+            for reads in ("--model_dir", "--medusa_model_dir", "--checkpoint_dir"):
+                if reads in given:
+                    assert Path(given[reads]) in written, f"{step.title} reads {given[reads]} before it is written"
+            assert Path(given["--output_dir"]) == step.output
+        written.add(step.output)
+    builds = {step.output.name: flags(step.command) for step in steps
+              if step.command and step.command[0] == "trtllm-build"}
+    target = builds["target"]
+    assert target["--max_batch_size"] == str(pipeline.limits.max_batch_size)
+    assert target["--max_seq_len"] == str(pipeline.limits.max_sequence_length)
+    # every call brings the whole sequence so far, so an engine's input may be as long as a sequence
+    assert all(build["--max_input_len"] == str(pipeline.limits.max_sequence_length) for build in builds.values())
+    assert target["--max_draft_len"] == str(pipeline.limits.max_draft_tokens)
+    assert target["--use_paged_context_fmha"] == "enable"
+    settings = pipeline.backend.settings
+    if pipeline.speculation.method == "medusa":
+        assert target["--speculative_decoding_mode"] == "medusa" and set(builds) == {"target"}
+        convert = flags(next(s.command for s in steps if s.command and "--medusa_model_dir" in s.command))
+        assert convert["--num_medusa_heads"] == str(pipeline.speculation.medusa.num_heads)
+        assert convert["--max_medusa_token_len"] == str(pipeline.limits.max_draft_tokens)
+    elif pipeline.speculation.method == "ngram":  # drafts from the text, verified by the one engine
+        assert target["--speculative_decoding_mode"] == "draft_tokens_external" and set(builds) == {"target"}
+        assert "--gather_generation_logits" not in target
+    else:
+        assert target["--speculative_decoding_mode"] == "draft_tokens_external"
+        # exact acceptance at temperature > 0 needs both engines' generation logits
+        assert "--gather_generation_logits" in target and "--gather_generation_logits" in builds["draft"]
+        assert "--speculative_decoding_mode" not in builds["draft"]
+    converts = [flags(s.command) for s in steps if s.command and s.command[0] == "python3"]
+    for convert in converts:
+        assert convert["--tp_size"] == str(settings.tp_size)
+    if settings.moe_ep_size:
+        assert all(c["--moe_ep_size"] == str(settings.moe_ep_size) for c in converts)
+        assert all(int(c["--moe_tp_size"]) * int(c["--moe_ep_size"]) == settings.tp_size for c in converts)
+    draft = pipeline.speculation.draft
+    if draft is not None and draft.derive in ("int4", "int8"):  # TensorRT-LLM quantizes the target itself
+        draft_convert = flags(next(s.command for s in steps if s.output.name == "draft" and s.command and
+                                   s.command[0] == "python3"))
+        assert draft_convert["--weight_only_precision"] == draft.derive and "--use_weight_only" in draft_convert
+        assert Path(draft_convert["--model_dir"]) == pipeline.resolve(pipeline.target.checkpoint.path)
+
+
+def test_dry_run_prints_the_plan_and_a_torch_pipeline_refuses_it(tmp_path, tiny_checkpoints):
+    example = next(p for p in GPU_EXAMPLES if "mixtral" in p.name)
+    result = run_cli("build", str(example), "--engines-dir", str(tmp_path / "engines"), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    assert "trtllm-build --checkpoint_dir" in result.stdout and "--moe_ep_size 4" in result.stdout
+    assert "26.04-trtllm-python-py3" in result.stdout and "[4/4]" in result.stdout
+    assert not (tmp_path / "engines").exists()
+    torch_pipeline = tiny_pipeline(tmp_path, "tiny", tiny_checkpoints["target"])
+    refused = run_cli("build", str(torch_pipeline), "--engines-dir", str(tmp_path / "engines"), "--dry-run")
+    assert refused.returncode == 2 and "--dry-run" in refused.stderr
+
+
+def trtllm_pipeline(tmp_path: Path, checkpoint: Path, name: str = "t", **changes) -> Path:
+    """A tiny pipeline on backend trtllm; changes: top-level sections merged into it."""
+    path = tiny_pipeline(tmp_path, name, checkpoint, dtype="bfloat16")
+    spec = yaml.safe_load(path.read_text())
+    spec["backend"] = {"kind": "trtllm", "trtllm": {}}
+    for section, values in changes.items():
+        spec[section] = {**spec.get(section, {}), **values}
+    if spec["speculation"]["method"] != "draft_target":
+        spec["speculation"].pop("draft", None)
+    path.write_text(yaml.safe_dump(spec))
+    return path
+
+
+@pytest.mark.parametrize("changes, key", [
+    ({"speculation": {"method": "medusa", "num_draft_tokens": 2,
+                      "medusa": {"heads": "h.safetensors", "num_heads": 2, "choices": [[0], [0, 0]]}},
+      "target": {"checkpoint": {"source": "hf_dir", "path": "x"}, "moe": {"experts": 4}}}, "speculation.method"),
+    ({"speculation": {"method": "medusa", "num_draft_tokens": 2,
+                      "medusa": {"heads": "h.safetensors", "num_heads": 2, "choices": [[0], [0, 0]]}},
+      "backend": {"kind": "trtllm", "trtllm": {"line": "llm_api"}}}, "backend.trtllm.line"),
+    ({"backend": {"kind": "trtllm", "trtllm": {"server": "trtllm_serve"}}}, "backend.trtllm.server"),
+    ({"backend": {"kind": "trtllm", "trtllm": {"line": "llm_api"}}}, "speculation.draft.derive"),
+    ({"backend": {"kind": "trtllm", "trtllm": {"tp_size": 4, "moe_tp_size": 2, "moe_ep_size": 4}}},
+     "backend.trtllm.moe_ep_size"),
+    ({"backend": {"kind": "trtllm", "trtllm": {"tp_size": 4, "moe_ep_size": 3}}}, "backend.trtllm.moe_ep_size"),
+    ({"backend": {"kind": "torch", "trtllm": {"tp_size": 2}}}, "backend.trtllm"),
+    ({"backend": {"kind": "trtllm", "trtllm": {"kv_cache_free_gpu_mem_fraction": 1.5}}},
+     "backend.trtllm.kv_cache_free_gpu_mem_fraction"),
+    # the executor's KvCacheConfig checks 0 < fraction < 1 (kvCacheConfig.cpp)
+    ({"backend": {"kind": "trtllm", "trtllm": {"kv_cache_free_gpu_mem_fraction": 1.0}}},
+     "backend.trtllm.kv_cache_free_gpu_mem_fraction"),
+    # TrtGptModelInflightBatching: "KV cache block reuse must be enabled for speculative decoding target model"
+    ({"backend": {"kind": "trtllm", "trtllm": {"enable_kv_cache_reuse": False}}},
+     "backend.trtllm.enable_kv_cache_reuse"),
+    ({"speculation": {"num_draft_tokens": 9}}, "speculation.num_draft_tokens"),  # above the engine's max_draft_len
+], ids=["medusa-on-moe", "medusa-on-llm-api", "draft-target-via-llm-api-on-engines", "int4-draft-on-llm-api",
+        "moe-product", "moe-ep-divides-tp", "trtllm-section-on-torch", "kv-fraction", "kv-fraction-1",
+        "target-without-kv-reuse", "above-max-draft-len"])
+def test_invalid_trtllm_combinations_fail_at_validation_naming_the_key(tmp_path, tiny_checkpoints, changes, key):
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], **changes)
+    with pytest.raises(PipelineError, match=rf"{key.replace('.', chr(92) + '.')}: "):
+        load_pipeline(path)
+
+
+def test_parallelism_that_does_not_divide_the_model_fails_before_anything_runs(tmp_path, tiny_checkpoints):
+    """The tiny target has 4 attention heads and 2 key/value heads."""
+    for tp, words in ((3, "4 attention heads"), (4, "2 key/value heads")):
+        path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], backend={
+            "kind": "trtllm", "trtllm": {"tp_size": tp}})
+        with pytest.raises(BuildError, match=f"backend.trtllm.tp_size: {tp} does not divide the target's {words}"):
+            plan(load_pipeline(path), tmp_path / "engines")
+    moe = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], target={"moe": {"experts": 3}},
+                          backend={"kind": "trtllm", "trtllm": {"tp_size": 2, "moe_ep_size": 2}})
+    with pytest.raises(BuildError, match="backend.trtllm.moe_ep_size: 2 does not divide the target's 3 experts"):
+        plan(load_pipeline(moe), tmp_path / "engines")
+    fits = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], backend={"kind": "trtllm", "trtllm": {"tp_size": 2}})
+    steps, notes = plan(load_pipeline(fits), tmp_path / "engines")
+    assert notes == ["target: llama, 4 attention heads, 2 key/value heads"] and len(steps) == 4  # no export
+
+
+def test_a_real_build_here_stops_naming_what_is_missing_and_writes_nothing(tmp_path, tiny_checkpoints):
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"])
+    assert missing_requirements(load_pipeline(path))  # this machine has no TensorRT-LLM (and no GPU)
+    result = run_cli("build", str(path), "--engines-dir", str(tmp_path / "engines"))
+    assert result.returncode == 2
+    assert "missing: the tensorrt_llm package (TensorRT-LLM 1.2.1" in result.stderr
+    assert "Nothing was written" in result.stderr and not (tmp_path / "engines").exists()
+    in_process = run_cli("generate", str(path), "hello", "--engines-dir", str(tmp_path / "engines"))
+    assert in_process.returncode == 2 and "backend.kind is trtllm" in in_process.stderr
+
+
+def test_a_medusa_build_checks_the_converter_before_running_anything(tmp_path, tiny_checkpoints):
+    """The converter is a script of TensorRT-LLM's repository, not of its wheel: its path is a setting whose default
+    is where the pinned image keeps it, and a build looks for it first."""
+    medusa = {"method": "medusa", "num_draft_tokens": 2,
+              "medusa": {"heads": "h.safetensors", "num_heads": 2, "choices": [[0], [0, 0]]}}
+    default = load_pipeline(trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation=medusa))
+    assert default.backend.settings.medusa_converter == "/app/examples/medusa/convert_checkpoint.py"
+    assert any("Medusa converter at /app/examples/medusa/convert_checkpoint.py" in line
+               for line in missing_requirements(default))
+    steps, _ = plan(default, tmp_path / "engines")
+    assert steps[1].command[:2] == ("python3", "/app/examples/medusa/convert_checkpoint.py")  # after the heads
+    converter = tmp_path / "convert_checkpoint.py"
+    converter.write_text("")
+    given = load_pipeline(trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation=medusa, backend={
+        "kind": "trtllm", "trtllm": {"medusa_converter": str(converter)}}))
+    assert not any("Medusa converter" in line for line in missing_requirements(given))
+    result = run_cli("build", str(trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation=medusa)),
+                     "--engines-dir", str(tmp_path / "engines"))
+    assert result.returncode == 2 and "backend.trtllm.medusa_converter" in result.stderr
+    assert not (tmp_path / "engines").exists()
+
+
+def test_the_llm_api_line_writes_speculative_config(tmp_path, tiny_checkpoints):
+    draft = {"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(tiny_checkpoints["draft"])}}
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={"draft": draft},
+                           backend={"kind": "trtllm", "trtllm": {"line": "llm_api", "tp_size": 2,
+                                                                 "kv_cache_free_gpu_mem_fraction": 0.8}})
+    pipeline = load_pipeline(path)
+    config = llm_api_config(pipeline, tmp_path / "trtllm")
+    assert config["speculative_config"] == {"decoding_type": "DraftTarget", "max_draft_len": 3,
+                                            "speculative_model_dir": str(tiny_checkpoints["draft"])}
+    assert config["backend"] == "pytorch" and config["tensor_parallel_size"] == 2
+    assert config["kv_cache_config"] == {"free_gpu_memory_fraction": 0.8, "enable_block_reuse": True}
+    steps, _ = plan(pipeline, tmp_path / "engines")
+    assert [s.action for s in steps] == ["write llm_api.yaml"]  # the LLM reads both checkpoints where they are
+    ngram = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], "n", speculation={"method": "ngram"},
+                            backend={"kind": "trtllm", "trtllm": {"line": "llm_api"}})
+    assert llm_api_config(load_pipeline(ngram), tmp_path)["speculative_config"] == {
+        "decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 4}  # ngram.max_n
+
+
+def fake_tensorrt_llm(calls: list) -> dict[str, types.ModuleType]:
+    """A test double of the TensorRT-LLM Python API the converter calls, with upstream's signatures
+    (tensorrt_llm/mapping.py: Mapping's parallel sizes are keyword-only; models/llama/model.py: from_hugging_face;
+    models/modeling_utils.py: QuantConfig, save_checkpoint)."""
+
+    class Mapping:
+        def __init__(self, world_size=1, rank=0, gpus_per_node=8, *, tp_size=1, pp_size=1, moe_tp_size=-1,
+                     moe_ep_size=-1, **rest):
+            assert tp_size * pp_size == world_size and moe_tp_size * moe_ep_size == tp_size
+            self.rank, self.sizes = rank, (tp_size, pp_size, moe_tp_size, moe_ep_size)
+
+    class LLaMAForCausalLM:
+        @classmethod
+        def from_hugging_face(cls, hf_model_or_dir, dtype="auto", mapping=None, quant_config=None, **kwargs):
+            model = cls()
+            model.loaded = (hf_model_or_dir, dtype, mapping.rank, mapping.sizes, quant_config.quant_algo)
+            return model
+
+        def save_checkpoint(self, output_dir, save_config=True):
+            calls.append((*self.loaded, output_dir, save_config))
+
+    class QuantConfig:
+        def __init__(self, quant_algo=None, **rest):
+            self.quant_algo = quant_algo
+
+    modules = {name: types.ModuleType(name) for name in (
+        "tensorrt_llm", "tensorrt_llm.mapping", "tensorrt_llm.models", "tensorrt_llm.models.modeling_utils",
+        "tensorrt_llm.quantization")}
+    modules["tensorrt_llm.mapping"].Mapping = Mapping
+    modules["tensorrt_llm.models"].LLaMAForCausalLM = LLaMAForCausalLM
+    modules["tensorrt_llm.models.modeling_utils"].QuantConfig = QuantConfig
+    modules["tensorrt_llm.quantization"].QuantAlgo = types.SimpleNamespace(W4A16="W4A16", W8A16="W8A16")
+    return modules
+
+
+@pytest.mark.parametrize("precision, algorithm", [("int4", "W4A16"), ("int8", "W8A16")])
+def test_the_converter_saves_one_rank_per_gpu_through_the_python_api(monkeypatch, tmp_path, precision, algorithm):
+    calls: list = []
+    for name, module in fake_tensorrt_llm(calls).items():
+        monkeypatch.setitem(sys.modules, name, module)
+    args = trtllm_convert.parse(["--model_dir", "hf", "--output_dir", "out", "--dtype", "bfloat16", "--tp_size", "4",
+                                 "--moe_tp_size", "1", "--moe_ep_size", "4", "--use_weight_only",
+                                 "--weight_only_precision", precision])
+    check_against(LLAMA_CONVERT_FLAGS, ("python", "-m", "x", "--model_dir", "hf", "--output_dir", "out", "--dtype",
+                                        "bfloat16", "--use_weight_only", "--weight_only_precision", precision))
+    trtllm_convert.convert(args)
+    assert calls == [("hf", "bfloat16", rank, (4, 1, 1, 4), algorithm, "out", rank == 0) for rank in range(4)]
+
+
+def test_the_torch_path_never_imports_tensorrt_llm():
+    code = ("import sys, specdeploy.cli, specdeploy.workflows, specdeploy.build.torch_engine, "
+            "specdeploy.build.trtllm.engine_build, specdeploy.build.trtllm.plan; "
+            "assert 'tensorrt_llm' not in sys.modules, 'imported'")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True).returncode == 0
+
+
+def parse_choices(text: str) -> list[list[int]]:
+    """The backend's reading of medusa_choices (utils::csvStrToVecVecInt): brace groups of comma-separated ints."""
+    return [[int(v) for v in group.split(",") if v.strip()] for group in re.findall(r"\{([^}]*)\}", text)]
+
+
+@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[p.stem for p in GPU_EXAMPLES])
+def test_tensorrtllm_model_configs_use_the_upstream_template_keys(path):
+    pipeline = load_pipeline(path)
+    target = tensorrtllm_model("tensorrt_llm", pipeline, "/engines/target")
+    draft = tensorrtllm_model("tensorrt_llm_draft", pipeline, "/engines/draft", draft=True)
+    for config in (target, draft):
+        parsed = text_format.Parse(text_format.MessageToString(config), pb.ModelConfig())
+        assert parsed == config and parsed.backend == "tensorrtllm" and parsed.model_transaction_policy.decoupled
+        assert set(parsed.parameters) <= TENSORRTLLM_PARAMETER_KEYS
+        values = {key: value.string_value for key, value in parsed.parameters.items()}
+        # every parameter the model instance reads without a fallback, or it does not load
+        assert set(TENSORRTLLM_REQUIRED_PARAMETERS) <= set(values)
+        assert values["guided_decoding_backend"] == values["xgrammar_tokenizer_info_path"] == ""  # guided: off
+        # a misspelled boolean is silently replaced by its default upstream, so only upstream's spellings
+        for key in ("enable_kv_cache_reuse", "exclude_input_in_output", "enable_chunked_context"):
+            assert values[key] in BOOLEAN_VALUES
+        assert values["gpt_model_type"] in GPT_MODEL_TYPES and values["gpt_model_type"] == "inflight_fused_batching"
+        assert values["batch_scheduler_policy"] in BATCH_SCHEDULER_POLICIES
+        assert 0 < float(values["kv_cache_free_gpu_mem_fraction"]) < 1
+        assert values["decoding_mode"] in DECODING_MODES
+        assert values["enable_chunked_context"] == "true"  # a long sequence is prefilled in chunks
+        assert {t.name for t in parsed.input} <= set(TENSORRTLLM_INPUTS)
+        assert {t.name for t in parsed.input if not t.optional} == {"input_lengths", "request_output_len"}
+        assert parsed.max_batch_size == pipeline.limits.max_batch_size
+    values = {key: value.string_value for key, value in target.parameters.items()}
+    assert values["gpt_model_path"] == "/engines/target"
+    served = model_configs(pipeline, served_at=Path("/models/x"))  # where the repository will be on the server
+    assert served["tensorrt_llm"].parameters["gpt_model_path"].string_value == "/models/x/tensorrt_llm/1/engine"
+    if pipeline.speculation.method == "medusa":
+        assert values["decoding_mode"] == "medusa"
+        assert parse_choices(values["medusa_choices"]) == [list(p) for p in pipeline.speculation.medusa.choices]
+    else:
+        assert "medusa_choices" not in values and values["decoding_mode"] == "top_k_top_p"
+    # The draft's KV cache: capped at what it can hold, so it never takes the target's share of the GPU.
+    draft_values = {key: value.string_value for key, value in draft.parameters.items()}
+    limits = pipeline.limits
+    assert int(draft_values["max_tokens_in_paged_kv_cache"]) == limits.max_batch_size * limits.max_sequence_length
+    assert "max_tokens_in_paged_kv_cache" not in values

@@ -1,0 +1,198 @@
+"""The trtllm build run end to end against a test double of TensorRT-LLM's tools (tests/trtllm_double/, which
+checks our exports and flags against the upstream formats): exports, conversions and engine builds land where the
+plan says, a failed step leaves nothing that looks complete, unchanged inputs skip the work."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import REPO
+from google.protobuf import json_format, text_format
+from test_cli import run_cli
+from test_trtllm import trtllm_pipeline
+from transformers import MixtralForCausalLM
+from tritonclient.grpc import model_config_pb2 as pb
+
+from specdeploy.build.trtllm import engine_build as trtllm
+from specdeploy.build.trtllm.upstream import LLMAPI_INPUTS, LLMAPI_MODEL_CODE
+from specdeploy.spec.pipeline import load_pipeline
+from specdeploy.speculative.medusa import MedusaHeads
+
+DOUBLE = REPO / "tests" / "trtllm_double"
+MEDUSA_DOUBLE = DOUBLE / "medusa_convert_checkpoint.py"
+
+
+@pytest.fixture
+def double(tmp_path, monkeypatch):
+    """TensorRT-LLM's tools replaced by the double: trtllm-build and python3 on PATH, the tensorrt_llm package on
+    PYTHONPATH, and nothing reported missing (pipelines name the Medusa converter's double: MEDUSA_DOUBLE)."""
+    bin_dir = tmp_path / "double-bin"
+    bin_dir.mkdir()
+    for name, target in (("trtllm-build", f"{sys.executable} {DOUBLE / 'trtllm_build.py'}"),
+                         ("python3", sys.executable)):
+        (bin_dir / name).write_text(f'#!/bin/sh\nexec {target} "$@"\n')
+        (bin_dir / name).chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("PYTHONPATH", str(DOUBLE))
+    monkeypatch.setattr(trtllm, "missing_requirements", lambda pipeline: [])
+
+
+def test_draft_target_builds_both_engines_per_rank_and_skips_when_unchanged(double, tmp_path, tiny_checkpoints):
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], backend={"kind": "trtllm",
+                                                                        "trtllm": {"tp_size": 2}})
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 0, result.stderr
+    root = engines / "t" / "trtllm"
+    for component in ("target", "draft"):
+        assert sorted(p.name for p in (root / "engines" / component).glob("*.engine")) == ["rank0.engine",
+                                                                                          "rank1.engine"]
+    target = json.loads((root / "engines" / "target" / "config.json").read_text())
+    built = target["build_config"]
+    assert built["speculative_decoding_mode"] == "draft_tokens_external"
+    # trtllm-build adds max_draft_len to max_seq_len itself, so a request keeps its whole budget
+    limits = load_pipeline(path).limits
+    assert built["max_seq_len"] == limits.max_sequence_length + limits.max_draft_tokens
+    assert target["pretrained_config"]["mapping"]["tp_size"] == 2
+    draft = json.loads((root / "engines" / "draft" / "config.json").read_text())
+    assert draft["pretrained_config"]["quantization"]["quant_algo"] == "W4A16"  # derive: int4
+    assert (root / "logs").is_dir() and (engines / "t" / "build_manifest.json").is_file()
+    # a Hugging Face checkpoint goes to the converter as it is: nothing exported, both conversions read it
+    logs = "".join(log.read_text() for log in (root / "logs").glob("*.log"))
+    assert not (root / "hf").exists() and logs.count(f"--model_dir {tiny_checkpoints['target']} ") == 2
+    again = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert again.returncode == 0 and "up to date" in again.stdout
+
+
+def test_an_moe_target_exports_per_expert_and_its_dense_source_as_the_draft(double, tmp_path, tiny_checkpoints):
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], target={"moe": {
+        "experts": 4, "experts_per_token": 2, "calibration_tokens": 256}},
+        speculation={"draft": {"derive": "int4_dense"}},
+        backend={"kind": "trtllm", "trtllm": {"tp_size": 2, "moe_ep_size": 2}})
+    engines = tmp_path / "engines"
+    assert run_cli("build", str(path), "--engines-dir", str(engines)).returncode == 0
+    root = engines / "t" / "trtllm"
+    assert MixtralForCausalLM.from_pretrained(root / "hf" / "target").config.num_local_experts == 4
+    # the int4 draft is converted from the dense checkpoint itself
+    assert not (root / "hf" / "dense_source").exists()
+    logs = "".join(log.read_text() for log in (root / "logs").glob("*.log")).splitlines()
+    convert_draft = next(line for line in logs if "trtllm_convert" in line and "/checkpoints/draft " in line)
+    assert f"--model_dir {tiny_checkpoints['target']} " in convert_draft
+    target = json.loads((root / "engines" / "target" / "config.json").read_text())["pretrained_config"]
+    assert target["architecture"] == "MixtralForCausalLM"
+    assert (target["mapping"]["moe_tp_size"], target["mapping"]["moe_ep_size"]) == (1, 2)
+
+
+def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp_path, tiny_checkpoints):
+    heads_file = tmp_path / "heads.safetensors"
+    MedusaHeads(64, 2).save(heads_file)
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={
+        "method": "medusa", "num_draft_tokens": 2,
+        "medusa": {"heads": str(heads_file), "num_heads": 2, "choices": [[0], [0, 0]]}},
+        backend={"kind": "trtllm", "trtllm": {"medusa_converter": str(MEDUSA_DOUBLE)}})
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 0, result.stderr
+    root = engines / "t" / "trtllm"
+    assert json.loads((root / "hf" / "medusa" / "config.json").read_text()) == {"medusa_num_heads": 2,
+                                                                                 "medusa_num_layers": 1}
+    target = json.loads((root / "engines" / "target" / "config.json").read_text())
+    assert target["build_config"]["speculative_decoding_mode"] == "medusa"
+    assert target["pretrained_config"]["architecture"] == "MedusaForCausalLM"
+
+    # Packaged: the same client-facing models, one tensorrtllm model decoding Medusa with the pipeline's tree, and
+    # no draft model for the orchestration to call.
+    repository = tmp_path / "repository"
+    result = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
+                     "--served-at", "/models/medusa")
+    assert result.returncode == 0, result.stderr
+    models = sorted(p.name for p in repository.iterdir() if p.is_dir())  # beside them: the package stamp
+    assert models == ["ensemble", "preprocessing", "speculative", "tensorrt_llm"]
+    config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters["decoding_mode"] == "medusa" and parameters["medusa_choices"] == "{0}, {0, 0}"
+    assert parameters["gpt_model_path"] == "/models/medusa/tensorrt_llm/1/engine"
+    speculative = text_format.Parse((repository / "speculative" / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert speculative.parameters["tensorrt_llm_draft_model_name"].string_value == ""
+    relative = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
+                       "--served-at", "models")
+    assert relative.returncode != 0 and "--served-at" in relative.stderr and "absolute" in relative.stderr
+
+
+def test_a_failed_step_names_its_log_and_leaves_nothing_complete(double, tmp_path, tiny_checkpoints, monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the converter cannot import tensorrt_llm
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"])
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 2 and "convert the target failed (exit status 1)" in result.stderr
+    assert "ModuleNotFoundError" in result.stderr and not (engines / "t").exists()
+
+
+def test_the_llm_api_line_writes_its_configuration_with_the_final_paths(double, tmp_path, tiny_checkpoints):
+    draft = {"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(tiny_checkpoints["draft"])}}
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={"draft": draft},
+                           backend={"kind": "trtllm", "trtllm": {"line": "llm_api"}})
+    engines = tmp_path / "engines"
+    assert run_cli("build", str(path), "--engines-dir", str(engines)).returncode == 0
+    root = engines / "t" / "trtllm"
+    config = yaml.safe_load((root / "llm_api.yaml").read_text())
+    # the LLM reads the checkpoints where they are: nothing exported
+    assert Path(config["model"]) == tiny_checkpoints["target"] and not (root / "hf").exists()
+    assert Path(config["speculative_config"]["speculative_model_dir"]) == tiny_checkpoints["draft"]
+    assert not (root / "engines").exists()
+
+    # Packaged: Triton's LLM-API model, its code from a TensorRT-LLM checkout, model.yaml naming the checkpoints
+    # where the server will see them, and the upstream template's tensors.
+    repository = tmp_path / "repository"
+    refused = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository))
+    assert refused.returncode != 0 and "--trtllm-source" in refused.stderr and not repository.exists()
+    checkout = tmp_path / "TensorRT-LLM"
+    code = checkout / LLMAPI_MODEL_CODE
+    code.mkdir(parents=True)
+    for name in ("model.py", "helpers.py"):
+        (code / name).write_text(f"# upstream {name}\n")
+    result = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
+                     "--served-at", "/models/llm", "--trtllm-source", str(checkout))
+    assert result.returncode == 0, result.stderr
+    version = repository / "tensorrt_llm" / "1"
+    assert (version / "model.py").read_text() == "# upstream model.py\n" and (version / "helpers.py").is_file()
+    model_yaml = yaml.safe_load((version / "model.yaml").read_text())
+    assert model_yaml["model"] == "/models/llm/tensorrt_llm/1/hf/target"
+    assert model_yaml["speculative_config"] == {**config["speculative_config"],
+                                                "speculative_model_dir": "/models/llm/tensorrt_llm/1/hf/draft"}
+    assert model_yaml["triton_config"] == {"max_batch_size": 0, "decoupled": True}
+    assert (version / "hf" / "draft" / "model.safetensors").is_file()
+    triton_config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
+    assert triton_config.backend == "python"
+    # decoupled and unbatched in config.pbtxt itself: the Kubernetes overlays serve with --disable-auto-complete-config
+    assert triton_config.model_transaction_policy.decoupled and triton_config.max_batch_size == 0
+    check_upstream_auto_complete(triton_config, model_yaml["triton_config"])
+    assert {t.name: (pb.DataType.Name(t.data_type), list(t.dims)) for t in triton_config.input} == {
+        name: (kind, dims) for name, (kind, dims) in LLMAPI_INPUTS.items()}
+
+
+def check_upstream_auto_complete(config: pb.ModelConfig, triton_config: dict) -> None:
+    """What upstream's llmapi model.py does in auto_complete_config when the server auto-completes (apply
+    model.yaml's triton_config through the Python backend's ModelConfig, which refuses a value that contradicts
+    config.pbtxt) changes nothing in ours. The Python backend's utilities are the ones in the nvidia-pytriton
+    wheel."""
+    import pytriton
+
+    utilities = Path(pytriton.__file__).parent / "tritonserver" / "backends" / "python"
+    sys.path.insert(0, str(utilities))
+    try:
+        import triton_python_backend_utils as pb_utils
+    finally:
+        sys.path.remove(str(utilities))
+    # Triton hands the model its whole configuration, defaults included
+    completed = pb_utils.ModelConfig(json_format.MessageToJson(config, preserving_proto_field_name=True,
+                                                               always_print_fields_with_no_presence=True))
+    before = dict(completed.as_dict())
+    completed.set_model_transaction_policy({"decoupled": bool(triton_config["decoupled"])})
+    completed.set_max_batch_size(int(triton_config["max_batch_size"]))
+    assert completed.as_dict() == before

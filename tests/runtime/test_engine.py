@@ -1,0 +1,290 @@
+"""The torch engine: model parity with transformers, arbitrary masks, greedy equivalence, KV invariants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaForCausalLM
+
+from specdeploy.models.config import ModelConfig
+from specdeploy.models.llama import LlamaModel
+from specdeploy.spec.sampling_params import SamplingParams
+
+PROMPTS = [[5, 40, 41, 42, 43, 7, 9], [70, 71, 72, 70, 71, 72, 70, 71], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
+def our_model(checkpoint_dir) -> tuple[LlamaForCausalLM, LlamaModel]:
+    reference = LlamaForCausalLM.from_pretrained(checkpoint_dir).eval()
+    state = {k: v for k, v in reference.state_dict().items()}
+    return reference, LlamaModel(ModelConfig.from_hf(reference.config), state)
+
+
+def test_prefill_and_incremental_match_transformers(tiny_checkpoints):
+    reference, model = our_model(tiny_checkpoints["target"])
+    tokens = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = reference(tokens).logits
+    cache = model.new_cache(1, 64)
+    full = model.logits(model(tokens, torch.arange(24)[None], cache))
+    torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
+
+    cache = model.new_cache(1, 64)
+    pieces = [model.logits(model(tokens[:, :10], torch.arange(10)[None], cache))]
+    cache.rewind(0, 10)
+    for position in range(10, 24):
+        pieces.append(model.logits(model(tokens[:, position:position + 1], torch.tensor([[position]]), cache)))
+        cache.rewind(0, position + 1)
+    torch.testing.assert_close(torch.cat(pieces, 1), expected, atol=1e-5, rtol=1e-5)
+
+
+def test_batched_rows_with_different_lengths(tiny_checkpoints):
+    _, model = our_model(tiny_checkpoints["target"])
+    short, long = [5, 6, 7], [8, 9, 10, 11, 12, 13]
+    singles = []
+    for prompt in (short, long):
+        cache = model.new_cache(1, 16)
+        singles.append(model.logits(model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache))[0, -1])
+    # Prefill both rows separately into a two-row cache, then decode one token per row in a single call.
+    cache = model.new_cache(2, 16)
+    for row, prompt in enumerate((short, long)):
+        row_cache = model.new_cache(1, 16)
+        model(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1)[None], row_cache)
+        cache.keys[:, row], cache.values[:, row] = row_cache.keys[:, 0], row_cache.values[:, 0]
+        cache.lengths[row] = len(prompt) - 1
+    tokens = torch.tensor([[short[-1]], [long[-1]]])
+    positions = torch.tensor([[len(short) - 1], [len(long) - 1]])
+    batched = model.logits(model(tokens, positions, cache))[:, 0]
+    torch.testing.assert_close(batched, torch.stack(singles), atol=1e-5, rtol=1e-5)
+
+
+def test_tree_mask_and_positions(tiny_checkpoints):
+    """Two sibling candidates at the same position, written to different cache slots, each attending only to the
+    prefix and itself, give the same logits as two separate chain forwards (what tree verification needs)."""
+    _, model = our_model(tiny_checkpoints["target"])
+    prefix, left, right = [5, 6, 7, 8], 20, 30
+    chains = []
+    for candidate in (left, right):
+        cache = model.new_cache(1, 16)
+        tokens = torch.tensor([prefix + [candidate]])
+        chains.append(model.logits(model(tokens, torch.arange(5)[None], cache))[0, -1])
+    cache = model.new_cache(1, 16)
+    model(torch.tensor([prefix]), torch.arange(4)[None], cache)
+    cache.rewind(0, 4)
+    mask = torch.zeros(1, 2, 6, dtype=torch.bool)
+    mask[0, :, :4] = True
+    mask[0, 0, 4] = mask[0, 1, 5] = True
+    tree = model.logits(model(torch.tensor([[left, right]]), torch.tensor([[4, 4]]), cache, attention_mask=mask,
+                              cache_slots=torch.tensor([[4, 5]])))[0]
+    torch.testing.assert_close(tree, torch.stack(chains), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["draft_target", "int4", "int8", "ngram", "heuristic"])
+@pytest.mark.parametrize("gamma", [1, 3, 5])
+def test_greedy_speculative_equals_plain(tiny_engines, kind, gamma):
+    engine = tiny_engines[kind]
+    drafted = 0
+    for prompt in PROMPTS:
+        plain = engine.generate(prompt, SamplingParams(), 40, num_draft_tokens=0).run()
+        generation = engine.generate(prompt, SamplingParams(), 40, num_draft_tokens=gamma)
+        assert generation.run() == plain
+        drafted += generation.stats.drafted
+    assert drafted > 0  # speculation really happened
+
+
+def test_heuristic_schedule_varies_the_proposal_length(tiny_engines):
+    """Under the heuristic schedule steps draft different lengths, within the request's gamma."""
+    generation = tiny_engines["heuristic"].generate(PROMPTS[0], SamplingParams(), 80, num_draft_tokens=6)
+    per_step, drafted_before = [], 0
+    for _ in generation:
+        per_step.append(generation.stats.drafted - drafted_before)
+        drafted_before = generation.stats.drafted
+    drafted = [n for n in per_step[1:-1] if n]  # the first chunk is prefill; the last step may be cut short
+    assert max(drafted) <= 6
+    assert len(set(drafted)) >= 3
+
+
+def test_draft_target_rejects_sometimes(tiny_engines):
+    """The noisy tiny draft must disagree now and then, or the equivalence tests prove little about rejection."""
+    generation = tiny_engines["draft_target"].generate(PROMPTS[0], SamplingParams(), 60, num_draft_tokens=4)
+    generation.run()
+    assert 0 < generation.stats.accepted < generation.stats.drafted
+
+
+@pytest.mark.parametrize("threshold", [0.05, 0.2])
+def test_early_stop_drafts_fewer_tokens_without_wasted_forwards(tiny_engines, threshold):
+    engine = tiny_engines["draft_target"]
+    proposer = engine.proposer
+    plain = engine.generate(PROMPTS[0], SamplingParams(), 40, num_draft_tokens=0).run()
+    proposer.early_stop_threshold = threshold
+    try:
+        forwards_before = proposer.forwards
+        generation = engine.generate(PROMPTS[0], SamplingParams(), 40, num_draft_tokens=6)
+        assert generation.run() == plain
+    finally:
+        proposer.early_stop_threshold = 0.0
+    stats = generation.stats
+    assert 0 < stats.drafted < 6 * stats.speculative_steps  # some steps stopped early
+    # One row: each forward drafts one proposed token; an unsure token is proposed, not thrown away.
+    assert proposer.forwards - forwards_before == stats.drafted
+
+
+def fresh_prefill(model: LlamaModel, tokens: list[int], max_length: int):
+    cache = model.new_cache(1, max_length)
+    model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)
+    return cache
+
+
+@pytest.mark.parametrize("kind", ["draft_target", "int4", "int8"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_caches_hold_exactly_the_committed_prefix(tiny_engines, kind, temperature):
+    engine = tiny_engines[kind]
+    params = SamplingParams(temperature=temperature, seed=11)
+    generation = engine.generate(PROMPTS[2], params, 48, num_draft_tokens=4)
+    committed = list(PROMPTS[2])
+    rejections, drafted_before = 0, 0
+    for emitted in generation:
+        drafted_now, drafted_before = generation.stats.drafted - drafted_before, generation.stats.drafted
+        committed.extend(emitted)
+        target_length = engine.cache.lengths[0]
+        if len(committed) == len(PROMPTS[2]) + 1:
+            continue  # right after prefill the draft has not run yet
+        rejections += len(emitted) <= 4
+        assert target_length == len(committed) - 1  # everything but the pending token
+        fresh = fresh_prefill(engine.target, committed[:target_length], 256)
+        torch.testing.assert_close(engine.cache.keys[:, :, :, :target_length], fresh.keys[:, :, :, :target_length],
+                                   atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(engine.cache.values[:, :, :, :target_length],
+                                   fresh.values[:, :, :, :target_length], atol=1e-4, rtol=1e-4)
+        draft = engine.proposer
+        if kind in ("int4", "int8"):  # a derived draft reads the target's entries: the check above covers them
+            assert draft.shared and draft.cache is engine.cache
+            continue
+        assert not draft.shared
+        draft_length = draft.cache.lengths[0]
+        if drafted_now == 0:  # a step that drafted nothing (the last one) leaves the draft a committed prefix
+            assert draft_length <= len(committed) - 1
+        elif len(emitted) <= drafted_now:  # a rejection: the draft keeps the accepted drafts, not the tail
+            assert draft_length == len(committed) - 1
+        else:  # full acceptance: the last drafted token was never fed to the draft
+            assert draft_length == len(committed) - 2
+        fresh = fresh_prefill(draft.model, committed[:draft_length], 256)
+        tolerance = 1e-4 if draft.model.dtype == torch.float32 else 5e-2
+        torch.testing.assert_close(draft.cache.keys[:, :, :, :draft_length], fresh.keys[:, :, :, :draft_length],
+                                   atol=tolerance, rtol=tolerance)
+    assert rejections > 0
+
+
+def test_sampled_generation_is_seeded(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    params = SamplingParams(temperature=0.9, top_k=20, top_p=0.9, repetition_penalty=1.2, seed=5)
+    first = engine.generate(PROMPTS[0], params, 30).run()
+    assert engine.generate(PROMPTS[0], params, 30).run() == first
+    other = engine.generate(PROMPTS[0], SamplingParams(temperature=0.9, top_k=20, top_p=0.9,
+                                                       repetition_penalty=1.2, seed=6), 30).run()
+    assert other != first
+
+
+def test_max_tokens_and_statistics(tiny_engines):
+    engine = tiny_engines["draft_target"]
+    generation = engine.generate(PROMPTS[1], SamplingParams(), 17, num_draft_tokens=3)
+    chunks = list(generation)
+    tokens = generation.tokens
+    stats = generation.stats
+    assert len(tokens) == stats.generated_tokens
+    assert len(tokens) == 17 or tokens[-1] in engine.end_ids
+    assert stats.accepted == sum(stats.accepted_per_position)
+    assert stats.drafted == sum(stats.drafted_per_position)
+    assert 1.0 <= stats.mean_accepted_length <= 4.0
+    assert stats.draft_seconds > 0 and stats.verify_seconds > 0
+    # The first chunk comes from prefill; each later one is one step: its accepted drafts plus one token.
+    assert stats.steps == len(chunks) - 1
+    assert all(1 <= len(chunk) <= 4 for chunk in chunks[1:])
+    emitted_beyond_one = sum(len(chunk) - 1 for chunk in chunks[1:])
+    if tokens[-1] in engine.end_ids:  # a stop token may cut the last step short
+        assert emitted_beyond_one <= stats.accepted
+    else:
+        assert emitted_beyond_one == stats.accepted
+
+
+@pytest.mark.smollm2
+def test_smollm2_matches_transformers(smollm2_fp32_engines):
+    from safetensors.torch import load_file
+
+    engine = smollm2_fp32_engines["draft-target"]
+    reference = LlamaForCausalLM(engine.target.config.to_hf())
+    reference.load_state_dict(load_file(str(engine.dir / "target" / "model.safetensors")), strict=False)
+    reference.tie_weights()
+    ids = engine.encode_prompt("Name three primary colors.")
+    with torch.no_grad():
+        expected = reference.eval()(torch.tensor([ids])).logits
+    cache = engine.target.new_cache(1, 128)
+    ours = engine.target.logits(engine.target(torch.tensor([ids]), torch.arange(len(ids))[None], cache))
+    torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
+    assert torch.equal(ours.argmax(-1), expected.argmax(-1))
+
+
+SMOLLM2_PROMPTS = [
+    "Write a Python function that returns the squares of a list of numbers.",
+    "Fix the grammar: 'She go to school every days and play with her friend.'",
+    "Give me a JSON object describing a cat named Tom who is 3 years old.",
+]
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("method", ["draft-target", "ngram"])
+def test_smollm2_greedy_speculative_equals_plain(smollm2_fp32_engines, method):
+    engine = smollm2_fp32_engines[method]
+    accepted = 0
+    for prompt in SMOLLM2_PROMPTS:
+        ids = engine.encode_prompt(prompt)
+        plain = engine.generate(ids, SamplingParams(), 32, num_draft_tokens=0).run()
+        generation = engine.generate(ids, SamplingParams(), 32)
+        assert generation.run() == plain, prompt
+        accepted += generation.stats.accepted
+    assert accepted > 0
+
+
+def test_an_int8_draft_is_int8_rows_and_closer_to_the_target_than_int4(tiny_engines):
+    """derive: int8 quantizes every projection and the head to int8 rows (torch's weight-only int8 kernel); it reads
+    1.6× int4's bytes (with int4's group scales) and tracks the target more closely."""
+    import json
+
+    from specdeploy.models.quantize import Int4Linear, Int8Linear
+
+    int8, int4 = tiny_engines["int8"], tiny_engines["int4"]
+    linears = [m for m in int8.proposer.model.modules() if isinstance(m, (Int4Linear, Int8Linear))]
+    assert linears and all(isinstance(m, Int8Linear) for m in linears)
+    assert json.loads((int8.dir / "draft" / "config.json").read_text())["model"]["quantization"]["method"] == "int8"
+    tokens = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    positions = torch.arange(tokens.shape[1])[None]
+
+    def logits(model: LlamaModel) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1])))
+
+    target = logits(int8.target)
+    error = {name: (logits(e.proposer.model) - target).abs().mean() for name, e in (("int8", int8), ("int4", int4))}
+    assert error["int8"] < error["int4"] / 2, error
+
+
+def test_int8_rows_work_from_an_unaligned_buffer():
+    """An MoE draft's experts are views into one loaded safetensors buffer, 8-byte aligned; torch's CPU int8 kernel
+    crashed on such a view with 4 input rows until Int8Linear copied its weight. Run apart: a crash is a segfault."""
+    import subprocess
+    import sys
+
+    code = """
+import torch
+from specdeploy.models.quantize import Int8Linear, quantize_int8
+torch.manual_seed(0)
+rows = quantize_int8(torch.randn(64, 64))
+buffer = torch.zeros(8 + 64 * 64, dtype=torch.int8)
+view = buffer[8:].view(64, 64)
+view.copy_(rows["int8"])
+assert view.data_ptr() % 64 != 0
+x = torch.randn(4, 64)
+expected = x @ (rows["int8"].float() * rows["row_scales"][:, None]).T
+torch.testing.assert_close(Int8Linear(view, rows["row_scales"])(x), expected, rtol=0.03, atol=0.3)
+"""
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]

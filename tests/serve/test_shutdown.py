@@ -1,0 +1,177 @@
+"""`specdeploy serve` as an operator runs it: SIGTERM drains and exits 0 leaving nothing behind, live streams end
+complete or with an error saying the server is shutting down, and a killed supervisor takes the server with it."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+from specdeploy.errors import RequestError
+from specdeploy.serve.client import generate
+from specdeploy.serve.repository import write_repository
+from specdeploy.serve.tritonserver import TritonServer, backend_shared_memory, free_port, is_ready
+
+pytestmark = pytest.mark.smollm2
+DRAIN = 4.0  # seconds: the drain timeout the tests give serve
+
+
+@pytest.fixture(scope="module")
+def repository(smollm2_fp32_engines, tmp_path_factory) -> Path:
+    return write_repository(smollm2_fp32_engines["draft-target"].dir, tmp_path_factory.mktemp("shutdown") / "repo")
+
+
+def leftovers() -> set[str]:
+    """What a server leaves on this machine: its temporary directories and Python-backend shared memory."""
+    return set(glob.glob("/tmp/specdeploy-triton-*")) | set(glob.glob("/dev/shm/triton_python_backend_shm_*"))
+
+
+def children(pid: int) -> list[int]:
+    found = []
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.split("/")[2]))
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, and not a zombie waiting to be reaped."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+class Serve:
+    """`specdeploy serve --model-repository …` in its own process, on free ports."""
+
+    def __init__(self, repository: Path, log: Path) -> None:
+        self.ports = [free_port() for _ in range(3)]
+        self.before = leftovers()
+        command = [sys.executable, "-m", "specdeploy.cli", "serve", "--model-repository", str(repository),
+                   "--grpc-port", str(self.ports[0]), "--http-port", str(self.ports[1]),
+                   "--metrics-port", str(self.ports[2]), "--drain-timeout", str(DRAIN)]
+        self.log = log.open("wb")
+        self.process = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 240
+        while not self.ready():
+            assert self.process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
+            time.sleep(0.5)
+        (self.triton,) = children(self.process.pid)
+
+    @property
+    def url(self) -> str:
+        return f"127.0.0.1:{self.ports[0]}"
+
+    def ready(self) -> bool:
+        return is_ready("127.0.0.1", self.ports[1])
+
+    def close(self) -> None:
+        for pid in (self.process.pid, getattr(self, "triton", None)):
+            if pid is not None and alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        self.process.wait()
+        self.log.close()
+
+
+@pytest.fixture
+def serve(repository, tmp_path):
+    server = Serve(repository, tmp_path / "serve.log")
+    yield server
+    server.close()
+
+
+def test_sigterm_while_idle_exits_zero_and_leaves_nothing(serve):
+    serve.process.send_signal(signal.SIGTERM)
+    assert serve.process.wait(DRAIN + 20) == 0
+    assert not alive(serve.triton)
+    assert leftovers() - serve.before == set()
+
+
+def test_sigterm_drains_live_streams(serve, smollm2_fp32_engines):
+    """Eight streams (two through the ensemble): the short ones complete, the rest end at the drain timeout with
+    an error saying the server is shutting down; a request after SIGTERM is refused; serve exits 0."""
+    engine = smollm2_fp32_engines["draft-target"]
+    outcomes: dict[int, tuple[str, str | None, float]] = {}
+    started = threading.Event()
+
+    def client(index: int) -> None:
+        short = index % 2 == 0
+        text, error = "", None
+        try:
+            for chunk in generate(serve.url, "Tell me a story.", 6 if short else 1500, end_id=-1, timeout=60,
+                                  model="ensemble" if index >= 6 else "speculative"):
+                text += chunk.text
+                started.set()
+        except RequestError as exc:
+            error = str(exc)
+        outcomes[index] = (text, error, time.monotonic())
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    assert started.wait(120)
+    time.sleep(1.0)
+    signalled = time.monotonic()
+    serve.process.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert not serve.ready()  # readiness goes false at once
+    with pytest.raises(RequestError, match="stopping|shutting down"):  # refused, and told why
+        list(generate(serve.url, "Hello", 4, timeout=30))
+    for thread in threads:
+        thread.join(DRAIN + 30)
+    assert sorted(outcomes) == list(range(8))
+    expected_short = engine.decode(engine.generate(engine.encode_prompt("Tell me a story."),
+                                                   engine.pipeline.sampling.params(), 6, 0).run())
+    for index, (text, error, ended) in outcomes.items():
+        assert ended - signalled <= DRAIN + 5, index
+        if error is None:
+            assert text == expected_short, index  # complete (only the short ones can finish)
+        else:
+            assert "shutting down" in error, (index, error)
+    assert sum(error is not None for _, error, _ in outcomes.values()) >= 4  # the long ones were cut
+    assert serve.process.wait(DRAIN + 20) == 0
+    assert not alive(serve.triton)
+    assert leftovers() - serve.before == set()
+
+
+def test_an_unclean_exit_still_leaves_no_shared_memory(repository):
+    """When Triton cannot unload its models (killed here; in the wild, its exit timeout expiring), the Python
+    backends' shared memory is not removed by Triton: stop() removes the regions it noted at the drain."""
+    before = leftovers()
+    server = TritonServer(repository, drain_timeout=DRAIN).start()
+    regions = backend_shared_memory(server.process.pid)
+    assert len(regions) == 2 and all(Path("/dev/shm", region).exists() for region in regions)  # two Python models
+    server.drain()
+    server.drain()  # the second kills it at once
+    assert server.stop() == -signal.SIGKILL
+    assert leftovers() - before == set()
+
+
+def test_a_killed_supervisor_takes_the_server_down(serve):
+    """SIGKILL gives serve no chance to stop tritonserver; the kernel tells it (parent-death signal)."""
+    os.kill(serve.process.pid, signal.SIGKILL)
+    serve.process.wait()
+    deadline = time.monotonic() + DRAIN + 30
+    while alive(serve.triton):
+        assert time.monotonic() < deadline, "tritonserver outlived its supervisor"
+        time.sleep(0.2)
+    assert not serve.ready()
+    # tritonserver stopped cleanly (its shared memory is gone); only serve's temporary directory remains, which a
+    # process killed outright cannot remove
+    left = leftovers() - serve.before
+    assert len(left) == 1 and left.pop().startswith("/tmp/specdeploy-triton-"), left
+    shutil.rmtree(*(leftovers() - serve.before))

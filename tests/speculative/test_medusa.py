@@ -1,0 +1,244 @@
+"""Medusa heads: the heads file under TensorRT-LLM's keys (both ways), the build's checks, and the proposer in the
+engine: greedy Medusa equals plain greedy token for token, alone and in a continuous batch (fp32)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import Collector, write_pipeline
+from safetensors.torch import load_file
+from test_engine import PROMPTS
+
+from specdeploy.build.torch_engine import build
+from specdeploy.errors import BuildError, PipelineError
+from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.scheduler import Scheduler
+from specdeploy.spec.pipeline import load_pipeline
+from specdeploy.spec.request import NO_END_ID, GenerationRequest
+from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.speculative.medusa import MedusaHeads, export_trtllm
+
+HIDDEN, VOCAB = 64, 128  # the tiny checkpoints' sizes (conftest)
+
+
+def random_heads(num_heads: int = 3, num_layers: int = 1, own: bool = False, seed: int = 0) -> MedusaHeads:
+    generator = torch.Generator().manual_seed(seed)
+    projections = torch.randn(num_heads, VOCAB, HIDDEN, generator=generator) if own else None
+    heads = MedusaHeads(HIDDEN, num_heads, num_layers, projections)
+    for head in heads.blocks:
+        for block in head:
+            block.weight.data = torch.randn(HIDDEN, HIDDEN, generator=generator) * 0.2
+            block.bias.data = torch.randn(HIDDEN, generator=generator) * 0.1
+    return heads
+
+
+def medusa_pipeline(directory, target, heads_file, **medusa):
+    return write_pipeline(directory / "tiny-medusa.yaml", name="tiny-medusa",
+                          target={"checkpoint": {"source": "hf_dir", "path": str(target)}, "dtype": "float32"},
+                          speculation={"method": "medusa", "num_draft_tokens": 3,
+                                       "medusa": {"heads": str(heads_file), "num_heads": 3,
+                                                  "choices": [[0], [1], [0, 0], [0, 0, 0]], **medusa}},
+                          limits={"max_batch_size": 4, "max_input_length": 64, "max_sequence_length": 256,
+                                  "max_draft_tokens": 12})
+
+
+@pytest.fixture(scope="module")
+def medusa_engine(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("medusa")
+    random_heads().save(root / "heads.safetensors")
+    choices = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 1, 0]]
+    path = medusa_pipeline(root, tiny_checkpoints["target"], root / "heads.safetensors", choices=choices)
+    return build(load_pipeline(path), root / "engines", quiet=True).directory
+
+
+@pytest.mark.parametrize("num_layers", [1, 2])
+@pytest.mark.parametrize("own", [False, True])
+def test_heads_file_round_trips_under_trtllm_keys(tmp_path, num_layers, own):
+    heads = random_heads(num_layers=num_layers, own=own)
+    heads.save(tmp_path / "heads.safetensors")
+    keys = set(load_file(str(tmp_path / "heads.safetensors")))
+    expected = {f"{k}.{j}.linear.{p}" for k in range(3) for j in range(num_layers) for p in ("weight", "bias")}
+    if own:
+        expected |= {f"{k}.{num_layers}.weight" for k in range(3)}
+    assert keys == expected
+    loaded = MedusaHeads.load(tmp_path / "heads.safetensors")
+    h = torch.randn(5, HIDDEN)
+    shared = torch.nn.Linear(HIDDEN, VOCAB, bias=False)
+    torch.testing.assert_close(loaded.logits(h, shared), heads.logits(h, shared))
+    # a shallow tree asks for its first heads only: the same logits, fewer rows
+    torch.testing.assert_close(loaded.logits(h, shared, 2), heads.logits(h, shared)[:, :2])
+
+
+def test_export_writes_the_shared_head_once_per_head_and_reads_back(tmp_path):
+    """TensorRT-LLM's converter wants every head's projection: exported, a shared head gives the same logits as
+    the heads sharing it."""
+    heads = random_heads()
+    lm_head = torch.randn(VOCAB, HIDDEN)
+    export_trtllm(heads, lm_head, tmp_path / "medusa_lm_head.safetensors", torch.float32)
+    tensors = load_file(str(tmp_path / "medusa_lm_head.safetensors"))
+    # What TensorRT-LLM's loader reads (NVIDIA/TensorRT-LLM tensorrt_llm/models/medusa/weight.py, load_medusa_hf):
+    # for every head h and layer l < num_medusa_layers, f"{h}.{l}.linear.weight" [H, H] and f"{h}.{l}.linear.bias"
+    # [H], then f"{h}.{num_medusa_layers}.weight" [V, H], the head's LM head; nothing else is read.
+    expected = {}
+    for h in range(3):
+        expected.update({f"{h}.0.linear.weight": (HIDDEN, HIDDEN), f"{h}.0.linear.bias": (HIDDEN,),
+                         f"{h}.1.weight": (VOCAB, HIDDEN)})
+    assert {name: tuple(t.shape) for name, t in tensors.items()} == expected
+    for k in range(3):
+        assert torch.equal(tensors[f"{k}.1.weight"], lm_head)
+    exported = MedusaHeads.from_state(tensors)
+    h = torch.randn(4, HIDDEN)
+    torch.testing.assert_close(exported.logits(h, None), heads.logits(h, lambda x: x @ lm_head.T))
+
+
+def test_a_file_that_is_not_heads_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    from specdeploy.errors import SpecdeployError
+
+    save_file({"model.embed_tokens.weight": torch.zeros(2, 2)}, str(tmp_path / "x.safetensors"))
+    with pytest.raises(SpecdeployError, match="no Medusa heads"):
+        MedusaHeads.load(tmp_path / "x.safetensors")
+
+
+def test_greedy_medusa_equals_plain_alone(medusa_engine):
+    engine = Engine(medusa_engine)
+    drafted = 0
+    for prompt in PROMPTS:
+        plain = engine.start(GenerationRequest(prompt, 40, SamplingParams(), 0, end_id=NO_END_ID)).run()
+        generation = engine.start(GenerationRequest(prompt, 40, SamplingParams(), None, end_id=NO_END_ID))
+        assert generation.run() == plain
+        drafted += generation.stats.drafted
+    assert drafted > 0
+
+
+def test_greedy_medusa_equals_plain_in_a_continuous_batch(medusa_engine):
+    engine = Engine(medusa_engine)
+    expected = [engine.start(GenerationRequest(p, 30, SamplingParams(), 0, end_id=NO_END_ID)).run() for p in PROMPTS]
+    scheduler = Scheduler(lambda: Engine(medusa_engine, batch_size=4))
+    try:
+        collectors = [Collector() for _ in PROMPTS * 2]
+        for collector, prompt in zip(collectors, PROMPTS * 2):
+            scheduler.submit(GenerationRequest(prompt, 30, SamplingParams(), None, end_id=NO_END_ID), collector)
+        for collector, tokens in zip(collectors, expected * 2):
+            assert collector.done.wait(60) and collector.tokens == tokens
+    finally:
+        scheduler.stop()
+
+
+def test_sampled_medusa_is_seeded(medusa_engine):
+    engine = Engine(medusa_engine)
+    params = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.1, seed=3)
+    first, second = (engine.start(GenerationRequest(PROMPTS[0], 30, params, None)).run() for _ in range(2))
+    assert first == second
+
+
+def test_build_checks_the_heads_against_the_spec_and_the_target(tiny_checkpoints, tmp_path):
+    heads = tmp_path / "heads.safetensors"
+    random_heads(num_heads=2).save(heads)
+    with pytest.raises(BuildError, match="num_heads is 3 but .* has 2"):
+        build(load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads)), tmp_path / "e", quiet=True)
+    MedusaHeads(32, 3).save(heads)
+    with pytest.raises(BuildError, match="hidden size 32, the target's is 64"):
+        build(load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads)), tmp_path / "e", quiet=True)
+    with pytest.raises(BuildError, match="not found"):
+        build(load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], tmp_path / "none.safetensors")),
+              tmp_path / "e", quiet=True)
+
+
+@pytest.mark.parametrize(("medusa", "message"), [
+    ({"choices": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}, "4 deep but there are 3 heads"),
+    ({"choices": [[0, 1]]}, r"\[0, 1\] has no parent"),
+    ({"heads": ""}, "medusa.heads: required"),
+])
+def test_medusa_section_is_validated(tiny_checkpoints, tmp_path, medusa, message):
+    with pytest.raises(PipelineError, match=message):
+        load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], tmp_path / "h", **medusa))
+
+
+def test_bench_reports_the_tree_its_prediction_and_a_suggested_tree(tiny_checkpoints, tmp_path):
+    """Bench measures the heads' accuracy on its own prompts' answers, predicts the speedup of the served tree from
+    it and the costs it measured, compares the held-out accuracy train-medusa wrote beside the heads, and suggests
+    the tree the builder picks for this machine."""
+    import json
+
+    from specdeploy.bench.run import run_bench
+    from specdeploy.spec.token_tree import TokenTree
+    from specdeploy.speculative.tree_builder import expected_accepted
+
+    heads = tmp_path / "heads.safetensors"
+    random_heads().save(heads)
+    accuracy = [{"by_rank": [0.5, 0.2, 0.1]}, {"by_rank": [0.3, 0.1]}, {"by_rank": [0.2]}]
+    heads.with_suffix(".json").write_text(json.dumps({"held_out_accuracy": accuracy}))
+    engine = Engine(build(load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads)),
+                          tmp_path / "engines", quiet=True).directory)
+    prompts = [{"prompt": "Say hello.", "kind": "open"}, {"prompt": "Count to five.", "kind": "open"}]
+    report = run_bench(engine, prompts, 16, 0.0, 0, with_transformers=False, quiet=True)["medusa"]
+    paths = [(0,), (1,), (0, 0), (0, 0, 0)]
+    assert report["tree"] == [list(p) for p in paths] and report["tree_size"] == 4
+    assert report["expected_accepted_per_step_held_out"] == pytest.approx(expected_accepted(paths, [
+        a["by_rank"] for a in accuracy]))
+    assert 0 <= report["expected_accepted_per_step"] <= 4 and len(report["head_top1_here"]) == 3
+    assert report["predicted_speedup"] > 0 and len(report["verify_costs"]) == 13 and report["verify_costs"][0] == 1
+    TokenTree.from_choices(report["suggested_tree"])
+
+
+def test_typical_acceptance_is_wired_and_accepts_more_than_the_exact_rule(tiny_checkpoints, tmp_path):
+    """acceptance: typical (lossy) makes sampled rows accept any candidate the target finds plausible; on the tiny
+    model's flat distributions that is far more than the exact rule accepts. Greedy rows stay exact."""
+    heads = tmp_path / "heads.safetensors"
+    random_heads().save(heads)
+    engines = {}
+    for acceptance in ("exact", "typical"):
+        path = medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads)
+        text = path.read_text().replace("method: medusa", f"method: medusa\n  acceptance: {acceptance}")
+        path.write_text(text.replace("name: tiny-medusa", f"name: tiny-medusa-{acceptance}"))
+        engines[acceptance] = Engine(build(load_pipeline(path), tmp_path / "engines", quiet=True).directory)
+    accepted = {}
+    for acceptance, engine in engines.items():
+        params = SamplingParams(temperature=1.0, seed=4)
+        accepted[acceptance] = sum(run_accepted(engine, p, params) for p in PROMPTS)
+    assert accepted["typical"] > 3 * max(accepted["exact"], 1)
+    greedy = [run_tokens(engines[a], PROMPTS[0]) for a in ("exact", "typical")]
+    assert greedy[0] == greedy[1]
+
+
+def run_accepted(engine: Engine, prompt: list[int], params: SamplingParams) -> int:
+    generation = engine.start(GenerationRequest(prompt, 40, params, None, end_id=NO_END_ID))
+    generation.run()
+    return generation.stats.accepted
+
+
+def run_tokens(engine: Engine, prompt: list[int]) -> list[int]:
+    return engine.start(GenerationRequest(prompt, 30, SamplingParams(), None, end_id=NO_END_ID)).run()
+
+
+@pytest.mark.smollm2
+def test_medusa_serves_through_triton_with_per_head_metrics(tmp_path):
+    """The shipped Medusa pipeline in fp32 behind the real tritonserver: greedy text over gRPC equals plain greedy
+    in-process (both entry points), and the accepted tokens are counted per head (position)."""
+    import yaml
+    from conftest import REPO
+
+    from specdeploy.serve.client import generate
+    from specdeploy.serve.metrics_scrape import scrape, total
+    from specdeploy.serve.repository import write_repository
+    from specdeploy.serve.tritonserver import TritonServer
+
+    spec = yaml.safe_load((REPO / "pipelines" / "smollm2-medusa.yaml").read_text())
+    spec["target"]["dtype"] = "float32"
+    spec["speculation"]["medusa"]["heads"] = str(REPO / "pipelines" / spec["speculation"]["medusa"]["heads"])
+    engine_dir = build(load_pipeline(write_pipeline(tmp_path / "medusa-fp32.yaml", **spec)), tmp_path / "engines",
+                       quiet=True).directory
+    engine = Engine(engine_dir)
+    prompt = "Write a Python function that returns the square of a number."
+    expected = engine.decode(engine.start(GenerationRequest(engine.encode_prompt(prompt), 40, SamplingParams(), 0))
+                             .run())
+    repository = write_repository(engine_dir, tmp_path / "repository")
+    with TritonServer(repository, log_file=tmp_path / "tritonserver.log") as server:
+        for model in ("speculative", "ensemble"):
+            chunks = list(generate(server.grpc_url, prompt, 40, model=model))
+            assert "".join(c.text for c in chunks) == expected, model
+            assert chunks[-1].statistics["total_accepted_draft_tokens"] > 0
+        values = scrape(server.metrics_url)
+        assert total(values, "specdeploy_accepted_tokens_per_position_total", position="1", method="medusa") > 0
