@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from specdeploy.speculative.ngram import common_prefix_length
+from specdeploy.decoding.prompt_lookup import common_prefix_length
 
 # Greedy texts may part at a near tie of bf16 logits (different kernels, or one position against several); a
 # conversion or orchestration defect parts at once. So every prompt's texts must share this many leading tokens.

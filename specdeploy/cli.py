@@ -209,85 +209,18 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
-    from specdeploy.bench.peers import peer_ratios
-    from specdeploy.bench.run import moe_curve as bench_moe
-    from specdeploy.bench.run import run as benchmarks
+    from specdeploy.bench.command import BenchOptions
+    from specdeploy.bench.command import bench as run_bench_command
     from specdeploy.workflows import load_engine
 
-    prompts = benchmarks.load_prompts(prompts_path)
-    if url is not None and measure_gamma_cap:
-        raise click.UsageError("--measure-gamma-cap measures in-process: give PIPELINE.yaml without --url")
-    if peers and url is not None:
-        raise click.UsageError("--peers measures in-process: give PIPELINE.yaml without --url")
-    if report_dir is not None and (stress is not None or long_stream is not None):
-        raise click.UsageError("--report plots the in-process bench or the concurrency levels of --url, not "
-                               "--stress or --long-stream")
-    if report_dir is not None:
-        from specdeploy.bench.report import pyplot
-
-        pyplot()  # before measuring: a missing matplotlib is an error now, not after minutes of benchmarking
-    if url is not None and len(pipeline_paths) > 1:
-        raise click.UsageError("--url compares a server with one pipeline in-process: give one PIPELINE.yaml")
-    engines = [load_engine(path, engines_dir, device=device) for path in pipeline_paths]
-    engine = engines[0] if engines else None
-    if url is None:
-        if engine is None:
-            raise click.UsageError("give PIPELINE.yaml (in-process) or --url HOST:PORT (a running server)")
-        if measure_gamma_cap:
-            for one in engines:
-                bench_moe.lift_gamma_cap(one)
-        swept = tuple(integers(gammas, "--gammas")) if gammas else ()
-        most = min(one.pipeline.limits.max_draft_tokens for one in engines)
-        if any(not 1 <= g <= most for g in swept):
-            raise click.BadParameter(f"every gamma must be in 1..{most} (limits.max_draft_tokens), got {gammas!r}",
-                                     param_hint="--gammas")
-        reports = benchmarks.run_benches(engines, prompts, max_tokens, temperature, seed,
-                                         with_transformers=not no_transformers, with_peers=peers, gammas=swept)
-        for one in reports:
-            benchmarks.print_report(one)
-            for name, ratio in peer_ratios(one).items():
-                click.echo(f"{one['pipeline']}: ours plain {ratio['ours_plain']:.2f}x, speculative "
-                           f"{ratio['ours_speculative']:.2f}x the tokens/s of {name}")
-        if measure_gamma_cap:
-            for one, measured in zip(engines, reports):
-                click.echo(bench_moe.save_gamma_cap(one, measured))
-        if report_dir is not None:
-            from specdeploy.bench.report import write_report
-
-            click.echo(f"wrote {write_report(reports, report_dir, list(pipeline_paths))}")
-        report = reports[0]
-        if len(reports) > 1:
-            from specdeploy.bench.comparison import compare, print_comparison
-
-            report = {"comparison": compare(reports), "reports": reports}
-            print_comparison(report["comparison"])
-    else:
-        from specdeploy.bench.run import server_load_report as load_report
-
-        levels = integers(concurrency, "--concurrency")
-        texts = [p["prompt"] for p in prompts]
-        if long_stream is not None:
-            if engine is None:
-                raise click.UsageError("--long-stream compares with the pipeline in-process: give PIPELINE.yaml")
-            report = load_report.run_long_stream(url, engine, texts[0], long_stream, requests_per_level or 3)
-            load_report.print_long_stream(report)
-        elif stress is not None:
-            report = load_report.run_stress(url, texts, stress, max(levels), max_tokens, cancel_fraction, seed,
-                                            metrics_url)
-            click.echo(json.dumps(report, indent=2))
-        else:
-            in_process = None if engine is None else load_report.in_process_tokens_per_s(engine, texts, max_tokens)
-            report = load_report.run_server_bench(url, texts, levels, max_tokens, requests_per_level, in_process)
-            load_report.print_server_report(report)
-            if report_dir is not None:
-                from specdeploy.bench.report import write_server_report
-
-                served = None if engine is None else engine.pipeline
-                click.echo(f"wrote {write_server_report(report, report_dir, served)}")
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2))
-        click.echo(f"wrote {json_out}")
+    options = BenchOptions(
+        pipeline_paths=pipeline_paths, url=url, concurrency=tuple(integers(concurrency, "--concurrency")),
+        requests_per_level=requests_per_level, stress=stress, cancel_fraction=cancel_fraction,
+        metrics_url=metrics_url, long_stream=long_stream, prompts_path=prompts_path, max_tokens=max_tokens,
+        temperature=temperature, seed=seed, json_out=json_out, with_transformers=not no_transformers,
+        gammas=tuple(integers(gammas, "--gammas")) if gammas else (), peers=peers, report_dir=report_dir,
+        measure_gamma_cap=measure_gamma_cap)
+    run_bench_command(options, lambda path: load_engine(path, engines_dir, device=device))
 
 
 @cli.command("export-hf")

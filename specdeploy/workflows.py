@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specdeploy.build.torch_engine import BuildResult, build
-from specdeploy.decoding.text import IncrementalDetokenizer
+from specdeploy.decoding.detokenizer import IncrementalDetokenizer
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock
@@ -176,7 +176,7 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     write them to `output`, with a report of each head's held-out accuracy beside it (<output>.json)."""
     from rich.console import Console
 
-    from specdeploy.bench.run import load_prompts
+    from specdeploy.bench.prompts import load_prompts
     from specdeploy.models.registry import load_projection
     from specdeploy.spec.pipeline import SpeculationSpec
     from specdeploy.speculative.medusa import MedusaHeads

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdeploy.decoding.detokenizer import IncrementalDetokenizer
 from specdeploy.decoding.draft_length import ProposalLength
-from specdeploy.decoding.sampling import greedy_tokens, sampling_distribution, seen_after_drafts, seen_mask
+from specdeploy.decoding.prompt_lookup import prompt_lookup
+from specdeploy.decoding.repetition_penalty import seen_after_drafts, seen_mask
+from specdeploy.decoding.sampling import greedy_tokens, sampling_distribution
 from specdeploy.decoding.stats import RequestStats
-from specdeploy.decoding.text import IncrementalDetokenizer
 from specdeploy.errors import RequestError
 from specdeploy.models.quantize import (
     Int4Linear,
@@ -19,7 +21,6 @@ from specdeploy.models.quantize import (
     quantize_int8,
 )
 from specdeploy.spec.sampling_params import SamplingParams
-from specdeploy.speculative.ngram import NgramProposer
 
 
 def test_greedy_is_a_point_mass_on_the_argmax():
@@ -42,11 +43,11 @@ def test_temperature_top_k_top_p():
 
 def test_repetition_penalty_follows_the_context():
     logits = torch.tensor([[2.0, 2.0, -1.0]])
-    seen = seen_mask([0, 2], 3)
+    seen = seen_mask(torch.tensor([0, 2]), 3)
     probs = sampling_distribution(logits, SamplingParams(temperature=1.0, repetition_penalty=2.0), seen[None])
     expected = torch.tensor([[1.0, 2.0, -2.0]]).softmax(-1)  # positive divided, negative multiplied
     torch.testing.assert_close(probs, expected)
-    steps = seen_after_drafts(seen_mask([0], 5), torch.tensor([3, 1]))
+    steps = seen_after_drafts(seen_mask(torch.tensor([0]), 5), torch.tensor([3, 1]))
     assert steps.tolist() == [[True, False, False, False, False], [True, False, False, True, False],
                               [True, True, False, True, False]]
 
@@ -77,15 +78,17 @@ def test_seed_must_fit_the_request_field():
 
 
 def test_ngram_prefers_the_longest_most_recent_match():
-    proposer = NgramProposer(min_n=1, max_n=3)
+    def lookup(tokens, gamma, min_n=1, max_n=3):
+        return prompt_lookup(tokens, gamma, min_n, max_n)
+
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 8, 5, 2, 3]
-    assert proposer.continuation(tokens, 3) == [7]  # "2 3" last seen before "7 8 5", earlier before "9": cut to one
+    assert lookup(tokens, 3) == [7]  # "2 3" last seen before "7 8 5", earlier before "9": cut to one
     tokens = [4, 2, 3, 7, 8, 1, 1, 2, 3, 7, 8, 5, 6, 0, 2, 3]
-    assert proposer.continuation(tokens, 4) == [7, 8]  # both earlier "2 3" continue "7 8", then differ
-    assert proposer.continuation([6, 2, 3, 7, 8, 5, 1, 2, 3], 4) == [7, 8, 5, 1]  # one occurrence: all of it
-    assert proposer.continuation([4, 5, 6], 3) == []
-    assert proposer.continuation(tokens, 0) == []
-    assert NgramProposer(min_n=2, max_n=2).continuation([1, 2, 3, 1, 2], 5) == [3, 1, 2]
+    assert lookup(tokens, 4) == [7, 8]  # both earlier "2 3" continue "7 8", then differ
+    assert lookup([6, 2, 3, 7, 8, 5, 1, 2, 3], 4) == [7, 8, 5, 1]  # one occurrence: all of it
+    assert lookup([4, 5, 6], 3) == []
+    assert lookup(tokens, 0) == []
+    assert lookup([1, 2, 3, 1, 2], 5, min_n=2, max_n=2) == [3, 1, 2]
 
 
 def test_heuristic_proposal_length_grows_on_full_acceptance_and_shrinks_on_rejection():
@@ -178,13 +181,49 @@ def test_stats_per_position_and_mean_accepted_length():
     assert stats.per_position_acceptance == [1.0, 0.5, 0.5]
 
 
-def test_dense_linear_packed_bf16_matches_f_linear():
+def test_dense_linear_prepacked_bf16_matches_f_linear():
     from specdeploy.models.llama import DenseLinear, packs_for_cpu
 
     weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(2)).bfloat16()
     layer = DenseLinear(weight)
-    assert (layer.packed is not None) == packs_for_cpu(weight)
+    layer.prepack()
+    assert (layer.packed is not None) == packs_for_cpu(weight) and (layer.weight is None) == packs_for_cpu(weight)
     for shape in ((1, 64), (7, 64), (2, 3, 64)):
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(3)).bfloat16()
         torch.testing.assert_close(layer(x), torch.nn.functional.linear(x, weight), atol=1e-2, rtol=1e-2)
-    assert DenseLinear(weight.float()).packed is None  # fp32 keeps the plain path (exactness tests use it)
+    fp32 = DenseLinear(weight.float())
+    fp32.prepack()
+    assert fp32.packed is None  # fp32 keeps the plain path (exactness tests use it)
+
+
+def test_rotary_and_norm_are_transformers_llamas_and_a_tied_head_is_the_embedding_itself():
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    from specdeploy.models.config import ModelConfig
+    from specdeploy.models.llama import LlamaModel, RMSNorm, rotary_table, rotate
+
+    hf_config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    config = ModelConfig.from_hf(hf_config)
+    generator = torch.Generator().manual_seed(4)
+    q = torch.randn(1, 5, 4, 8, generator=generator)  # [B, T, heads, D], as DecoderLayer rotates it
+    positions = torch.tensor([[0, 3, 7, 100, 101]])
+    cos, sin = LlamaRotaryEmbedding(hf_config)(q, positions)
+    expected, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
+    rotation = rotary_table(config, 128)[:, positions, None]
+    torch.testing.assert_close(rotate(q, rotation), expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
+
+    weight = torch.randn(32, generator=generator)
+    x = torch.randn(3, 32, generator=generator)
+    hf_norm = LlamaRMSNorm(32, eps=1e-5)
+    hf_norm.weight.data.copy_(weight)
+    torch.testing.assert_close(RMSNorm(weight, 1e-5)(x), hf_norm(x), rtol=1e-6, atol=1e-6)
+
+    state = {name: tensor for name, tensor in LlamaForCausalLM(hf_config).state_dict().items()
+             if name != "lm_head.weight"}
+    model = LlamaModel(config, state)
+    assert model.lm_head.weight.data_ptr() == model.embed.data_ptr()  # one matrix, not a copy
+    unpacked = LlamaModel(config, state, torch.bfloat16, prepack=False)  # what a compiled engine is built from
+    assert unpacked.lm_head.weight.data_ptr() == unpacked.embed.data_ptr()
+    assert all(layer.qkv.packed is None for layer in unpacked.layers)

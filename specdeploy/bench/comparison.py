@@ -1,12 +1,14 @@
-"""Pipelines side by side from one bench run (bench.run_benches): each one's headline figures, and for every prompt
-kind whose speculation was fastest."""
+"""Pipelines side by side from one bench run (bench.run.run_benches): each one's headline figures, and for every
+prompt kind whose speculation was fastest."""
 
 from __future__ import annotations
 
 from rich.console import Console
 from rich.table import Table
 
-FIGURES = {  # report key → row label
+from specdeploy.bench.bench_report import BenchReport, Summary
+
+LABELS = {  # figure → row label
     "speedup": "speedup (measured)",
     "predicted_speedup": "speedup (predicted)",
     "mean_accepted_length": "tokens per step",
@@ -19,15 +21,27 @@ FIGURES = {  # report key → row label
 }
 
 
-def compare(reports: list[dict]) -> dict:
-    """{pipelines, figures: {key: {pipeline: value}}, by_kind: {kind: {speedup: {pipeline: x}, winner}}, winner}."""
-    names = [report["pipeline"] for report in reports]
-    figures = {key: {name: report.get(key) for name, report in zip(names, reports)} for key in FIGURES}
-    kinds = sorted({kind for report in reports for kind in report["by_kind"]})
+def headline_figures(summary: Summary) -> dict[str, float]:
+    """The figures compared, named as in the report's JSON."""
+    return {"speedup": summary.speedup, "predicted_speedup": summary.predicted_speedup,
+            "mean_accepted_length": summary.mean_accepted_length, "acceptance_rate": summary.acceptance_rate,
+            "mean_draft_tokens_per_step": summary.mean_draft_tokens_per_step,
+            "proposal_cost_per_step": summary.proposal_cost_per_step,
+            "verify_cost_ratio": summary.verify_cost_ratio, "baseline_tokens_per_s": summary.baseline_tokens_per_s,
+            "speculative_tokens_per_s": summary.speculative_tokens_per_s}
+
+
+def compare(reports: list[BenchReport]) -> dict:
+    """{pipelines, figures: {figure: {pipeline: value}}, by_kind: {kind: {speedup: {pipeline: x}, winner}}, winner}:
+    what `bench --json` writes for several pipelines, beside their reports."""
+    names = [report.setup.pipeline for report in reports]
+    each = [headline_figures(report.summary) for report in reports]
+    figures = {key: {name: values[key] for name, values in zip(names, each)} for key in LABELS}
+    kinds = sorted({kind for report in reports for kind in report.summary.by_kind})
     by_kind = {}
     for kind in kinds:
-        speedups = {name: report["by_kind"][kind]["speedup"] for name, report in zip(names, reports)
-                    if kind in report["by_kind"]}
+        speedups = {name: report.summary.by_kind[kind].speedup for name, report in zip(names, reports)
+                    if kind in report.summary.by_kind}
         by_kind[kind] = {"speedup": speedups, "winner": max(speedups, key=speedups.get)}
     overall = figures["speedup"]
     return {"pipelines": names, "figures": figures, "by_kind": by_kind, "winner": max(overall, key=overall.get)}
@@ -40,7 +54,7 @@ def print_comparison(comparison: dict, console: Console | None = None) -> None:
     for name in names:
         table.add_column(name, justify="right")
     table.add_column("faster")
-    for key, label in FIGURES.items():
+    for key, label in LABELS.items():
         values = comparison["figures"][key]
         cells = ["" if values[name] is None else f"{values[name]:.3f}" for name in names]
         table.add_row(label, *cells, comparison["winner"] if key == "speedup" else "")

@@ -7,17 +7,20 @@ from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import asdict
 
 import torch
 
+from specdeploy.bench.bench_report import BenchReport, MoeCurve
+from specdeploy.bench.measure import timed_forward
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.errors import SpecdeployError
-from specdeploy.models.device_transfer import finish
-from specdeploy.models.llama import LlamaModel, ragged_forward_all
+from specdeploy.models.llama import LlamaModel
 from specdeploy.models.moe import MixtralModel
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.engine_paths import MEASURED_POLICY_FILE, PIPELINE_FILE, write_json
 from specdeploy.spec.pipeline import load_pipeline
+from specdeploy.speculative.speedup import predicted_speedups
 
 STARTS_PER_SEQUENCE = 2  # verification windows per prompt (its answer's first and last): up to 30 on 15 prompts
 
@@ -38,25 +41,14 @@ def dense_source(engine: Engine) -> LlamaModel | None:
     return LlamaModel(dense.config, state, engine.target.dtype).eval()
 
 
-def timed_forward(model: LlamaModel, cache, window: torch.Tensor, start: int, repeats: int) -> float:
-    """The median seconds of one forward (with logits) over `window` [1, n] at position `start`."""
-    samples = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        model.logits(ragged_forward_all(model, cache, window, [start]))
-        finish(window.device)
-        samples.append(time.perf_counter() - began)
-    return sorted(samples)[repeats // 2]
-
-
 def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], max_length: int,
-                       repeats: int = 1, dense: LlamaModel | None = None) -> dict:
+                       repeats: int = 1, dense: LlamaModel | None = None) -> MoeCurve | None:
     """sequences: (prompt + answer ids, index of the answer's first token). For n = 1 .. max_length: the mean
     distinct experts per layer over verification windows of n real tokens, the expert bytes a forward over them
     reads, and its time relative to n = 1; n = 1 is a plain decode step. Each window is timed `repeats` times (its
     median) and the median across windows drops the outliers, at a third of the cost of three timings per window.
     With `dense`, the same windows timed on it, interleaved with the MoE's: the dense verify curve beside the
-    union's, and how fast the MoE's plain step is against the dense one's."""
+    union's, and how fast the MoE's plain step is against the dense one's. None when no window fits the answers."""
     model, device = engine.target, engine.device
     models = [model] if dense is None else [model, dense]
     distinct_at: dict[int, list[float]] = {n: [] for n in range(1, max_length + 1)}
@@ -80,44 +72,43 @@ def expert_union_curve(engine: Engine, sequences: list[tuple[list[int], int]], m
                             distinct_at[n].append(sum(touched) / len(touched))
     lengths = [n for n in distinct_at if distinct_at[n]]
     if not lengths:
-        return {}
+        return None
     distinct = [sum(distinct_at[n]) / len(distinct_at[n]) for n in lengths]
     medians = [[statistics.median(seconds[n]) for n in lengths] for seconds in seconds_at]
     costs = [[s / median[0] for s in median] for median in medians]
     layers = model.moe_layers()
-    curve = {"verification_length": lengths, "num_experts": model.config.num_experts,
-             "experts_per_token": model.config.experts_per_token,
-             "distinct_experts_per_layer": distinct,
-             "expert_bytes_read": [d * len(layers) * layers[0].expert_bytes for d in distinct],
-             "verify_cost": costs[0]}
+    curve = MoeCurve(verification_length=lengths, num_experts=model.config.num_experts,
+                     experts_per_token=model.config.experts_per_token, distinct_experts_per_layer=distinct,
+                     expert_bytes_read=[d * len(layers) * layers[0].expert_bytes for d in distinct],
+                     verify_cost=costs[0])
     if dense is not None:
-        curve["dense_verify_cost"] = costs[1]
+        curve.dense_verify_cost = costs[1]
         # above 1: a plain decode step of the MoE is faster than the dense model's (same windows, interleaved)
-        curve["plain_step_speed_vs_dense"] = medians[1][0] / medians[0][0]
+        curve.plain_step_speed_vs_dense = medians[1][0] / medians[0][0]
     return curve
 
 
-def predicted_speedups(per_position_acceptance: list[float], draft_cost: float, verify_cost: list[float]
-                       ) -> list[float]:
-    """[gamma - 1]: the predicted speedup of drafting gamma tokens per step, for gamma = 1 .. len(verify_cost) - 1.
-    per_position_acceptance[i]: the fraction of steps drafting position i + 1 that accepted it (a chain accepts a
-    prefix, so that is the probability of accepting at least i + 1 tokens; measured, not assumed independent);
-    draft_cost: plain steps per drafted token; verify_cost[n - 1]: plain steps for verifying n tokens (the MoE's
-    union cost, measured). A step then emits 1 + sum(p[:gamma]) tokens for gamma * draft_cost + verify_cost[gamma]."""
-    gammas = range(1, min(len(verify_cost) - 1, len(per_position_acceptance)) + 1)
-    return [(1 + sum(per_position_acceptance[:gamma])) / (gamma * draft_cost + verify_cost[gamma]) for gamma in gammas]
+def predict_by_gamma(curve: MoeCurve, per_position_acceptance: list[float], draft_cost: float,
+                     served_gamma: int) -> None:
+    """Fill the curve's predicted speedup by gamma and its best gamma. The linear formula assumes a dense model's
+    verify cost and independent acceptance: on an MoE the prediction comes from the union curve and the measured
+    acceptance by position, up to the served gamma (positions past it were never drafted: their acceptance is
+    unknown, not zero)."""
+    by_gamma = predicted_speedups(per_position_acceptance[:served_gamma], draft_cost, curve.verify_cost)
+    curve.predicted_speedup_by_gamma = by_gamma
+    curve.best_gamma = 1 + max(range(len(by_gamma)), key=by_gamma.__getitem__)
 
 
-def measured_policy(report: dict) -> dict:
-    """What `bench --measure-gamma-cap` writes into the engine (layout.MEASURED_POLICY_FILE): the gamma with the
-    best predicted speedup, and the measurements it was picked from."""
-    curve = report["moe"]
-    return {"gamma_cap": curve["best_gamma"], "measured_at_gamma": report["num_draft_tokens"],
-            "predicted_speedup_by_gamma": curve["predicted_speedup_by_gamma"],
-            "realized_speedup_at_measured_gamma": report["speedup"],
-            "per_position_acceptance": report["per_position_acceptance"],
-            "draft_cost_ratio": report["draft_cost_ratio"], "verify_cost": curve["verify_cost"],
-            "machine": report["machine"], "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+def measured_policy(report: BenchReport) -> dict:
+    """What `bench --measure-gamma-cap` writes into the engine (engine_paths.MEASURED_POLICY_FILE): the gamma with
+    the best predicted speedup, and the measurements it was picked from."""
+    curve, summary = report.moe, report.summary
+    return {"gamma_cap": curve.best_gamma, "measured_at_gamma": report.setup.num_draft_tokens,
+            "predicted_speedup_by_gamma": curve.predicted_speedup_by_gamma,
+            "realized_speedup_at_measured_gamma": summary.speedup,
+            "per_position_acceptance": summary.per_position_acceptance,
+            "draft_cost_ratio": summary.draft_cost_ratio, "verify_cost": curve.verify_cost,
+            "machine": asdict(report.setup.machine), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 def lift_gamma_cap(engine: Engine) -> None:
@@ -127,15 +118,15 @@ def lift_gamma_cap(engine: Engine) -> None:
     if architecture != "mixtral":
         raise SpecdeployError(f"{engine.pipeline.name}: --measure-gamma-cap picks a gamma from an MoE target's "
                               f"expert-union verify cost, and this target is {architecture}")
-    if engine.method not in ("draft_target", "ngram"):
+    if not engine.speculation.drafts_outside_target:
         raise SpecdeployError(f"{engine.pipeline.name}: --measure-gamma-cap needs draft_target or ngram "
                               f"speculation, the pipeline's is {engine.method}")
     engine.pipeline = engine.pipeline.with_gamma_cap(None)
 
 
-def save_gamma_cap(engine: Engine, report: dict) -> str:
+def save_gamma_cap(engine: Engine, report: BenchReport) -> str:
     """Write the measured policy into the engine; returns what it picked and why, in a sentence."""
-    if "predicted_speedup_by_gamma" not in report.get("moe", {}):
+    if report.moe is None or report.moe.predicted_speedup_by_gamma is None:
         raise SpecdeployError(f"{engine.pipeline.name}: no gamma could be predicted (no verification window fit "
                               f"the answers, or nothing was drafted): use longer --max-tokens")
     policy = measured_policy(report)

@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
+from specdeploy.bench.bench_report import BenchReport, Peer
 from specdeploy.models.device_transfer import finish
 from specdeploy.models.registry import component_config
 from specdeploy.runtime.engine import Engine
@@ -64,41 +66,44 @@ def decode_rate(model, encoded: list[list[int]], max_tokens: int, end_ids: tuple
     return tokens / seconds if seconds else 0.0
 
 
-def transformers_peers(engine: Engine, encoded: list[list[int]], max_tokens: int) -> dict[str, dict]:
-    """name → {"tokens_per_s", "what"} (or {"skipped": why})."""
+def transformers_peers(engine: Engine, encoded: list[list[int]], max_tokens: int) -> dict[str, Peer]:
+    """name → its speed and what it ran, or why it was skipped."""
     dtype, gamma = engine.target.dtype, engine.num_draft_tokens
     target = hf_model(engine.dir / "target", dtype, engine.device)
     end_ids = tuple(engine.target.config.eos_token_ids)
     decode_rate(target, encoded[:1], 4, end_ids)  # warm-up
-    peers = {PLAIN: {"tokens_per_s": decode_rate(target, encoded, max_tokens, end_ids),
-                     "what": f"greedy generate on the target's weights ({str(dtype).removeprefix('torch.')}, "
-                             f"{torch.get_num_threads()} threads)"}}
+    peers = {PLAIN: Peer(tokens_per_s=decode_rate(target, encoded, max_tokens, end_ids),
+                         what=f"greedy generate on the target's weights ({str(dtype).removeprefix('torch.')}, "
+                              f"{torch.get_num_threads()} threads)")}
     lookup = max(gamma, 1)
-    peers[f"transformers prompt lookup ({lookup})"] = {
-        "tokens_per_s": decode_rate(target, encoded, max_tokens, end_ids, prompt_lookup_num_tokens=lookup),
-        "what": f"generate with prompt_lookup_num_tokens={lookup} (n-gram drafts from the prompt)"}
+    peers[f"transformers prompt lookup ({lookup})"] = Peer(
+        tokens_per_s=decode_rate(target, encoded, max_tokens, end_ids, prompt_lookup_num_tokens=lookup),
+        what=f"generate with prompt_lookup_num_tokens={lookup} (n-gram drafts from the prompt)")
     draft = engine.dir / "draft"
     if not draft.is_dir():
-        peers["transformers assistant_model"] = {"skipped": "the pipeline has no draft model"}
+        peers["transformers assistant_model"] = Peer(skipped="the pipeline has no draft model")
     elif (quantization := component_config(draft)[0].quantization) is not None:
-        peers["transformers assistant_model"] = {"skipped": f"the draft is derived {quantization['method']}, our own "
-                                                            f"module, which transformers cannot run"}
+        peers["transformers assistant_model"] = Peer(skipped=f"the draft is derived {quantization['method']}, our "
+                                                                 f"own module, which transformers cannot run")
     else:
         assistant = hf_model(draft, dtype, engine.device)
-        peers["transformers assistant_model"] = {
-            "tokens_per_s": decode_rate(target, encoded, max_tokens, end_ids, assistant_model=assistant),
-            "what": "generate with the pipeline's draft as assistant_model (transformers' own schedule)"}
+        peers["transformers assistant_model"] = Peer(
+            tokens_per_s=decode_rate(target, encoded, max_tokens, end_ids, assistant_model=assistant),
+            what="generate with the pipeline's draft as assistant_model (transformers' own schedule)")
     return peers
 
 
-def peer_ratios(report: dict) -> dict[str, dict]:
-    """Our plain and speculative tokens/s over each measured peer's (above 1: ours is faster)."""
-    ratios = {}
-    for name, peer in report.get("peers", {}).items():
-        if "tokens_per_s" in peer and peer["tokens_per_s"]:
-            ratios[name] = {"ours_plain": report["baseline_tokens_per_s"] / peer["tokens_per_s"],
-                            "ours_speculative": report["speculative_tokens_per_s"] / peer["tokens_per_s"]}
-    return ratios
+class PeerRatio(NamedTuple):
+    """Our tokens/s over a peer's (above 1: ours is faster)."""
+    ours_plain: float
+    ours_speculative: float
+
+
+def peer_ratios(report: BenchReport) -> dict[str, PeerRatio]:
+    """Our plain and speculative tokens/s over each measured peer's."""
+    return {name: PeerRatio(report.summary.baseline_tokens_per_s / peer.tokens_per_s,
+                            report.summary.speculative_tokens_per_s / peer.tokens_per_s)
+            for name, peer in (report.peers or {}).items() if peer.tokens_per_s}
 
 
 def target_gguf(engine: Engine) -> tuple[Path | None, str]:
@@ -144,8 +149,8 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def llama_cpp_peers(engine: Engine, encoded: list[list[int]], max_tokens: int,
-                    ours: list[list[int]]) -> dict[str, dict]:
-    """name → {"tokens_per_s", "what", "common_prefix_tokens"} (or {"skipped": why}) for llama.cpp plain and with
+                    ours: list[list[int]]) -> dict[str, Peer]:
+    """name → its speed, what it ran and common_prefix_tokens (or why it was skipped) for llama.cpp plain and with
     its prompt lookup. ours: our plain greedy tokens per prompt; common_prefix_tokens is the mean number of leading
     tokens llama.cpp's greedy output shares with ours. Its Q4_1 kernels round activations to 8 bits, so the two part
     at some near tie, but the same prompt on the same weights starts alike (a wrong template would part at once)."""
@@ -155,10 +160,10 @@ def llama_cpp_peers(engine: Engine, encoded: list[list[int]], max_tokens: int,
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     except ImportError:
-        return dict.fromkeys(names, {"skipped": f"llama-cpp-python is not installed ({LLAMA_CPP_INSTALL})"})
+        return dict.fromkeys(names, Peer(skipped=f"llama-cpp-python is not installed ({LLAMA_CPP_INSTALL})"))
     gguf, why = target_gguf(engine)
     if gguf is None:
-        return dict.fromkeys(names, {"skipped": why})
+        return dict.fromkeys(names, Peer(skipped=why))
     threads = torch.get_num_threads()
     end_ids = tuple(engine.target.config.eos_token_ids)
     where = f"llama.cpp {llama_cpp.__version__} (llama-cpp-python) on {gguf.name}, CPU, {threads} threads"
@@ -168,9 +173,9 @@ def llama_cpp_peers(engine: Engine, encoded: list[list[int]], max_tokens: int,
                               n_threads_batch=threads, verbose=False, draft_model=draft)
         streamed_rate(llm, encoded[:1], 4, end_ids)  # warm-up
         rate, outputs = streamed_rate(llm, encoded, max_tokens, end_ids)
-        peers[name] = {"tokens_per_s": rate,
-                       "common_prefix_tokens": sum(map(common_prefix, outputs, ours)) / max(len(outputs), 1),
-                       "what": where + ("" if draft is None else f", prompt lookup of {lookup} tokens "
-                                                                 f"(max_ngram_size 2)")}
+        peers[name] = Peer(tokens_per_s=rate,
+                           common_prefix_tokens=sum(map(common_prefix, outputs, ours)) / max(len(outputs), 1),
+                           what=where + ("" if draft is None else f", prompt lookup of {lookup} tokens "
+                                                                  f"(max_ngram_size 2)"))
         llm.close()
     return peers

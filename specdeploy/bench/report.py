@@ -15,14 +15,16 @@ from __future__ import annotations
 
 import json
 import platform
+from dataclasses import asdict
 from importlib import metadata
 from itertools import accumulate
 from pathlib import Path
 
-from specdeploy.bench.moe_curve import predicted_speedups
+from specdeploy.bench.bench_report import BenchReport, MoeCurve
 from specdeploy.bench.peers import peer_ratios
-from specdeploy.bench.run import phases_text, predicted_speedup
+from specdeploy.bench.printing import phases_text
 from specdeploy.errors import SpecdeployError
+from specdeploy.speculative.speedup import predicted_speedup, predicted_speedups
 
 FIGURE_SIZE = (7.5, 4.5)
 WIDE_FIGURE = (11.5, 4.8)  # room for a legend beside the axes
@@ -41,11 +43,7 @@ def pyplot():
     return plt
 
 
-def label(report: dict) -> str:
-    return f"{report['pipeline']} ({report['method']})"
-
-
-def gamma_curves(report: dict) -> dict:
+def gamma_curves(report: BenchReport) -> dict[str, dict[int, float]]:
     """Predicted speedup by gamma, as the lines of the speedup plot.
     - by_position: from the measured acceptance by position, c and v, up to the measured gamma (a constant
       schedule drafts every position each step; an MoE's verify cost is its measured union curve).
@@ -53,61 +51,61 @@ def gamma_curves(report: dict) -> dict:
       grows with the verification length).
     With the report's verify_costs (a forward over n + 1 positions, in plain steps), v at each gamma follows that
     curve, scaled to pass through the v measured at the served gamma; without them v is the same at every gamma."""
-    c, v = report["draft_cost_ratio"], report["verify_cost_ratio"]
-    positions = report["per_position_acceptance"]
+    summary, setup = report.summary, report.setup
+    c, v = summary.draft_cost_ratio, summary.verify_cost_ratio
+    positions = summary.per_position_acceptance
     curves: dict[str, dict[int, float]] = {"by_position": {}, "formula": {}}
-    if report.get("moe"):
-        curves["by_position"] = dict(enumerate(report["moe"].get("predicted_speedup_by_gamma", []), start=1))
+    if report.moe is not None:
+        curves["by_position"] = dict(enumerate(report.moe.predicted_speedup_by_gamma or [], start=1))
         return curves
-    top = max(2 * max(report["num_draft_tokens"], 1), 8)
+    top = max(2 * max(setup.num_draft_tokens, 1), 8)
     widths = [v] * (top + 1)
-    if report.get("verify_costs"):
+    if report.verify_costs:
         # a wider forward never costs less: the running maximum keeps timing noise from bending the lines down
-        costs = list(accumulate(report["verify_costs"], max))
+        costs = list(accumulate(report.verify_costs, max))
         served = round(measured_gamma(report))
-        if isinstance(report.get("gamma_cap"), int):  # v was measured at the capped gamma
-            served = min(served, report["gamma_cap"])
+        if isinstance(setup.gamma_cap, int):  # v was measured at the capped gamma
+            served = min(served, setup.gamma_cap)
         served = min(max(served, 0), len(costs) - 1)
         widths = [v * cost / costs[served] for cost in costs]
         top = len(costs) - 1
-    if report.get("schedule", "constant") == "constant" and positions:
+    if setup.schedule == "constant" and positions:
         curves["by_position"] = dict(enumerate(predicted_speedups(positions, c, widths[:len(positions) + 1]),
                                                start=1))
-    curves["formula"] = {g: predicted_speedup(report["acceptance_rate"], g, c, widths[g]) for g in range(1, top + 1)}
+    curves["formula"] = {g: predicted_speedup(summary.acceptance_rate, g, c, widths[g]) for g in range(1, top + 1)}
     return curves
 
 
-def measured_gamma(report: dict) -> float:
+def measured_gamma(report: BenchReport) -> float:
     """Where the measured point sits: the gamma, or the mean proposal length under an adaptive schedule."""
-    if report.get("schedule", "constant") != "constant":
-        return report["mean_draft_tokens_per_step"]
-    return report["num_draft_tokens"]
+    if report.setup.schedule != "constant":
+        return report.summary.mean_draft_tokens_per_step
+    return report.setup.num_draft_tokens
 
 
-def plot_speedup(plt, reports: list[dict], path: Path) -> None:
+def plot_speedup(plt, reports: list[BenchReport], path: Path) -> None:
     figure, axes = plt.subplots(figsize=WIDE_FIGURE)
     for index, report in enumerate(reports):
-        color = f"C{index}"
-        if report["method"] == "medusa":
-            size = report["medusa"]["tree_size"]
-            axes.scatter([size], [report["predicted_speedup"]], marker="x", color=color,
-                         label=f"{label(report)}: predicted, tree of {size} nodes")
-            axes.scatter([size], [report["speedup"]], color=color, zorder=3, label=f"{label(report)}: measured")
+        color, label, summary = f"C{index}", report.label, report.summary
+        if report.medusa is not None:  # a tree: one point, not a line over gamma
+            size = report.medusa.tree_size
+            axes.scatter([size], [summary.predicted_speedup], marker="x", color=color,
+                         label=f"{label}: predicted, tree of {size} nodes")
+            axes.scatter([size], [summary.speedup], color=color, zorder=3, label=f"{label}: measured")
             continue
         curves = gamma_curves(report)
         if curves["by_position"]:
             axes.plot(list(curves["by_position"]), list(curves["by_position"].values()), color=color,
-                      label=f"{label(report)}: predicted from acceptance by position")
+                      label=f"{label}: predicted from acceptance by position")
         if curves["formula"]:
             axes.plot(list(curves["formula"]), list(curves["formula"].values()), color=color, linestyle="--",
-                      alpha=0.6, label=f"{label(report)}: seed formula, alpha {report['acceptance_rate']:.2f}")
-        sweep = report.get("gamma_sweep", {})
-        if sweep:
-            axes.scatter([int(g) for g in sweep], list(sweep.values()), color=color, marker="^", zorder=3,
-                         label=f"{label(report)}: measured at other gammas")
-        schedule = "" if report.get("schedule", "constant") == "constant" else " (mean proposal length)"
-        axes.scatter([measured_gamma(report)], [report["speedup"]], color=color, zorder=3,
-                     label=f"{label(report)}: measured{schedule}")
+                      alpha=0.6, label=f"{label}: seed formula, alpha {summary.acceptance_rate:.2f}")
+        if report.gamma_sweep:
+            axes.scatter(list(report.gamma_sweep), list(report.gamma_sweep.values()), color=color, marker="^",
+                         zorder=3, label=f"{label}: measured at other gammas")
+        schedule = "" if report.setup.schedule == "constant" else " (mean proposal length)"
+        axes.scatter([measured_gamma(report)], [summary.speedup], color=color, zorder=3,
+                     label=f"{label}: measured{schedule}")
     axes.axhline(1.0, color="grey", linewidth=0.8)
     whole_number_ticks(axes.xaxis)
     axes.set_xlabel("gamma (drafted tokens per step; Medusa: tree nodes)")
@@ -117,13 +115,13 @@ def plot_speedup(plt, reports: list[dict], path: Path) -> None:
     save(plt, figure, path)
 
 
-def plot_acceptance(plt, reports: list[dict], path: Path) -> None:
+def plot_acceptance(plt, reports: list[BenchReport], path: Path) -> None:
     figure, axes = plt.subplots(figsize=FIGURE_SIZE)
     width = 0.8 / max(len(reports), 1)
     for index, report in enumerate(reports):
-        positions = report["per_position_acceptance"]
+        positions = report.summary.per_position_acceptance
         xs = [p + 1 + (index - (len(reports) - 1) / 2) * width for p in range(len(positions))]
-        axes.bar(xs, positions, width=width, label=label(report), color=f"C{index}")
+        axes.bar(xs, positions, width=width, label=report.label, color=f"C{index}")
     whole_number_ticks(axes.xaxis)
     axes.set_xlabel("draft position (Medusa: tree depth = head)")
     axes.set_ylabel("fraction of steps accepting it")
@@ -133,17 +131,19 @@ def plot_acceptance(plt, reports: list[dict], path: Path) -> None:
     save(plt, figure, path)
 
 
-def plot_kinds(plt, reports: list[dict], path: Path) -> None:
-    kinds = sorted({kind for report in reports for kind in report["by_kind"]})
+def plot_kinds(plt, reports: list[BenchReport], path: Path) -> None:
+    kinds = sorted({kind for report in reports for kind in report.summary.by_kind})
     figure, axes = plt.subplots(figsize=WIDE_FIGURE)
-    bars = [(report, mode) for report in reports for mode in ("plain", "speculative")]
+    bars = [(number, report, mode) for number, report in enumerate(reports) for mode in ("plain", "speculative")]
     width = 0.8 / max(len(bars), 1)
-    for index, (report, mode) in enumerate(bars):
-        values = [report["by_kind"].get(kind, {}).get(f"{mode}_tokens_per_s", 0.0) for kind in kinds]
+    for index, (number, report, mode) in enumerate(bars):
+        by_kind = report.summary.by_kind
+        values = [0.0 if kind not in by_kind else
+                  by_kind[kind].plain_tokens_per_s if mode == "plain" else by_kind[kind].speculative_tokens_per_s
+                  for kind in kinds]
         xs = [k + (index - (len(bars) - 1) / 2) * width for k in range(len(kinds))]
-        number = reports.index(report)
         axes.bar(xs, values, width=width, color=f"C{number}", alpha=0.45 if mode == "plain" else 1.0,
-                 label=f"{label(report)}, {mode}")
+                 label=f"{report.label}, {mode}")
     axes.set_xticks(range(len(kinds)), kinds)
     axes.set_xlabel("prompt kind")
     axes.set_ylabel("decode tokens/s")
@@ -152,20 +152,19 @@ def plot_kinds(plt, reports: list[dict], path: Path) -> None:
     save(plt, figure, path)
 
 
-def plot_moe(plt, report: dict, path: Path) -> None:
-    curve = report["moe"]
+def plot_moe(plt, curve: MoeCurve, path: Path) -> None:
     figure, (experts, cost) = plt.subplots(1, 2, figsize=(FIGURE_SIZE[0] * 1.4, FIGURE_SIZE[1]))
-    lengths = curve["verification_length"]
-    experts.plot(lengths, curve["distinct_experts_per_layer"], marker="o")
-    experts.axhline(curve["num_experts"], color="grey", linestyle=":", label=f"all {curve['num_experts']} experts")
+    lengths = curve.verification_length
+    experts.plot(lengths, curve.distinct_experts_per_layer, marker="o")
+    experts.axhline(curve.num_experts, color="grey", linestyle=":", label=f"all {curve.num_experts} experts")
     experts.set_xlabel("verification length (tokens)")
     experts.set_ylabel("distinct experts per layer")
-    experts.set_ylim(0, curve["num_experts"] * 1.08)
-    experts.set_title(f"Experts touched ({curve['experts_per_token']} per token)")
+    experts.set_ylim(0, curve.num_experts * 1.08)
+    experts.set_title(f"Experts touched ({curve.experts_per_token} per token)")
     experts.legend(fontsize=8)
-    cost.plot(lengths, curve["verify_cost"], marker="o", label="MoE target")
-    if "dense_verify_cost" in curve:
-        cost.plot(lengths, curve["dense_verify_cost"], marker="s", linestyle="--", label="dense model it came from")
+    cost.plot(lengths, curve.verify_cost, marker="o", label="MoE target")
+    if curve.dense_verify_cost is not None:
+        cost.plot(lengths, curve.dense_verify_cost, marker="s", linestyle="--", label="dense model it came from")
     for axes in (experts, cost):
         whole_number_ticks(axes.xaxis)
     cost.set_xlabel("verification length (tokens)")
@@ -198,86 +197,91 @@ def versions() -> dict[str, str]:
     return found
 
 
-def figures_table(reports: list[dict]) -> list[str]:
-    rows = [("plain decode tokens/s", "baseline_tokens_per_s", "{:.1f}"),
-            ("speculative tokens/s", "speculative_tokens_per_s", "{:.1f}"), ("speedup", "speedup", "{:.2f}×"),
-            ("predicted speedup", "predicted_speedup", "{:.2f}×"), ("acceptance rate", "acceptance_rate", "{:.2f}"),
-            ("mean accepted length (tokens/step)", "mean_accepted_length", "{:.2f}"),
-            ("draft cost c", "draft_cost_ratio", "{:.3f}"), ("verify cost v", "verify_cost_ratio", "{:.2f}"),
-            ("gamma", "num_draft_tokens", "{}"), ("dtype", "dtype", "{}"), ("temperature", "temperature", "{}"),
-            ("max tokens", "max_tokens", "{}"), ("prompts", "prompts", "{}"),
-            ("greedy output equal to plain", "greedy_match", "{}"),
-            ("transformers generate tokens/s", "transformers_tokens_per_s", "{:.1f}")]
-    lines = ["| figure | " + " | ".join(label(r) for r in reports) + " |",
-             "|---|" + "---|" * len(reports)]
-    for name, key, form in rows:
-        values = [form.format(r[key]) if r.get(key) is not None else "–" for r in reports]
-        lines.append(f"| {name} | " + " | ".join(values) + " |")
-    return lines
+def figures_table(reports: list[BenchReport]) -> list[str]:
+    def row(name: str, form: str, values: list) -> str:
+        return f"| {name} | " + " | ".join("–" if value is None else form.format(value) for value in values) + " |"
+
+    summaries, setups = [r.summary for r in reports], [r.setup for r in reports]
+    return ["| figure | " + " | ".join(r.label for r in reports) + " |", "|---|" + "---|" * len(reports),
+            row("plain decode tokens/s", "{:.1f}", [s.baseline_tokens_per_s for s in summaries]),
+            row("speculative tokens/s", "{:.1f}", [s.speculative_tokens_per_s for s in summaries]),
+            row("speedup", "{:.2f}×", [s.speedup for s in summaries]),
+            row("predicted speedup", "{:.2f}×", [s.predicted_speedup for s in summaries]),
+            row("acceptance rate", "{:.2f}", [s.acceptance_rate for s in summaries]),
+            row("mean accepted length (tokens/step)", "{:.2f}", [s.mean_accepted_length for s in summaries]),
+            row("draft cost c", "{:.3f}", [s.draft_cost_ratio for s in summaries]),
+            row("verify cost v", "{:.2f}", [s.verify_cost_ratio for s in summaries]),
+            row("gamma", "{}", [s.num_draft_tokens for s in setups]),
+            row("dtype", "{}", [s.dtype for s in setups]),
+            row("temperature", "{}", [s.temperature for s in setups]),
+            row("max tokens", "{}", [s.max_tokens for s in setups]),
+            row("prompts", "{}", [s.prompts for s in setups]),
+            row("greedy output equal to plain", "{}", [r.greedy and r.greedy.greedy_match for r in reports]),
+            row("transformers generate tokens/s", "{:.1f}",
+                [r.transformers and r.transformers.transformers_tokens_per_s for r in reports])]
 
 
-def peer_lines(reports: list[dict]) -> list[str]:
+def peer_lines(reports: list[BenchReport]) -> list[str]:
     """The Peers section: each peer's tokens/s and ours over theirs, from the same run; where a peer is faster."""
     lines = []
     for report in reports:
-        if "peers" not in report:
+        if report.peers is None:
             continue
         ratios = peer_ratios(report)
-        lines += [f"## Peers: {label(report)}", "", "Measured in the same run on the same weights and prompts, greedy.",
+        lines += [f"## Peers: {report.label}", "", "Measured in the same run on the same weights and prompts, greedy.",
                   "", "| peer | configuration | tokens/s | ours plain ÷ peer | ours speculative ÷ peer |",
                   "|---|---|---|---|---|"]
-        for name, peer in report["peers"].items():
-            if "skipped" in peer:
-                lines.append(f"| {name} | skipped: {peer['skipped']} | – | – | – |")
+        for name, peer in report.peers.items():
+            if peer.skipped is not None:
+                lines.append(f"| {name} | skipped: {peer.skipped} | – | – | – |")
                 continue
             ratio = ratios[name]
-            what = peer["what"]
-            if "common_prefix_tokens" in peer:
-                what += f"; its greedy output follows ours for {peer['common_prefix_tokens']:.1f} tokens on average"
-            lines.append(f"| {name} | {what} | {peer['tokens_per_s']:.1f} | {ratio['ours_plain']:.2f}× | "
-                         f"{ratio['ours_speculative']:.2f}× |")
-        faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
+            what = peer.what
+            if peer.common_prefix_tokens is not None:
+                what += f"; its greedy output follows ours for {peer.common_prefix_tokens:.1f} tokens on average"
+            lines.append(f"| {name} | {what} | {peer.tokens_per_s:.1f} | {ratio.ours_plain:.2f}× | "
+                         f"{ratio.ours_speculative:.2f}× |")
+        faster = [name for name, ratio in ratios.items() if ratio.ours_speculative < 1]
         lines += ["", (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster else
                        "No peer was faster than our speculative decoding here."), ""]
     return lines
 
 
-def write_report(reports: list[dict], directory: Path, pipelines: list[str]) -> Path:
+def write_report(reports: list[BenchReport], directory: Path, pipelines: list[str]) -> Path:
     """Write DIR/report.md, the plots and DIR/reports.json for the in-process bench `reports` (one per pipeline,
     measured in one run). Returns the report.md path."""
     plt = pyplot()
     directory = Path(directory)
     directory.mkdir(parents=True, exist_ok=True)
-    machine = reports[0]["machine"]
+    machine = reports[0].setup.machine
     plots = {"speedup.png": "Speedup against gamma", "acceptance.png": "Acceptance by draft position",
              "tokens_by_kind.png": "Tokens per second by prompt kind"}
     plot_speedup(plt, reports, directory / "speedup.png")
     plot_acceptance(plt, reports, directory / "acceptance.png")
     plot_kinds(plt, reports, directory / "tokens_by_kind.png")
     for report in reports:
-        if report.get("moe"):
-            name = f"moe-{report['pipeline']}.png"
-            plot_moe(plt, report, directory / name)
-            plots[name] = f"MoE: experts touched and verify cost ({report['pipeline']})"
-    (directory / "reports.json").write_text(json.dumps(reports, indent=2))
+        if report.moe is not None:
+            name = f"moe-{report.setup.pipeline}.png"
+            plot_moe(plt, report.moe, directory / name)
+            plots[name] = f"MoE: experts touched and verify cost ({report.setup.pipeline})"
+    (directory / "reports.json").write_text(json.dumps([r.to_json() for r in reports], indent=2))
     lines = ["# specdeploy bench report", "",
              f"Pipelines: {', '.join(f'`{p}`' for p in pipelines)}, measured in one run, prompt by prompt, each "
              f"decoded plain and with speculation.", "",
              "## Machine", "",
-             *(f"- {key}: {value}" for key, value in machine.items()),
-             f"- torch threads: {reports[0]['threads']}",
+             *(f"- {key}: {value}" for key, value in asdict(machine).items()),
+             f"- torch threads: {reports[0].setup.threads}",
              *(f"- {package} {version}" for package, version in versions().items()), "",
              "## Time spent (seconds)", "",
-             *(f"- {label(r)}: {phases_text(r['phase_seconds'])}" for r in reports if r.get("phase_seconds")), "",
+             *(f"- {r.label}: {phases_text(r.phase_seconds)}" for r in reports if r.phase_seconds), "",
              "## Figures", "", *figures_table(reports), ""]
     for report in reports:
-        kinds = report["by_kind"]
-        lines += [f"### {label(report)} by prompt kind", "", "| kind | prompts | plain tokens/s | speculative "
+        lines += [f"### {report.label} by prompt kind", "", "| kind | prompts | plain tokens/s | speculative "
                   "tokens/s | speedup |", "|---|---|---|---|---|"]
-        lines += [f"| {kind} | {v['prompts']} | {v['plain_tokens_per_s']:.1f} | {v['speculative_tokens_per_s']:.1f} "
-                  f"| {v['speedup']:.2f}× |" for kind, v in kinds.items()]
-        lines += ["", "Acceptance by position: " + ", ".join(f"{p:.2f}" for p in report["per_position_acceptance"]),
-                  ""]
+        lines += [f"| {kind} | {v.prompts} | {v.plain_tokens_per_s:.1f} | {v.speculative_tokens_per_s:.1f} "
+                  f"| {v.speedup:.2f}× |" for kind, v in report.summary.by_kind.items()]
+        positions = report.summary.per_position_acceptance
+        lines += ["", "Acceptance by position: " + ", ".join(f"{p:.2f}" for p in positions), ""]
     lines += peer_lines(reports)
     lines += ["## Plots", ""] + [f"### {title}\n\n![{title}]({name})\n" for name, title in plots.items()]
     path = directory / "report.md"

@@ -62,7 +62,7 @@ def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
     draft = pipeline.speculation.draft
     if draft is not None and draft.checkpoint is not None:
         files += source_files(draft.checkpoint, pipeline)
-    if pipeline.speculation.method == "medusa":
+    if pipeline.speculation.uses_heads:
         heads = pipeline.resolve(pipeline.speculation.medusa.heads)
         if not heads.is_file():
             raise BuildError(f"speculation.medusa.heads: {heads} not found (train them with specdeploy "

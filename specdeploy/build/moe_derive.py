@@ -35,23 +35,16 @@ from specdeploy.build.hf_tensors import HFTensors
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.kv_cache import KVCache
-from specdeploy.models.llama import DecoderLayer, GatedMLP
+from specdeploy.models.llama import DecoderLayer, GatedMLP, rotary_table
 from specdeploy.spec.pipeline import MoESpec
 
 ROUTER_LOGIT_STD = 0.01  # the router's logits' spread after scaling: softmax weights within ~1% of uniform
 KMEANS_ITERATIONS = 12
 
 
-def rotary_table(config: ModelConfig, length: int) -> torch.Tensor:
-    """[length, head_dim / 2] complex: the first rows of LlamaModel's `rotations` buffer (the same arithmetic)."""
-    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
-    angles = torch.outer(torch.arange(length).float(), inv_freq)
-    return torch.polar(torch.ones_like(angles), angles)
-
-
 def through_layer(layer: DecoderLayer, config: ModelConfig, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
     """x [1, T, H] → [1, T, H]: one sequence through one decoder layer from an empty cache, as LlamaModel.forward
-    runs it (causal mask by position, none for a single token)."""
+    runs it (causal mask by position, none for a single token). rotations: llama.rotary_table's [2, ≥T, D]."""
     length = x.shape[1]
     positions = torch.arange(length)[None]
     mask = None
@@ -60,7 +53,7 @@ def through_layer(layer: DecoderLayer, config: ModelConfig, x: torch.Tensor, rot
         mask = (torch.arange(length) <= positions[..., None])[:, None].expand(-1, group, -1, -1)
         mask = mask.reshape(1, 1, -1, length)
     cache = KVCache(1, 1, config.num_kv_heads, length, config.head_dim, torch.float32)
-    return layer.forward(x, rotations[positions][:, :, None], *cache.layer(0), positions, mask, length)
+    return layer(x, rotations[:, positions, None], *cache.layer(0), positions, mask, length)
 
 
 def calibration_layers(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
@@ -78,11 +71,10 @@ def calibration_layers(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
         layer = DecoderLayer(config, state, prefix, torch.float32, GatedMLP(state, f"{prefix}.mlp", torch.float32))
         recorded: list[torch.Tensor] = []
 
-        def record(x: torch.Tensor, _forward=layer.calls.feed_forward, _recorded=recorded) -> torch.Tensor:
-            _recorded.append(x.reshape(-1, x.shape[-1]).float())
-            return _forward(x)
+        def record(_module, args: tuple[torch.Tensor], _recorded=recorded) -> None:
+            _recorded.append(args[0].reshape(-1, args[0].shape[-1]).float())
 
-        layer.calls = layer.calls._replace(feed_forward=record)
+        layer.feed_forward.register_forward_pre_hook(record)
         with torch.inference_mode():
             hidden = [through_layer(layer, config, x, rotations) for x in hidden]
         yield state, torch.cat(recorded)

@@ -149,7 +149,7 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}] loading target checkpoint", total=None)
         target = dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
-        draft_spec = speculation.draft if speculation.method == "draft_target" else None
+        draft_spec = speculation.draft if speculation.uses_draft_model else None
         derive = None if draft_spec is None else draft_spec.derive
         precision = None if draft_spec is None else draft_spec.weight_only
         if derive == "int4_dense":
@@ -184,7 +184,7 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
                 draft_dtype = DTYPES[draft_spec.dtype]
                 write_component(staging / "draft", draft, {k: v.to(draft_dtype) for k, v in draft.state.items()},
                                 draft_spec.dtype, pipeline)
-        if speculation.method == "medusa":
+        if speculation.uses_heads:
             progress.update(task, description=f"[{pipeline.name}] writing Medusa heads")
             write_medusa(staging / "medusa", pipeline, target)
         write_manifest(staging, inputs)

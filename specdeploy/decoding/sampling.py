@@ -1,15 +1,16 @@
 """Logits → the distribution actually sampled from. Pure functions; randomness only through an explicit generator.
 
-The processors run in this order: repetition penalty, temperature, top-k, top-p. Draft and target both go through
-`sampling_distribution` with the same SamplingParams, so the q and p the acceptance rule compares are the
-distributions each side really samples from. Temperature 0 gives a point mass on the (penalised) argmax.
+The processors run in this order: repetition penalty (repetition_penalty.py), temperature, top-k, top-p. Draft
+and target both go through `sampling_distribution` with the same SamplingParams, so the q and p the acceptance rule
+compares are the distributions each side really samples from. Temperature 0 gives a point mass on the (penalised)
+argmax.
 """
 
 from __future__ import annotations
 
 import torch
 
-from specdeploy.models.device_transfer import from_host
+from specdeploy.decoding.repetition_penalty import penalised
 from specdeploy.models.reductions import argmax
 from specdeploy.spec.sampling_params import SamplingParams
 
@@ -54,16 +55,6 @@ def greedy_tokens(logits: torch.Tensor, params: SamplingParams, seen: torch.Tens
     return argmax(penalised(logits, params, seen))
 
 
-def penalised(logits: torch.Tensor, params: SamplingParams, seen: torch.Tensor | None) -> torch.Tensor:
-    """fp32 logits [N, V] after the repetition penalty on the `seen` [N, V] tokens."""
-    logits = logits.float()
-    if params.repetition_penalty == 1.0 or seen is None:
-        return logits
-    scaled = torch.where(logits > 0, logits / params.repetition_penalty, logits * params.repetition_penalty)
-    largest = torch.finfo(torch.float32).max  # a tiny penalty must not overflow a logit to inf
-    return torch.where(seen, scaled.clamp(-largest, largest), logits)
-
-
 class RowStreams:
     """The random streams of a batch of requests: row r draws only from generators[r], and only what it uses
     itself (counts[r] uniforms for its drafted tokens, one noise row for its final token), so a seeded request's
@@ -101,21 +92,3 @@ def sample(probs: torch.Tensor, randomness: Randomness) -> torch.Tensor:
         for row, generator in enumerate(randomness.generators):
             noise[row].exponential_(generator=generator)
     return argmax(probs / noise)
-
-
-def seen_mask(tokens: list[int] | torch.Tensor, vocab_size: int, device: torch.device | str = "cpu") -> torch.Tensor:
-    """[V] bool: which tokens occur in `tokens`."""
-    mask = torch.zeros(vocab_size, dtype=torch.bool, device=device)
-    mask[tokens.to(device) if isinstance(tokens, torch.Tensor) else from_host(tokens, device, torch.long)] = True
-    return mask
-
-
-def seen_after_drafts(seen: torch.Tensor, drafted: torch.Tensor, ancestry: torch.Tensor | None = None) -> torch.Tensor:
-    """Context masks for the verified positions: position i has also seen drafted[:i] (a chain), or with
-    `ancestry` [G + 1, G + 1] (a tree; entry [i, j]: j is i or an ancestor of i, 0 the pending token) the drafted
-    tokens of its ancestors and itself. seen: [V] bool; drafted: [G] long → [G + 1, V] bool."""
-    steps = torch.zeros(drafted.shape[0] + 1, seen.shape[0], dtype=torch.bool, device=seen.device)
-    steps[torch.arange(1, drafted.shape[0] + 1, device=seen.device), drafted] = True
-    if ancestry is None:
-        return (steps.cumsum(0) > 0) | seen
-    return ((ancestry.float() @ steps.float()) > 0) | seen

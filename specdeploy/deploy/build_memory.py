@@ -29,7 +29,7 @@ measured build is at or under its line; the constants below are the envelope of 
     llama-60m / -460m, trtllm derived MoE   streamed  0.083    0.618    (460m)              0.581  1.165
     (the runtime alone, imports and nothing built: 0.224)
 
-TensorRT-LLM's steps (NVIDIA/TensorRT-LLM of the 1.1/1.2 era, the copies docs/trtllm-upstream.md reads; an estimate,
+TensorRT-LLM's steps (NVIDIA/TensorRT-LLM of the 1.1/1.2 era, the copies docs/tensorrt-llm.md reads; an estimate,
 nothing here runs them):
 - the converter (build/trtllm/convert.py, one rank after another): `from_hugging_face` reads each tensor's share
   for the rank through safe_open (models/model_weights_loader.py: `load_tensor` slices, `fill` assigns), and
@@ -88,7 +88,7 @@ def our_steps_gib(pipeline: PipelineSpec, weights_gib: float) -> float:
     path = our_path(pipeline)
     if path == "streamed":
         return STREAMED_RUNTIME_GIB + STREAMED_LAYER_K * weights_gib / FEWEST_LAYERS
-    medusa = pipeline.speculation.method == "medusa"
+    medusa = pipeline.speculation.uses_heads
     runtime, k = {"torch": (TORCH_RUNTIME_GIB, TORCH_K), "whole": (WHOLE_RUNTIME_GIB, WHOLE_K),
                   "read": (READ_RUNTIME_GIB, MEDUSA_K if medusa else 0.0)}[path]
     return runtime + k * weights_gib
@@ -102,7 +102,7 @@ def upstream_steps_gib(pipeline: PipelineSpec, weights_gib: float) -> float:
     spec = pipeline.backend.settings
     share = weights_gib / (spec.tp_size * spec.pp_size)
     convert = TRTLLM_RUNTIME_GIB + CONVERT_COPIES * share
-    if pipeline.speculation.method == "medusa":
+    if pipeline.speculation.uses_heads:
         convert += weights_gib
     engines = build_workers(spec) * (TRTLLM_RUNTIME_GIB + ENGINE_COPIES * share)
     return max(convert, engines)

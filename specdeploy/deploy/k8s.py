@@ -31,6 +31,7 @@ from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.sizing import PodSize, pod_size
 from specdeploy.errors import SpecdeployError
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
+from specdeploy.speculative.speedup import break_even_tokens_per_step
 
 CHECKPOINTS_CLAIM = "specdeploy-checkpoints"  # the user's volume holding the checkpoints a pipeline names
 DEFAULT_IMAGES = {"torch": "specdeploy-cpu", "trtllm": "specdeploy-gpu"}
@@ -90,7 +91,7 @@ def volume_files(pipeline: PipelineSpec) -> dict[str, str]:
     draft = pipeline.speculation.draft
     if draft is not None and draft.checkpoint is not None and draft.checkpoint.source != "package":
         files["speculation.draft.checkpoint.path"] = draft.checkpoint.path
-    if pipeline.speculation.method == "medusa":
+    if pipeline.speculation.uses_heads:
         files["speculation.medusa.heads"] = pipeline.speculation.medusa.heads
     return files
 
@@ -124,11 +125,12 @@ def target_dimensions(pipeline: PipelineSpec, weights_gib: float | None):
 
 
 def break_even_length(pipeline: PipelineSpec, options: OverlayOptions) -> float:
-    """gamma × c + v: below this mean accepted length a speculative step costs more time than it yields."""
+    """gamma × c + v (speculative/speedup.py): below this mean accepted length a speculative step costs more time
+    than it yields."""
     cost = options.draft_cost_ratio
     if cost is None:
-        cost = 0.1 if pipeline.speculation.method == "draft_target" else 0.0
-    return round(pipeline.speculation.num_draft_tokens * cost + options.verify_cost_ratio, 3)
+        cost = 0.1 if pipeline.speculation.uses_draft_model else 0.0
+    return round(break_even_tokens_per_step(pipeline.speculation.num_draft_tokens, cost, options.verify_cost_ratio), 3)
 
 
 def build_copies(pipeline: PipelineSpec) -> int:

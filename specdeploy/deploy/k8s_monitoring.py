@@ -6,13 +6,14 @@ Recording rules (per namespace and pod, as the adapter serves them to the HPA):
 - `specdeploy:acceptance_rate:rate5m` = accepted / drafted tokens, and `specdeploy:mean_accepted_length:rate5m` =
   tokens per verification step = (accepted + steps) / steps, from the `specdeploy_` counters.
 Alert `SpeculationAcceptanceCollapsed`: the mean accepted length fell below the break-even length, gamma × c + v
-(c: draft cost ratio, v: verify cost over a plain decode step; the speedup algebra in DESIGN.md), for 10 minutes:
-speculation then costs more than it saves.
+(c: draft cost ratio, v: verify cost over a plain decode step; the cost model in speculative/speedup.py), for 10
+minutes: speculation then costs more than it saves.
 """
 
 from __future__ import annotations
 
 from specdeploy.deploy.k8s_base import QUEUE_COMPUTE_METRIC, SERVER, WAITING_METRIC
+from specdeploy.speculative.speedup import STEP_COST_IN_WORDS
 
 # The exported series the rules read (tests check each against a real server's scrape).
 TRITON_QUEUE = "nv_inference_queue_duration_us"
@@ -47,7 +48,7 @@ def collapse_alert(break_even_length: float) -> dict:
             "annotations": {
                 "summary": "Speculation costs more than it saves on {{ $labels.pod }}",
                 "description": f"Mean accepted length {{{{ $value | printf \"%.2f\" }}}} tokens per step is below "
-                               f"the break-even {break_even_length:g} (gamma × draft cost + verify cost) for 10 "
+                               f"the break-even {break_even_length:g} ({STEP_COST_IN_WORDS}) for 10 "
                                f"minutes. Check the traffic's acceptance ({ACCEPTANCE_RATE}); lower gamma or turn "
                                f"speculation off (num_draft_tokens 0) until it recovers."}}
 

@@ -53,14 +53,14 @@ def estimate_weights_gib(pipeline: PipelineSpec, target: ModelConfig) -> float:
     target_params = parameters(target)
     total = target_params * DTYPE_BYTES[pipeline.target.dtype]
     speculation = pipeline.speculation
-    if speculation.method == "draft_target" and speculation.draft.weight_only is not None:
+    if speculation.uses_draft_model and speculation.draft.weight_only is not None:
         # int4 projections with their group scales (or int8 rows), the bf16 embedding table and an int8 vocabulary
         # head (its own copy, tied or not)
         vocabulary = target.vocab_size * target.hidden_size
         embeddings = vocabulary * (1 if target.tie_word_embeddings else 2)
         projection_bytes = 1.0 if speculation.draft.weight_only == "int8" else INT4_BYTES * 1.25
         total += (target_params - embeddings) * projection_bytes + vocabulary * 3
-    elif speculation.method == "medusa":
+    elif speculation.uses_heads:
         heads = speculation.medusa
         total += heads.num_heads * (heads.num_layers * target.hidden_size ** 2 + target.hidden_size
                                     * target.vocab_size) * DTYPE_BYTES[pipeline.target.dtype]

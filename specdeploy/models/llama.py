@@ -11,9 +11,6 @@ as int4 groups (`<name>.codes`, `<name>.scales`, `<name>.minimums`) or int8 rows
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,22 +23,26 @@ from specdeploy.models.quantize import Int4Linear, Int8Linear, RescoredHead
 
 
 def packs_for_cpu(weight: torch.Tensor) -> bool:
-    """bf16 mat-vecs on CPU run about 1.5x faster from oneDNN's prepacked layout than from F.linear (same
-    results, measured bit-identical here), so bf16 CPU weights are packed once at load."""
+    """Whether `DenseLinear.prepack` packs this weight: bf16 on a CPU where oneDNN's bf16 kernels run."""
     return weight.dtype == torch.bfloat16 and weight.device.type == "cpu" and onednn_bf16()
 
 
 class DenseLinear(nn.Module):
-    """x: [..., K] → [..., N]."""
+    """x: [..., K] → [..., N]: F.linear, or after `prepack` oneDNN's prepacked bf16 matmul (eager only)."""
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
-        if packs_for_cpu(weight):
-            self.register_buffer("packed", torch.ops.mkldnn._reorder_linear_weight(weight, 1))
+        self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)
+        self.register_buffer("packed", None)
+
+    def prepack(self) -> None:
+        """Replace a bf16 CPU weight by oneDNN's prepacked layout (no-op for any other). One-row matmuls run about
+        1.5x faster from it and an eager bf16 step 1.0-1.4x (scripts/measure_model_forms.py, a loaded 2-core Xeon);
+        the ops are private and torch.compile does not lower them, so a model to be compiled is built with
+        prepack=False (inductor's freezing packs the plain weights itself)."""
+        if self.weight is not None and packs_for_cpu(self.weight):
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 1)
             self.weight = None
-        else:
-            self.packed = None
-            self.weight = nn.Parameter(weight, requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -49,18 +50,12 @@ class DenseLinear(nn.Module):
         return F.linear(x, self.weight)
 
 
-def fused_linear(state: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype,
-                 row_order: list[torch.Tensor | None] | None = None) -> nn.Module:
+def fused_linear(state: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> nn.Module:
     """One linear layer computing the given layers' outputs side by side (rows are independent, so they
-    concatenate). row_order[i], when given, reorders the output rows of names[i]."""
-    row_order = row_order or [None] * len(names)
-
-    def rows(name: str, key: str, order: torch.Tensor | None) -> torch.Tensor:
-        tensor = state[f"{name}.{key}"]
-        return tensor if order is None else tensor[order]
+    concatenate)."""
 
     def stacked(key: str) -> torch.Tensor:
-        return torch.cat([rows(n, key, o) for n, o in zip(names, row_order)])
+        return torch.cat([state[f"{name}.{key}"] for name in names])
 
     if f"{names[0]}.weight" in state:
         return DenseLinear(stacked("weight").to(dtype))
@@ -73,46 +68,34 @@ def fused_linear(state: dict[str, torch.Tensor], names: list[str], dtype: torch.
     return int4
 
 
-def interleaved_rope_rows(num_heads: int, head_dim: int) -> torch.Tensor:
-    """Row order that turns a q/k projection from the rotate-half layout (pairs i, i + D/2) into the interleaved
-    layout (pairs 2i, 2i + 1), so rotary embedding is one complex multiply. Applied to q and k alike it leaves
-    every q·k dot product, and so the attention, unchanged."""
-    half = torch.arange(head_dim // 2)
-    per_head = torch.stack([half, half + head_dim // 2], dim=-1).flatten()
-    return (torch.arange(num_heads)[:, None] * head_dim + per_head).flatten()
-
-
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) * weight over the last dimension."""
+    """x / sqrt(mean(x²) + eps) * weight over the last dimension, computed in fp32 and rounded once to x's dtype."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
-        # Layer norm of [x, -x] is exactly RMS norm of x (zero mean, variance mean(x²)), and torch's layer norm
-        # is one fused kernel where rms_norm is several small ones: decode runs 61 norms per token.
-        self.doubled_weight = nn.Parameter(torch.cat([weight, weight]), requires_grad=False)
+        self.weight = nn.Parameter(weight.float(), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        width = x.shape[-1]
-        doubled = torch.cat([x, -x], dim=-1)
-        return F.layer_norm(doubled, (2 * width,), self.doubled_weight, None, self.eps)[..., :width]
+        wide = x.float()
+        return (wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+
+
+def rotary_table(config: ModelConfig, length: int) -> torch.Tensor:
+    """[2, length, head_dim] fp32: each position's cos, and its sin negated on the first half, for the rotate-half
+    layout of Hugging Face Llama weights (dimension i pairs with i + D/2, both at angle i)."""
+    inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
+    angles = torch.outer(torch.arange(length).float(), inv_freq)  # [length, D/2]
+    return torch.stack([angles.cos().repeat(1, 2), torch.cat([-angles.sin(), angles.sin()], dim=-1)])
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding, interleaved layout. x: [B, T, heads, D]; rotation: [B, T, 1, D/2] complex."""
-    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)))
-    return torch.view_as_real(pairs * rotation).flatten(-2).to(x.dtype)
-
-
-class LayerCalls(NamedTuple):
-    """A layer's submodules' forward methods, bound once: going through nn.Module.__call__ and its attribute
-    lookup six times per layer cost about 8% of a draft forward (12.0 → 11.0 ms here), and nothing hooks them."""
-
-    input_norm: Callable[[torch.Tensor], torch.Tensor]
-    qkv: Callable[[torch.Tensor], torch.Tensor]
-    out: Callable[[torch.Tensor], torch.Tensor]
-    post_attention_norm: Callable[[torch.Tensor], torch.Tensor]
-    feed_forward: Callable[[torch.Tensor], torch.Tensor]
+    """Rotary embedding in fp32, rotate-half layout: x * cos + [-x2, x1] * sin, with [-x2, x1] * sin written as
+    [x2, x1] * [-sin, sin] (one roll instead of a negation and a concatenation: the same products).
+    x: [B, T, heads, D]; rotation: [2, B, T, 1, D] (rotary_table's rows at each position)."""
+    cos, signed_sin = rotation
+    wide = x.float()
+    return (wide * cos + wide.roll(x.shape[-1] // 2, dims=-1) * signed_sin).to(x.dtype)
 
 
 class GatedMLP(nn.Module):
@@ -135,26 +118,21 @@ class DecoderLayer(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = config.num_heads, config.num_kv_heads, config.head_dim
         attn = f"{prefix}.self_attn"
         self.input_norm = RMSNorm(state[f"{prefix}.input_layernorm.weight"].to(dtype), config.rms_norm_eps)
-        self.qkv = fused_linear(
-            state, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], dtype,
-            [interleaved_rope_rows(config.num_heads, config.head_dim),
-             interleaved_rope_rows(config.num_kv_heads, config.head_dim), None])
+        self.qkv = fused_linear(state, [f"{attn}.q_proj", f"{attn}.k_proj", f"{attn}.v_proj"], dtype)
         self.out = fused_linear(state, [f"{attn}.o_proj"], dtype)
         self.post_attention_norm = RMSNorm(state[f"{prefix}.post_attention_layernorm.weight"].to(dtype),
                                            config.rms_norm_eps)
         self.feed_forward = feed_forward
-        self.calls = LayerCalls(self.input_norm.forward, self.qkv.forward, self.out.forward,
-                                self.post_attention_norm.forward, self.feed_forward.forward)
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, keys_cache: torch.Tensor, values_cache: torch.Tensor,
                 slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; writes this layer's keys and values at `slots` [B, T] of
         keys_cache/values_cache [B, kv_heads, max_length, D] and attends to their first kv_len slots.
+        rotation: [2, B, T, 1, D], rotary_table's rows at each position (LlamaModel.rotation_at).
         mask: [B, 1, G*T, S] bool or None, G = query heads per kv head (queries are grouped by kv head)."""
         batch, length, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        calls = self.calls
-        qkv = calls.qkv(calls.input_norm(x)).unflatten(-1, (heads + 2 * kv_heads, dim))  # [B, T, all heads, D]
+        qkv = self.qkv(self.input_norm(x)).unflatten(-1, (heads + 2 * kv_heads, dim))  # [B, T, all heads, D]
         qk = rotate(qkv[:, :, :heads + kv_heads], rotation)
         k = qk[:, :, heads:].transpose(1, 2)  # [B, kv_heads, T, D]
         v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
@@ -164,15 +142,17 @@ class DecoderLayer(nn.Module):
         q = qk[:, :, :heads].transpose(1, 2).reshape(batch, kv_heads, (heads // kv_heads) * length, dim)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         attended = attended.view(batch, kv_heads, heads // kv_heads, length, dim).permute(0, 3, 1, 2, 4)
-        x = x + calls.out(attended.reshape(batch, length, heads * dim))
-        return x + calls.feed_forward(calls.post_attention_norm(x))
+        x = x + self.out(attended.reshape(batch, length, heads * dim))
+        return x + self.feed_forward(self.post_attention_norm(x))
 
 
 class LlamaModel(nn.Module):
     """Decoder stack + final norm + vocabulary projection, built from canonical weights. A family that differs
-    only in its feed-forward block (models/moe.py) overrides make_feed_forward."""
+    only in its feed-forward block (models/moe.py) overrides make_feed_forward. prepack: pack bf16 CPU weights
+    for oneDNN (DenseLinear.prepack), the eager engine's fast path; False for a model that will be compiled."""
 
-    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
+                 prepack: bool = True) -> None:
         super().__init__()
         self.config, self.dtype = config, dtype
         self.embed = nn.Parameter(state["model.embed_tokens.weight"].to(dtype), requires_grad=False)
@@ -183,16 +163,25 @@ class LlamaModel(nn.Module):
         self.norm = RMSNorm(state["model.norm.weight"].to(dtype), config.rms_norm_eps)
         if any(f"lm_head.{key}" in state for key in ("weight", "codes", "int8")):
             self.lm_head = fused_linear(state, ["lm_head"], dtype)
-        else:  # tied embeddings: share the embedding matrix instead of copying it
+        else:
+            # Tied embeddings (SmolLM2's checkpoint has no lm_head): the head wraps the embedding matrix without
+            # copying it, unless prepack packs it, which makes a second, packed copy (V x H, 56 MB in bf16 for
+            # SmolLM2) because the embedding lookup still needs the plain rows.
             self.lm_head = DenseLinear(self.embed.data)
-        inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
-        angles = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq)
-        self.register_buffer("rotations", torch.polar(torch.ones_like(angles), angles), persistent=False)
+        self.register_buffer("rotations", rotary_table(config, config.max_position_embeddings), persistent=False)
+        if prepack:
+            for module in self.modules():
+                if isinstance(module, DenseLinear):
+                    module.prepack()
 
     @staticmethod
     def make_feed_forward(config: ModelConfig, state: dict[str, torch.Tensor], prefix: str,
                           dtype: torch.dtype) -> nn.Module:
         return GatedMLP(state, prefix, dtype)
+
+    def rotation_at(self, positions: torch.Tensor) -> torch.Tensor:
+        """positions: [B, T] → [2, B, T, 1, D], what DecoderLayer.forward takes as `rotation`."""
+        return self.rotations[:, positions, None]
 
     def new_cache(self, batch_size: int, max_length: int) -> KVCache:
         c = self.config
@@ -222,10 +211,10 @@ class LlamaModel(nn.Module):
             group = self.config.num_heads // self.config.num_kv_heads
             mask = mask[:, None].expand(-1, group, -1, -1).reshape(mask.shape[0], 1, -1, kv_len)
         slots = positions if cache_slots is None else cache_slots
-        rotation = self.rotations[positions][:, :, None]  # [B, T, 1, D/2]
+        rotation = self.rotation_at(positions)
         x = self.embed[tokens]
         for index, layer in enumerate(self.layers):
-            x = layer.forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len)  # no hooks: skip __call__
+            x = layer(x, rotation, *kv_cache.layer(index), slots, mask, kv_len)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -17,15 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from specdeploy.decoding.draft_length import ProposalLength
-from specdeploy.decoding.sampling import (
-    RowStreams,
-    penalised,
-    request_generator,
-    sample,
-    sampling_distribution,
-    seen_after_drafts,
-    seen_mask,
-)
+from specdeploy.decoding.repetition_penalty import penalised, seen_after_drafts, seen_mask
+from specdeploy.decoding.sampling import RowStreams, request_generator, sample, sampling_distribution
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.device_transfer import PhaseClock, from_host
@@ -77,6 +70,35 @@ class Verdict:
         return list(range(len(self.tokens[row]))) if self.paths is None else self.paths[row]
 
 
+@dataclass
+class Scores:
+    """The target's final logits (fp32, repetition penalties applied) at one step's real positions, before any rule:
+    row r's counts[r] + 1 positions (its pending token, then its drafts) are rows offsets[r]:offsets[r + 1] of
+    logits [N, V]. Rows shorter than W = max(counts) + 1 are padded in the [B, W] inputs, not here."""
+
+    counts: list[int]
+    offsets: list[int]
+    logits: torch.Tensor
+
+    @property
+    def width(self) -> int:
+        return max(self.counts) + 1
+
+    @property
+    def unpadded(self) -> bool:
+        """Every row verifies W positions, so logits are the [B, W] positions row-major."""
+        return self.offsets[-1] == len(self.counts) * self.width
+
+
+@dataclass
+class Rows:
+    """The rows of the batch one rule decides, as host indices and as a device tensor [R] to index device tensors
+    with (a Python list would be copied over with a host sync)."""
+
+    indices: list[int]
+    tensor: torch.Tensor
+
+
 class BatchDecoder:
     """The target, its cache and the proposer of one engine, stepping up to the cache's rows of sequences."""
 
@@ -95,11 +117,10 @@ class BatchDecoder:
         """A sequence for a checked request, ready for prefill. end_ids: the model's end tokens (the request's
         end_id replaces them)."""
         params = request.sampling
-        penalised_request = params.repetition_penalty != 1.0
+        seen = (seen_mask(from_host(request.prompt_ids, self.device, torch.long), self.vocab_size)
+                if params.repetition_penalty != 1.0 else None)
         return Sequence.for_request(request, ProposalLength(schedule, gamma), end_ids,
-                                    generator=request_generator(params, self.device),
-                                    seen=seen_mask(request.prompt_ids, self.vocab_size, self.device)
-                                    if penalised_request else None)
+                                    generator=request_generator(params, self.device), seen=seen)
 
     def prefill(self, sequence: Sequence, row: int) -> list[int]:
         """Run the prompt into cache row `row` and commit the first token. Returns the emitted tokens."""
@@ -139,21 +160,76 @@ class BatchDecoder:
         return emitted
 
     def verify(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
-        """One target forward over every row's pending token + drafted tokens (a chain, or a tree under a tree
-        attention mask), then the exact rule for all rows."""
-        batch, counts, tree = len(sequences), proposal.counts, proposal.tree
-        width = max(counts) + 1
+        """One target forward over every row's pending token + drafted tokens, then the exact rule for all rows
+        (greedy rows in one call, sampled rows in another) and the step's one host read. The drafts are a chain
+        (draft-target, n-gram) or, when the proposal carries a tree, the nodes of a token tree (Medusa)."""
+        if proposal.tree is None:
+            return self._verify_chain(sequences, proposal)
+        return self._verify_tree(sequences, proposal)
+
+    def _verify_chain(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
+        """Row r's drafts are a chain: one ragged forward (each position sees the context and the drafts before
+        it), then speculative sampling's rule. Row r keeps its first len(tokens[r]) positions."""
+        tokens = self._step_tokens(sequences, proposal)  # [B, W]
+        hidden = ragged_forward_all(self.target, self.cache.rows(0, len(sequences)), tokens,
+                                    [s.cache_length for s in sequences])  # [B, W, H]
+        scores = self._scores(sequences, proposal, hidden, None)
+        num_drafted = from_host(proposal.counts, self.device)
+        greedy, sampled = self._rows(sequences)
+        outcomes = []  # (rows [R], outcome_rows [R, 1 + W])
+        if greedy.indices:
+            result = accept_greedy(tokens[greedy.tensor, 1:], self._target_tokens(scores, greedy.indices),
+                                   num_drafted[greedy.tensor])
+            outcomes.append((greedy.tensor, outcome_rows(result)))
+        if sampled.indices:
+            target_probs, streams = self._sampled_inputs(sequences, scores, sampled.indices)
+            draft_probs = None if proposal.q is None else proposal.q[sampled.tensor, :scores.width - 1]
+            result = accept(tokens[sampled.tensor, 1:], draft_probs, target_probs, num_drafted[sampled.tensor],
+                            streams)
+            outcomes.append((sampled.tensor, outcome_rows(result)))
+        read = self._read(outcomes, scores.logits, len(sequences))
+        return Verdict([row[1:row[0] + 2] for row in read], hidden)
+
+    def _verify_tree(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
+        """Row r's drafts are the first counts[r] nodes of a token tree: one forward under the tree attention mask
+        (each node sees the context and its ancestors), then the tree rule. Row r keeps paths[r]: the root, then
+        its accepted nodes' verify indices."""
+        tree = proposal.tree
+        tokens = self._step_tokens(sequences, proposal)  # [B, W]
+        width = tokens.shape[1]
+        ancestry = from_host(tree.ancestry, self.device)[:width, :width]
+        hidden = tree_forward_all(self.target, self.cache.rows(0, len(sequences)), tokens,
+                                  [s.cache_length for s in sequences], tree.depths(), ancestry)  # [B, W, H]
+        scores = self._scores(sequences, proposal, hidden, ancestry)
+        num_drafted = from_host(proposal.counts, self.device)
+        greedy, sampled = self._rows(sequences)
+        outcomes = []  # (rows [R], outcome_rows [R, 1 + W + D])
+        if greedy.indices:
+            result = accept_tree_greedy(tree, tokens[greedy.tensor, 1:], self._target_tokens(scores, greedy.indices),
+                                        num_drafted[greedy.tensor])
+            outcomes.append((greedy.tensor, outcome_rows(result)))
+        if sampled.indices:
+            target_probs, streams = self._sampled_inputs(sequences, scores, sampled.indices)
+            result = self.tree_rule(tree, tokens[sampled.tensor, 1:], target_probs, num_drafted[sampled.tensor],
+                                    streams)
+            outcomes.append((sampled.tensor, outcome_rows(result)))
+        read = self._read(outcomes, scores.logits, len(sequences))
+        depth = (len(read[0]) - 2) // 2  # a row reads [accepted count, D + 1 tokens, D path indices]
+        return Verdict([row[1:row[0] + 2] for row in read], hidden,
+                       [[0] + row[depth + 2:depth + 2 + row[0]] for row in read])
+
+    def _step_tokens(self, sequences: list[Sequence], proposal: Proposal) -> torch.Tensor:
+        """Each row's pending token (committed, not yet in the cache), then its drafts: [B, W]."""
+        width = max(proposal.counts) + 1
         pending = from_host([[s.committed[-1]] for s in sequences], self.device)
-        tokens = torch.cat([pending, proposal.tokens[:, :width - 1]], dim=1)  # [B, W]
-        starts = [s.cache_length for s in sequences]
-        ancestry = None if tree is None else from_host(tree.ancestry, self.device)[:width, :width]
-        if tree is None:
-            hidden = ragged_forward_all(self.target, self.cache.rows(0, batch), tokens, starts)  # [B, W, H]
-        else:
-            hidden = tree_forward_all(self.target, self.cache.rows(0, batch), tokens, starts, tree.depths(),
-                                      ancestry)
-        # Logits only at each row's real positions (row r's are flat[offsets[r]:offsets[r + 1]]): the vocabulary
-        # projection is a fifth of a forward here.
+        return torch.cat([pending, proposal.tokens[:, :width - 1]], dim=1)
+
+    def _scores(self, sequences: list[Sequence], proposal: Proposal, hidden: torch.Tensor,
+                ancestry: torch.Tensor | None) -> Scores:
+        """The final logits at each row's real positions only (the vocabulary projection is a fifth of a forward
+        here), from the hidden states [B, W, H]. ancestry: a tree's [W, W], for the repetition penalty."""
+        batch, counts = len(sequences), proposal.counts
+        width = max(counts) + 1
         offsets = [0]
         for count in counts:
             offsets.append(offsets[-1] + count + 1)
@@ -162,53 +238,49 @@ class BatchDecoder:
         else:
             real = hidden[from_host([r for r in range(batch) for _ in range(counts[r] + 1)], self.device),
                           from_host([c for r in range(batch) for c in range(counts[r] + 1)], self.device)]
-        logits = self._penalised(sequences, proposal, offsets, self.target.logits(real), ancestry)  # [N, V] fp32
-        num_drafted = from_host(counts, self.device)
+        return Scores(counts, offsets, self._penalised(sequences, proposal, offsets, self.target.logits(real),
+                                                       ancestry))
+
+    def _rows(self, sequences: list[Sequence]) -> tuple[Rows, Rows]:
+        """The greedy rows and the sampled rows."""
         greedy = [r for r, s in enumerate(sequences) if s.params.greedy]
         sampled = [r for r, s in enumerate(sequences) if not s.params.greedy]
-        # Row lists index device tensors as device tensors: a Python list would be copied over with a host sync.
-        greedy_rows, sampled_rows = from_host(greedy, self.device, torch.long), from_host(sampled, self.device,
-                                                                                           torch.long)
-        outcomes = []  # (rows, [len(rows), W + 1]: the emitted tokens, then the accepted count)
-        if greedy:  # the logits are final (penalties applied): each position's target token is their argmax
-            if len(greedy) == batch and offsets[-1] == batch * width:
-                target_tokens = argmax(logits).view(batch, width)
-            else:
-                places = [(i, c, offsets[r] + c) for i, r in enumerate(greedy) for c in range(counts[r] + 1)]
-                target_tokens = torch.zeros(len(greedy), width, dtype=torch.long, device=self.device)
-                at_row, at_column, flat = (from_host(list(column), self.device) for column in zip(*places))
-                target_tokens[at_row, at_column] = argmax(logits[flat])
-            if tree is None:
-                result = accept_greedy(tokens[greedy_rows, 1:], target_tokens, num_drafted[greedy_rows])
-            else:
-                result = accept_tree_greedy(tree, tokens[greedy_rows, 1:], target_tokens, num_drafted[greedy_rows])
-            outcomes.append((greedy_rows, outcome_rows(result)))
-        if sampled:
-            target_probs = torch.zeros(len(sampled), width, self.vocab_size, device=self.device)
-            for i, r in enumerate(sampled):
-                target_probs[i, :counts[r] + 1] = sampling_distribution(logits[offsets[r]:offsets[r + 1]],
-                                                                        sequences[r].params)
-            draft_probs = None if proposal.q is None else proposal.q[sampled_rows, :width - 1]
-            streams = RowStreams([sequences[r].generator for r in sampled], [counts[r] for r in sampled])
-            if tree is None:
-                result = accept(tokens[sampled_rows, 1:], draft_probs, target_probs, num_drafted[sampled_rows],
-                                streams)
-            else:
-                result = self.tree_rule(tree, tokens[sampled_rows, 1:], target_probs, num_drafted[sampled_rows],
-                                        streams)
-            outcomes.append((sampled_rows, outcome_rows(result)))
+        return (Rows(greedy, from_host(greedy, self.device, torch.long)),
+                Rows(sampled, from_host(sampled, self.device, torch.long)))
+
+    def _target_tokens(self, scores: Scores, greedy: list[int]) -> torch.Tensor:
+        """The greedy rows' target token at each verified position, the argmax of the final logits: [G, W] (0 past
+        a row's positions)."""
+        batch, width, counts, offsets = len(scores.counts), scores.width, scores.counts, scores.offsets
+        if len(greedy) == batch and scores.unpadded:
+            return argmax(scores.logits).view(batch, width)
+        places = [(i, c, offsets[r] + c) for i, r in enumerate(greedy) for c in range(counts[r] + 1)]
+        target_tokens = torch.zeros(len(greedy), width, dtype=torch.long, device=self.device)
+        at_row, at_column, flat = (from_host(list(column), self.device) for column in zip(*places))
+        target_tokens[at_row, at_column] = argmax(scores.logits[flat])
+        return target_tokens
+
+    def _sampled_inputs(self, sequences: list[Sequence], scores: Scores,
+                        sampled: list[int]) -> tuple[torch.Tensor, RowStreams]:
+        """The sampled rows' target distributions at their verified positions [S, W, V] (zero past a row's
+        positions) and their random streams (each row draws from its own request's generator)."""
+        target_probs = torch.zeros(len(sampled), scores.width, self.vocab_size, device=self.device)
+        for i, r in enumerate(sampled):
+            target_probs[i, :scores.counts[r] + 1] = sampling_distribution(
+                scores.logits[scores.offsets[r]:scores.offsets[r + 1]], sequences[r].params)
+        return target_probs, RowStreams([sequences[r].generator for r in sampled], [scores.counts[r] for r in sampled])
+
+    def _read(self, outcomes: list[tuple[torch.Tensor, torch.Tensor]], logits: torch.Tensor,
+              batch: int) -> list[list[int]]:
+        """The step's one host sync: every row's outcome in row order (outcomes: (rows [R], outcome_rows [R, X]) per
+        rule), read with the check that the logits are finite."""
         if len(outcomes) == 1:
             outcome = outcomes[0][1]  # one kind of row, already in row order
         else:
             outcome = torch.empty(batch, outcomes[0][1].shape[1], dtype=torch.long, device=self.device)
             for rows, part in outcomes:
                 outcome[rows] = part
-        read = read_checked(outcome, logits)  # the step's one host sync
-        if tree is None:
-            return Verdict([row[1:row[0] + 2] for row in read], hidden)
-        depth = (len(read[0]) - 2) // 2
-        return Verdict([row[1:row[0] + 2] for row in read], hidden,
-                       [[0] + row[depth + 2:depth + 2 + row[0]] for row in read])
+        return read_checked(outcome, logits)
 
     def _penalised(self, sequences: list[Sequence], proposal: Proposal, offsets: list[int],
                    logits: torch.Tensor, ancestry: torch.Tensor | None) -> torch.Tensor:

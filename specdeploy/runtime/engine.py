@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdeploy.decoding import text
+from specdeploy.decoding import chat_template, detokenizer
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
@@ -24,7 +24,7 @@ from specdeploy.models.registry import load_component
 from specdeploy.runtime.batch import BatchDecoder
 from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.manifest import check_outputs
-from specdeploy.spec.pipeline import Method, PipelineSpec
+from specdeploy.spec.pipeline import METHODS, Method, PipelineSpec, SpeculationSpec
 from specdeploy.spec.request import GenerationRequest, check_request
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.proposer import EngineParts
@@ -50,16 +50,22 @@ class Generation:
         return self.tokens
 
 
-COMPONENTS = {"draft_target": ["draft"], "medusa": ["medusa"]}  # what a method needs beside the target
+def components(speculation: SpeculationSpec) -> list[str]:
+    """The engine's folders a method reads: the target's, and a draft model's or the heads'."""
+    return ["target", *(["draft"] if speculation.uses_draft_model else []),
+            *(["medusa"] if speculation.uses_heads else [])]
 
 
 def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:
     """The pipeline run with another speculation method (with exact acceptance); a draft engine is only needed by
-    draft_target, heads only by medusa."""
+    a method that uses a draft model, heads only by one that uses heads."""
     speculation = pipeline.speculation
-    if method == "draft_target" and speculation.draft is None:
-        raise SpecdeployError("method 'draft_target' needs a draft engine, and none was built")
-    draft = speculation.draft if method == "draft_target" else None
+    if method not in METHODS:
+        raise SpecdeployError(f"speculation method {method!r} is not supported (allowed: {', '.join(METHODS)})")
+    uses_draft_model = METHODS[method].draft_model  # asked of the method asked for, before its spec exists
+    if uses_draft_model and speculation.draft is None:
+        raise SpecdeployError(f"method {method!r} needs a draft engine, and none was built")
+    draft = speculation.draft if uses_draft_model else None
     acceptance = speculation.acceptance if method == speculation.method else "exact"
     return dataclasses.replace(pipeline, speculation=dataclasses.replace(speculation, method=method, draft=draft,
                                                                          acceptance=acceptance))
@@ -85,7 +91,7 @@ class Engine:
         self.dir = Path(engine_dir)
         pipeline = engine_pipeline(self.dir)
         self.pipeline = pipeline if method is None else with_method(pipeline, method)
-        check_outputs(self.dir, ["target", *COMPONENTS.get(self.method, [])])
+        check_outputs(self.dir, components(self.speculation))
         self.device = device or self.pipeline.backend.device
         check_device(self.device)
         if torch.device(self.device).type == "cuda":
@@ -99,13 +105,18 @@ class Engine:
         self.cache = self.target.new_cache(batch_size, limits.max_sequence_length + limits.max_draft_tokens + 1)
         self.proposer = create_proposer(self.method, EngineParts(self.dir, self.pipeline, self.target, self.cache,
                                                                  self.device))
-        self.end_ids = text.end_of_sequence_ids(self.tokenizer, self.target.config.eos_token_ids)
+        self.end_ids = chat_template.end_of_sequence_ids(self.tokenizer, self.target.config.eos_token_ids)
         self.decoder = BatchDecoder(self.target, self.cache, self.proposer, limits.max_sequence_length,
                                     self.pipeline.speculation.acceptance)
 
     @property
     def method(self) -> Method:
+        """The method's name, for reports, metrics and logs; what it does is asked of `speculation`'s predicates."""
         return self.pipeline.speculation.method
+
+    @property
+    def speculation(self) -> SpeculationSpec:
+        return self.pipeline.speculation
 
     @property
     def num_draft_tokens(self) -> int:
@@ -124,10 +135,10 @@ class Engine:
         return self.pipeline.limits.max_sequence_length
 
     def encode_prompt(self, prompt: str) -> list[int]:
-        return text.encode_prompt(self.tokenizer, prompt)
+        return chat_template.encode_prompt(self.tokenizer, prompt)
 
     def decode(self, tokens: list[int]) -> str:
-        return text.decode(self.tokenizer, tokens)
+        return detokenizer.decode(self.tokenizer, tokens)
 
     def check(self, request: GenerationRequest, kv_capacity: int | None = None) -> None:
         """RequestError when the request cannot be served (kv_capacity: the budget, default the pipeline's)."""

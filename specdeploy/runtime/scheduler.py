@@ -16,59 +16,12 @@ import time
 import traceback
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-from specdeploy.decoding.sequence import Sequence
-from specdeploy.decoding.stats import RequestStats
+from specdeploy.decoding.serving_request import ServingCounters, ServingRequest, TokenCallback
 from specdeploy.errors import ShuttingDown
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import ServingSpec
 from specdeploy.spec.request import GenerationRequest
-
-# on_tokens(tokens, finished, stats): new tokens of one request; finished is None or the finish reason
-# ("stop", "length", "cancelled", "error: ..."); stats: the request's RequestStats so far.
-TokenCallback = Callable[[list[int], str | None, RequestStats], None]
-
-
-@dataclass(eq=False)  # a request is itself: rows are found by identity
-class Request:
-    sequence: Sequence
-    on_tokens: TokenCallback
-    is_cancelled: Callable[[], bool] = lambda: False
-    reserved: int = 0  # KV slots priced at admission
-    cancel_requested: bool = False
-    submitted: float = field(default_factory=time.perf_counter)
-
-    @property
-    def cancelled(self) -> bool:
-        """Cancelled through the scheduler or by the client (a disconnected stream)."""
-        return self.cancel_requested or self.is_cancelled()
-
-
-@dataclass
-class SchedulerCounters:
-    """Monotonic totals over finished requests, for metrics."""
-
-    drafted: int = 0
-    accepted: int = 0
-    steps: int = 0  # verification steps, summed over requests
-    accepted_per_position: list[int] = field(default_factory=list)
-    outcomes: dict[str, int] = field(default_factory=dict)
-
-    def add(self, stats: RequestStats, finish_reason: str) -> None:
-        """Count a finished request: its statistics, and its outcome (the finish reason before any ": detail")."""
-        self.drafted += stats.drafted
-        self.accepted += stats.accepted
-        self.steps += stats.steps
-        for i, count in enumerate(stats.accepted_per_position):
-            if i >= len(self.accepted_per_position):
-                self.accepted_per_position.append(0)
-            self.accepted_per_position[i] += count
-        self.count_outcome(finish_reason)
-
-    def count_outcome(self, finish_reason: str) -> None:
-        outcome = finish_reason.split(":")[0]
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
 
 
 class Scheduler:
@@ -81,9 +34,9 @@ class Scheduler:
         decode on another thread. serving: the speculation policy and KV budget, when not the engine pipeline's
         own. on_step: called after each step (metrics)."""
         self.on_step = on_step
-        self.waiting: deque[Request] = deque()
-        self.active: list[Request] = []
-        self.counters = SchedulerCounters()
+        self.waiting: deque[ServingRequest] = deque()
+        self.active: list[ServingRequest] = []
+        self.counters = ServingCounters()
         self._lock = threading.Condition()
         self._stopped = False
         self._drain_deadline: float | None = None  # time.time() at which running requests are ended
@@ -114,13 +67,13 @@ class Scheduler:
 
     # ---- requests -------------------------------------------------------------------------------------------
     def submit(self, request: GenerationRequest, on_tokens: TokenCallback,
-               is_cancelled: Callable[[], bool] = lambda: False) -> Request:
+               is_cancelled: Callable[[], bool] = lambda: False) -> ServingRequest:
         """Queue a request (RequestError if it is invalid or can never fit the KV budget, ShuttingDown while the
         scheduler drains)."""
         if self._drain_deadline is not None:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         sequence = self.engine.new_sequence(request, self.kv_capacity)
-        queued = Request(sequence, on_tokens, is_cancelled, reserved=request.kv_slots(self.engine.pipeline))
+        queued = ServingRequest(sequence, on_tokens, is_cancelled, reserved=request.kv_slots(self.engine.pipeline))
         with self._lock:
             self.waiting.append(queued)
             self._lock.notify()
@@ -133,7 +86,7 @@ class Scheduler:
             self._drain_deadline = deadline
             self._lock.notify()
 
-    def cancel(self, request: Request) -> None:
+    def cancel(self, request: ServingRequest) -> None:
         with self._lock:
             request.cancel_requested = True
             self._lock.notify()
@@ -196,7 +149,7 @@ class Scheduler:
                                                   "finish within the drain timeout")
                 self._finish(request)
 
-    def _admit(self) -> list[Request]:
+    def _admit(self) -> list[ServingRequest]:
         """Move waiting requests into free rows while the KV budget allows (FIFO: no overtaking)."""
         joining = []
         while self.waiting and len(self.active) < self.max_batch_size:
@@ -228,7 +181,7 @@ class Scheduler:
         for request, tokens in zip(list(self.active), emitted):
             self._deliver(request, tokens)
 
-    def _deliver(self, request: Request, tokens: list[int]) -> None:
+    def _deliver(self, request: ServingRequest, tokens: list[int]) -> None:
         """Hand a step's tokens to the request; a finished request leaves first, so its last callback comes
         after its row, reservation and counts are settled."""
         if request.sequence.finish_reason is None:
@@ -236,7 +189,7 @@ class Scheduler:
         else:
             self._finish(request, tokens)
 
-    def _finish(self, request: Request, tokens: list[int] | None = None) -> None:
+    def _finish(self, request: ServingRequest, tokens: list[int] | None = None) -> None:
         """Remove an active request (its row is refilled by the last active row), count it, report its end."""
         row, last = self.active.index(request), len(self.active) - 1
         if row != last:

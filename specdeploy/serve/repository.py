@@ -6,7 +6,8 @@ to it (model_files.py): the engine in `speculative/1/engine/` (its weights hard-
 the file system allows, everything else copied), the tokenizer in `preprocessing/1/tokenizer/`. The repository
 therefore serves from wherever it is copied or mounted. Every config.pbtxt is built as Triton's ModelConfig
 protobuf message and written with protobuf's text format; the Python model files come from model_repo/ beside this
-module (thin wrappers importing specdeploy).
+module (thin wrappers importing specdeploy): `speculative/1/model.py` is model_repo/speculative_torch/model.py or
+model_repo/speculative_trtllm/model.py, by the pipeline's backend.
 """
 
 from __future__ import annotations
@@ -36,6 +37,8 @@ from specdeploy.spec.engine_paths import PIPELINE_FILE, engine_pipeline, staging
 from specdeploy.spec.pipeline import PipelineSpec
 
 MODEL_CODE = Path(__file__).resolve().parent / "model_repo"
+# The model_repo/ folder of the `speculative` model's code, by backend kind: one per flavour, one model to clients.
+SPECULATIVE_CODE = {"torch": "speculative_torch", "trtllm": "speculative_trtllm"}
 VERSION = "1"
 ENGINE_FOLDER, TOKENIZER_FOLDER = "engine", "tokenizer"
 MODEL_FILES = {WEIGHTS, "config.json"}  # a component's files that are not its tokenizer's
@@ -141,7 +144,7 @@ def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict
 
 def trtllm_engines(pipeline: PipelineSpec) -> dict[str, str]:
     """The tensorrtllm models of a trtllm pipeline → the component whose engine each serves."""
-    if pipeline.speculation.method == "draft_target":
+    if pipeline.speculation.uses_draft_model:
         return {TARGET_MODEL: "target", DRAFT_MODEL: "draft"}
     return {TARGET_MODEL: "target"}
 
@@ -172,7 +175,7 @@ def write_repository(engine_dir: Path, output: Path, served_at: Path | None = No
             version.mkdir(parents=True)
             (staging / name / "config.pbtxt").write_text(text_format.MessageToString(config))
             if config.backend == "python":
-                code = "orchestration" if trtllm and name == "speculative" else name
+                code = SPECULATIVE_CODE[pipeline.backend.kind] if name == "speculative" else name
                 shutil.copy2(MODEL_CODE / code / "model.py", version / "model.py")
             if name == "preprocessing":
                 shutil.copytree(hf_target, version / TOKENIZER_FOLDER, ignore=tokenizer_only)

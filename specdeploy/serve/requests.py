@@ -8,7 +8,7 @@ import traceback
 
 import numpy as np
 
-from specdeploy.decoding.text import encode_prompt, encode_stop_words
+from specdeploy.decoding.chat_template import encode_prompt, encode_stop_words
 from specdeploy.errors import RequestError, ShuttingDown
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.spec.request import GenerationRequest

@@ -11,9 +11,9 @@ from typing import Protocol
 
 import numpy as np
 
-from specdeploy.decoding.text import IncrementalDetokenizer
+from specdeploy.decoding.detokenizer import IncrementalDetokenizer
+from specdeploy.decoding.serving_request import ServingCounters
 from specdeploy.errors import RequestError
-from specdeploy.runtime.scheduler import SchedulerCounters
 from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE
 from specdeploy.serve.requests import (
     SCALAR_INPUTS,
@@ -42,7 +42,7 @@ class RequestQueue(Protocol):
 class Metrics:
     """specdeploy_* counters and gauges through the Python backend's metric API, labelled by model and method.
 
-    Counters follow the scheduler's totals: each update pushes the difference since the last one.
+    Counters follow the serving loop's ServingCounters: each update pushes the difference since the last one.
     """
 
     COUNTERS = {
@@ -91,7 +91,7 @@ class Metrics:
             self.invalid += 1
             self._advance("requests", self.invalid, outcome="invalid")
 
-    def update(self, counters: SchedulerCounters, batch_size: int, free_kv: int, waiting: int) -> None:
+    def update(self, counters: ServingCounters, batch_size: int, free_kv: int, waiting: int) -> None:
         """Bring the metrics up to the totals in `counters` and set the gauges."""
         with self.lock:
             for key in ("drafted", "accepted", "steps"):

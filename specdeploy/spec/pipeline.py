@@ -25,8 +25,10 @@ from specdeploy.spec.token_tree import TokenTree
 
 SourceKind = Literal["package", "gguf", "hf_dir"]
 DType = Literal["float32", "bfloat16"]
-# The speculation methods: a new proposer adds its name here (and its settings section to SpeculationSpec, if it
-# has settings) and registers its class in speculative/registry.py.
+# The speculation methods. Adding one touches: its name here and its row in METHODS below (the code that builds,
+# serves and sizes a pipeline asks SpeculationSpec's predicates, which read that row, never the name), its settings
+# section in SpeculationSpec if it has settings, its proposer module in speculative/ and one line in
+# speculative/registry.py.
 Method = Literal["draft_target", "ngram", "medusa", "none"]
 # exact: every emitted token is distributed as the target's. typical: Medusa's typical acceptance, LOSSY (it accepts
 # more and changes the distribution); only for medusa, and never the default.
@@ -34,6 +36,25 @@ Acceptance = Literal["exact", "typical"]
 Schedule = Literal["constant", "heuristic"]  # proposal length per step: always gamma, or adaptive up to gamma
 BackendKind = Literal["torch", "trtllm"]
 Device = Literal["cpu", "cuda"]  # where the torch backend runs: the CPU, or an NVIDIA GPU
+
+
+@dataclass(frozen=True)
+class MethodTraits:
+    """What a speculation method is, in the terms its callers ask about (read through SpeculationSpec's
+    predicates; a method that is none of these proposes inside the target by other means)."""
+
+    draft_model: bool = False  # a separate draft model proposes: built, converted, served and sized beside the target
+    heads: bool = False  # heads on the target's hidden state propose: trained apart, built and sized with the target
+    from_context: bool = False  # proposals are looked up in the sequence itself: no model proposes
+    tree: bool = False  # proposals form a token tree verified in one step, not a chain of up to gamma tokens
+
+
+METHODS: dict[str, MethodTraits] = {
+    "none": MethodTraits(),  # plain decoding: nothing is proposed
+    "draft_target": MethodTraits(draft_model=True),
+    "ngram": MethodTraits(from_context=True),
+    "medusa": MethodTraits(heads=True, tree=True),
+}
 
 _NEUTRAL = SamplingParams()
 
@@ -216,21 +237,59 @@ class SpeculationSpec(Section):
     medusa: MedusaSpec = field(default_factory=MedusaSpec)
 
     def check(self) -> None:
+        if self.method not in METHODS:  # a spec built in code: a file's value is checked against Method already
+            raise Problem("method", f"must be one of {', '.join(METHODS)}, got {quoted(self.method)}")
         if self.num_draft_tokens <= 0:
             raise Problem("num_draft_tokens", f"must be ≥ 1, got {self.num_draft_tokens}")
-        if self.method == "draft_target" and self.draft is None:
-            raise Problem("draft", "required when method is 'draft_target'")
-        if self.method != "draft_target" and self.draft is not None:
+        if self.uses_draft_model and self.draft is None:
+            raise Problem("draft", f"required when method is {self.method!r}")
+        if not self.uses_draft_model and self.draft is not None:
             raise Problem("draft", f"only allowed when method is 'draft_target', not {self.method!r}")
-        if self.acceptance == "typical" and self.method != "medusa":
+        if self.acceptance == "typical" and not self.drafts_tree:  # it is a rule for accepting tree nodes
             raise Problem("acceptance", f"'typical' (lossy) is only for method 'medusa', not {self.method!r}")
-        if self.method == "medusa":
+        if self.uses_heads:
             if not self.medusa.heads:
                 raise Problem("medusa.heads", "required when method is 'medusa' (train them with "
                                               "specdeploy train-medusa)")
             if self.num_draft_tokens > self.medusa.num_heads:
                 raise Problem("num_draft_tokens", f"for medusa the tree depth cap, at most medusa.num_heads "
                                                   f"({self.medusa.num_heads}), got {self.num_draft_tokens}")
+
+    # The questions the build, the servers and the sizing ask of the method (its row in METHODS), never its name.
+
+    @property
+    def speculates(self) -> bool:
+        """Anything is proposed at all (method none decodes one token per target step)."""
+        return self.method != "none"
+
+    @property
+    def uses_draft_model(self) -> bool:
+        """A separate draft model proposes (the `draft` section): its engine is built, converted, loaded, served
+        and sized beside the target's."""
+        return METHODS[self.method].draft_model
+
+    @property
+    def uses_heads(self) -> bool:
+        """Heads on the target's hidden state propose (the `medusa` section): trained apart, written and converted
+        with the target, sized with it; on TensorRT-LLM the target engine drafts and verifies by itself."""
+        return METHODS[self.method].heads
+
+    @property
+    def drafts_from_context(self) -> bool:
+        """Proposals are looked up in the prompt and output so far (the `ngram` section): no model proposes."""
+        return METHODS[self.method].from_context
+
+    @property
+    def drafts_outside_target(self) -> bool:
+        """Proposals come from outside the target (a draft model or the text) as a chain of up to gamma tokens
+        that one target call verifies: on TensorRT-LLM, a draft_tokens_external engine fed by our orchestration."""
+        return self.uses_draft_model or self.drafts_from_context
+
+    @property
+    def drafts_tree(self) -> bool:
+        """Proposals form a token tree (medusa.choices) verified in one step; its size is fixed by the tree, so
+        there is no chain length to sweep."""
+        return METHODS[self.method].tree
 
 
 @dataclass(frozen=True)
@@ -429,31 +488,31 @@ class PipelineSpec(Section):
         if self.backend.kind == "trtllm":
             self.check_trtllm()
         nodes = len(self.speculation.medusa.choices)
-        if self.speculation.method == "medusa" and nodes > limit:
+        if self.speculation.drafts_tree and nodes > limit:
             # a tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens
             raise Problem("speculation.medusa.choices", f"{nodes} nodes are above limits.max_draft_tokens ({limit})")
 
     def check_trtllm(self) -> None:
-        """The combinations TensorRT-LLM cannot serve (facts in docs/trtllm-upstream.md). The checks that need the
+        """The combinations TensorRT-LLM cannot serve (facts in docs/tensorrt-llm.md). The checks that need the
         model's head and expert counts run at build (builders/trtllm_plan.check_model_fits)."""
-        settings, method = self.backend.settings, self.speculation.method
-        if method == "medusa" and self.target.moe is not None:
+        settings, speculation, method = self.backend.settings, self.speculation, self.speculation.method
+        if speculation.uses_heads and self.target.moe is not None:
             raise Problem("speculation.method", "medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "
                                                 "converter has no expert mapping); use draft_target or ngram")
-        if method == "medusa" and settings.line == "llm_api":
+        if speculation.uses_heads and settings.line == "llm_api":
             raise Problem("backend.trtllm.line", "medusa runs on TensorRT engines only: use line: engine (the "
                                                  "LLM API's PyTorch backend has no Medusa)")
-        if settings.line == "engine" and settings.server == "trtllm_serve" and method in ("draft_target", "ngram"):
+        if settings.line == "engine" and settings.server == "trtllm_serve" and speculation.drafts_outside_target:
             raise Problem("backend.trtllm.server", f"{method} on the engine line runs through Triton (our "
                                                    f"orchestration model feeds draft tokens to the engine); the "
                                                    f"LLM API serves {method} only on line: llm_api")
-        if settings.line == "engine" and method in ("draft_target", "ngram") and not settings.enable_kv_cache_reuse:
+        if settings.line == "engine" and speculation.drafts_outside_target and not settings.enable_kv_cache_reuse:
             raise Problem("backend.trtllm.enable_kv_cache_reuse", f"{method} verifies drafts on a "
                                                                   f"draft_tokens_external target engine, which "
                                                                   f"TensorRT-LLM refuses to load without KV cache "
                                                                   f"block reuse: set it true")
-        draft = self.speculation.draft
-        if settings.line == "llm_api" and method == "draft_target" and draft.derive != "none":
+        draft = speculation.draft
+        if settings.line == "llm_api" and speculation.uses_draft_model and draft.derive != "none":
             raise Problem("speculation.draft.derive", f"{draft.derive} needs the engine line (TensorRT-LLM "
                                                       f"quantizes it at conversion); on line: llm_api give the "
                                                       f"draft a checkpoint (derive: none)")

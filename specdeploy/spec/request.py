@@ -44,7 +44,7 @@ class GenerationRequest:
     def gamma(self, pipeline: PipelineSpec) -> int:
         """The request's proposal length: its own, else the pipeline's, within serving.policy.gamma_cap; 0 when the
         pipeline does not speculate."""
-        if pipeline.speculation.method == "none":
+        if not pipeline.speculation.speculates:
             return 0
         gamma = pipeline.speculation.num_draft_tokens if self.num_draft_tokens is None else self.num_draft_tokens
         cap = pipeline.serving.policy.gamma_cap  # "measured" here: the engine has no measurement yet (no cap)

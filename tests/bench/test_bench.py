@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import torch
+from made_reports import made_report
 
-from specdeploy.bench.run import run_benches, why_it_loses
+from specdeploy.bench.printing import why_it_loses
+from specdeploy.bench.run import run_benches
 from specdeploy.models import machine
 
 
@@ -25,16 +27,17 @@ def test_pipelines_take_turns_prompt_by_prompt(tiny_engines, monkeypatch):
     lengths = [len(engines[0].encode_prompt(p["prompt"])) for p in prompts]
     assert measured == [(name, mode, length) for length in lengths for name in ("ngram", "dt")
                         for mode in ("plain", "speculative")]
-    assert [r["pipeline"] for r in reports] == [e.pipeline.name for e in engines]
-    assert all(r["prompts"] == 2 and set(r["by_kind"]) == {"copy", "open"} for r in reports)
-
-
-def losing_report(dtype: str, bf16_matmul: str, speedup: float = 0.26) -> dict:
-    return {"speedup": speedup, "proposal_cost_per_step": 0.26, "verify_cost_ratio": 5.94,
-            "mean_accepted_length": 1.58, "dtype": dtype, "machine": {"bf16_matmul": bf16_matmul}}
+    assert [r.setup.pipeline for r in reports] == [e.pipeline.name for e in engines]
+    assert all(r.setup.prompts == 2 and set(r.summary.by_kind) == {"copy", "open"} for r in reports)
 
 
 def test_a_loss_is_explained_and_blames_the_cpu_only_when_bf16_runs_generic():
+    def losing_report(dtype: str, bf16_matmul: str, speedup: float = 0.26):
+        report = made_report(summary={"speedup": speedup, "proposal_cost_per_step": 0.26, "verify_cost_ratio": 5.94,
+                                      "mean_accepted_length": 1.58}, setup={"dtype": dtype})
+        report.setup.machine.bf16_matmul = bf16_matmul
+        return report
+
     generic = why_it_loses(losing_report("bfloat16", "generic (time grows with rows)"))
     assert "0.26x" in generic and "5.94 to verify" in generic and "AVX-512 or AMX" in generic
     assert "AVX-512" not in why_it_loses(losing_report("bfloat16", "oneDNN"))
@@ -54,7 +57,7 @@ def test_the_machine_is_described_from_cpuinfo_and_torch():
 
 
 def test_a_kind_that_decoded_nothing_has_no_speedup(tiny_engines):
-    from specdeploy.bench.run import PromptRun, summarize
+    from specdeploy.bench.summary import PromptRun, summarize
     from specdeploy.decoding.stats import RequestStats
 
     def stats(tokens: int, seconds: float) -> RequestStats:
@@ -62,5 +65,5 @@ def test_a_kind_that_decoded_nothing_has_no_speedup(tiny_engines):
 
     runs = [PromptRun("code", stats(10, 1.0), stats(10, 0.5), [], []),
             PromptRun("summary", stats(1, 0.0), stats(1, 0.0), [], [])]  # ended at its first token
-    by_kind = summarize(tiny_engines["ngram"], runs)["by_kind"]
-    assert set(by_kind) == {"code"} and by_kind["code"]["prompts"] == 1
+    by_kind = summarize(tiny_engines["ngram"], runs).by_kind
+    assert set(by_kind) == {"code"} and by_kind["code"].prompts == 1

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 
 import pytest
+from made_reports import made_report
 from PIL import Image
 
+from specdeploy.bench.bench_report import MoeCurve
 from specdeploy.bench.report import gamma_curves, write_report
-from specdeploy.bench.run import predicted_speedup, run_benches
+from specdeploy.bench.run import run_benches
 from specdeploy.errors import SpecdeployError
+from specdeploy.speculative.speedup import predicted_speedup
 
 PROMPTS = [{"prompt": "abcabcabcabc", "kind": "copy"}, {"prompt": "hello world, hello", "kind": "open-ended"}]
 
@@ -24,10 +28,10 @@ def test_the_report_holds_every_figure_and_readable_plots(reports, tmp_path):
     path = write_report(reports, tmp_path / "report", ["a.yaml", "b.yaml"])
     text = path.read_text()
     for report in reports:
-        assert f"{report['pipeline']} ({report['method']})" in text
-        assert f"{report['speedup']:.2f}×" in text and f"{report['baseline_tokens_per_s']:.1f}" in text
-        for kind, figures in report["by_kind"].items():
-            assert f"| {kind} | {figures['prompts']} | {figures['plain_tokens_per_s']:.1f} |" in text
+        assert f"{report.setup.pipeline} ({report.setup.method})" in text
+        assert f"{report.summary.speedup:.2f}×" in text and f"{report.summary.baseline_tokens_per_s:.1f}" in text
+        for kind, figures in report.summary.by_kind.items():
+            assert f"| {kind} | {figures.prompts} | {figures.plain_tokens_per_s:.1f} |" in text
     assert "torch threads" in text and "- torch " in text
     for name in ("speedup.png", "acceptance.png", "tokens_by_kind.png"):
         assert f"]({name})" in text
@@ -38,17 +42,17 @@ def test_the_report_holds_every_figure_and_readable_plots(reports, tmp_path):
 
 def test_by_kind_carries_both_speeds(reports):
     for report in reports:
-        for figures in report["by_kind"].values():
-            assert figures["speedup"] == pytest.approx(figures["speculative_tokens_per_s"]
-                                                       / figures["plain_tokens_per_s"])
+        for figures in report.summary.by_kind.values():
+            assert figures.speedup == pytest.approx(figures.speculative_tokens_per_s / figures.plain_tokens_per_s)
 
 
 def test_the_two_predictions_agree_when_acceptance_is_geometric():
     """The line from acceptance by position and the seed's formula are the same curve when position i is accepted
     with probability alpha^i (independent acceptance): the plot's two lines then coincide."""
     alpha, c, v = 0.7, 0.1, 1.05
-    report = {"draft_cost_ratio": c, "verify_cost_ratio": v, "num_draft_tokens": 5, "acceptance_rate": alpha,
-              "per_position_acceptance": [alpha ** i for i in range(1, 6)]}
+    report = made_report(summary={"draft_cost_ratio": c, "verify_cost_ratio": v, "acceptance_rate": alpha,
+                                  "per_position_acceptance": [alpha ** i for i in range(1, 6)]},
+                         setup={"num_draft_tokens": 5})
     curves = gamma_curves(report)
     assert list(curves["by_position"]) == [1, 2, 3, 4, 5] and len(curves["formula"]) == 10
     for gamma, value in curves["by_position"].items():
@@ -60,8 +64,9 @@ def test_the_predicted_lines_follow_the_verify_cost_by_width():
     small gamma far too low: the lines take the measured cost by width, scaled through the v of the served gamma."""
     alpha, c = 0.9, 0.3
     costs = [1.0 + 0.5 * n for n in range(7)]  # a forward over n + 1 positions, in plain steps
-    report = {"draft_cost_ratio": c, "verify_cost_ratio": 2.2, "num_draft_tokens": 3, "acceptance_rate": alpha,
-              "per_position_acceptance": [alpha ** i for i in range(1, 4)], "verify_costs": costs}
+    report = made_report(summary={"draft_cost_ratio": c, "verify_cost_ratio": 2.2, "acceptance_rate": alpha,
+                                  "per_position_acceptance": [alpha ** i for i in range(1, 4)]},
+                         setup={"num_draft_tokens": 3}, verify_costs=costs)
     curves = gamma_curves(report)
     assert list(curves["formula"]) == [1, 2, 3, 4, 5, 6] and list(curves["by_position"]) == [1, 2, 3]
     scale = 2.2 / costs[3]
@@ -75,8 +80,9 @@ def test_a_dip_in_the_measured_verify_cost_does_not_bend_the_lines_down():
     """Timing noise can make a wider forward look cheaper (1.07 then 0.99): the lines take the running maximum."""
     alpha, c = 0.5, 0.1
     noisy = [1.0, 1.07, 1.09, 0.99, 1.02, 1.06]
-    report = {"draft_cost_ratio": c, "verify_cost_ratio": 1.09, "num_draft_tokens": 2, "acceptance_rate": alpha,
-              "per_position_acceptance": [alpha, alpha ** 2], "verify_costs": noisy}
+    report = made_report(summary={"draft_cost_ratio": c, "verify_cost_ratio": 1.09, "acceptance_rate": alpha,
+                                  "per_position_acceptance": [alpha, alpha ** 2]},
+                         setup={"num_draft_tokens": 2}, verify_costs=noisy)
     formula = gamma_curves(report)["formula"]
     for gamma, cost in zip(range(1, 6), [1.07, 1.09, 1.09, 1.09, 1.09]):
         assert formula[gamma] == pytest.approx(predicted_speedup(alpha, gamma, c, cost))
@@ -84,15 +90,17 @@ def test_a_dip_in_the_measured_verify_cost_does_not_bend_the_lines_down():
 
 def test_dense_reports_carry_the_verify_cost_by_width(reports):
     for report in reports:
-        costs = report["verify_costs"]
-        assert len(costs) == min(8, 2 * report["num_draft_tokens"]) + 1 and costs[0] == pytest.approx(1.0)
+        costs = report.verify_costs
+        assert len(costs) == min(8, 2 * report.setup.num_draft_tokens) + 1 and costs[0] == pytest.approx(1.0)
 
 
 def test_moe_reports_get_their_expert_plot(reports, tmp_path):
-    moe = dict(reports[0], pipeline="tiny-moe", moe={
-        "verification_length": [1, 2, 3, 4], "num_experts": 8, "experts_per_token": 2,
-        "distinct_experts_per_layer": [2.0, 3.4, 4.5, 5.2], "verify_cost": [1.0, 1.5, 1.9, 2.2],
-        "dense_verify_cost": [1.0, 1.05, 1.1, 1.12]})
+    moe = dataclasses.replace(reports[0], setup=dataclasses.replace(reports[0].setup, pipeline="tiny-moe"),
+                              moe=MoeCurve(verification_length=[1, 2, 3, 4], num_experts=8, experts_per_token=2,
+                                           distinct_experts_per_layer=[2.0, 3.4, 4.5, 5.2],
+                                           expert_bytes_read=[2e6, 3.4e6, 4.5e6, 5.2e6],
+                                           verify_cost=[1.0, 1.5, 1.9, 2.2],
+                                           dense_verify_cost=[1.0, 1.05, 1.1, 1.12]))
     path = write_report([moe], tmp_path, ["moe.yaml"])
     assert "(moe-tiny-moe.png)" in path.read_text()
     with Image.open(tmp_path / "moe-tiny-moe.png") as image:
@@ -133,23 +141,23 @@ def test_peers_run_on_the_same_weights_and_the_report_names_the_faster(tiny_engi
 
     engines = [tiny_engines["draft_target"], tiny_engines["int4"]]
     measured = run_benches(engines, PROMPTS, 10, 0.0, 0, with_transformers=False, quiet=True, with_peers=True)
-    plain_draft, int4 = (report["peers"] for report in measured)
-    assert plain_draft[PLAIN]["tokens_per_s"] > 0 and plain_draft["transformers assistant_model"]["tokens_per_s"] > 0
-    assert "int4" in int4["transformers assistant_model"]["skipped"]
+    plain_draft, int4 = (report.peers for report in measured)
+    assert plain_draft[PLAIN].tokens_per_s > 0 and plain_draft["transformers assistant_model"].tokens_per_s > 0
+    assert "int4" in int4["transformers assistant_model"].skipped
     assert any(name.startswith("transformers prompt lookup") for name in int4)
     llama_cpp = [peer for name, peer in int4.items() if name.startswith("llama.cpp")]
-    assert len(llama_cpp) == 2 and all("not a GGUF file" in peer["skipped"] or "not installed" in peer["skipped"]
+    assert len(llama_cpp) == 2 and all("not a GGUF file" in peer.skipped or "not installed" in peer.skipped
                                        for peer in llama_cpp)
     ratios = peer_ratios(measured[0])
-    assert ratios[PLAIN]["ours_plain"] == pytest.approx(measured[0]["baseline_tokens_per_s"]
-                                                        / plain_draft[PLAIN]["tokens_per_s"])
+    assert ratios[PLAIN].ours_plain == pytest.approx(measured[0].summary.baseline_tokens_per_s
+                                                     / plain_draft[PLAIN].tokens_per_s)
     for report in measured:  # where the time went: the decodes, their analysis and the peers
-        assert set(report["phase_seconds"]) == {"plain_and_speculative", "analysis", "peers"}
-        assert all(seconds > 0 for seconds in report["phase_seconds"].values())
+        assert set(report.phase_seconds) == {"plain_and_speculative", "analysis", "peers"}
+        assert all(seconds > 0 for seconds in report.phase_seconds.values())
     text = write_report(measured, tmp_path, ["a.yaml", "b.yaml"]).read_text()
     assert "## Time spent (seconds)" in text and "- tiny-dt (draft_target): plain and speculative " in text
     assert "## Peers: tiny-dt (draft_target)" in text and "skipped: the draft is derived int4" in text
-    faster = [name for name, ratio in ratios.items() if ratio["ours_speculative"] < 1]
+    faster = [name for name, ratio in ratios.items() if ratio.ours_speculative < 1]
     assert (f"Faster than our speculative decoding here: {', '.join(faster)}." if faster
             else "No peer was faster") in text
 
@@ -158,8 +166,9 @@ def test_a_gamma_sweep_adds_measured_points(tiny_engines, tmp_path):
     engines = [tiny_engines["draft_target"], tiny_engines["ngram"]]
     swept = run_benches(engines, PROMPTS, 10, 0.0, 0, with_transformers=False, quiet=True, gammas=(1, 2))
     for report in swept:
-        assert list(report["gamma_sweep"]) == ["1", "2"] and all(v > 0 for v in report["gamma_sweep"].values())
-        assert report["phase_seconds"]["gamma_sweep"] > 0
+        assert list(report.gamma_sweep) == [1, 2] and all(v > 0 for v in report.gamma_sweep.values())
+        assert list(report.to_json()["gamma_sweep"]) == ["1", "2"]  # JSON object keys are strings
+        assert report.phase_seconds["gamma_sweep"] > 0
     write_report(swept, tmp_path, ["a.yaml", "b.yaml"])
     with Image.open(tmp_path / "speedup.png") as image:
         assert image.format == "PNG"
@@ -171,7 +180,7 @@ def test_without_llama_cpp_python_its_peers_say_how_to_install_it(tiny_engines, 
     monkeypatch.setitem(sys.modules, "llama_cpp", None)  # import llama_cpp raises ImportError
     peers = llama_cpp_peers(tiny_engines["ngram"], [[5, 6, 7]], 4, [[8]])
     assert set(peers) == {"llama.cpp", "llama.cpp prompt lookup (3)"}
-    assert all("pip install 'specdeploy[peers]'" in peer["skipped"] for peer in peers.values())
+    assert all("pip install 'specdeploy[peers]'" in peer.skipped for peer in peers.values())
 
 
 @pytest.mark.smollm2
@@ -190,8 +199,8 @@ def test_llama_cpp_runs_the_gguf_the_target_was_built_from(smollm2_fp32_engines)
     peers = llama_cpp_peers(engine, encoded, 16, ours)
     assert set(peers) == {"llama.cpp", "llama.cpp prompt lookup (5)"}
     for peer in peers.values():
-        assert peer["tokens_per_s"] > 0 and "SmolLM2-135M-Instruct.Q4_1.gguf" in peer["what"]
-        assert peer["common_prefix_tokens"] >= 3
+        assert peer.tokens_per_s > 0 and "SmolLM2-135M-Instruct.Q4_1.gguf" in peer.what
+        assert peer.common_prefix_tokens >= 3
 
 
 def test_gamma_and_position_axes_tick_whole_numbers_only():

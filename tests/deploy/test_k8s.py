@@ -49,7 +49,7 @@ SCHEMAS = {"LeaderWorkerSet": "leaderworkerset.json", "PodMonitor": "podmonitor.
            "PrometheusRule": "prometheusrule.json"}
 # checkov findings left on purpose, each with its reason
 CHECKOV_SKIPS = {
-    "CKV_K8S_15": "imagePullPolicy IfNotPresent: the README's local images (kind, minikube) are never pushed",
+    "CKV_K8S_15": "imagePullPolicy IfNotPresent: docs/kubernetes.md's local images (kind, minikube) are never pushed",
     "CKV_K8S_43": "images by tag, not digest: the digest exists only once the user's registry has the image; "
                   "`specdeploy k8s --image repository@sha256:...` takes it then (test_an_image_digest_is_kept)",
 }

@@ -17,7 +17,7 @@ from test_cli import run_cli
 from test_engine import PROMPTS
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from specdeploy.bench.moe_curve import experts_touched, predicted_speedups
+from specdeploy.bench.moe_curve import experts_touched
 from specdeploy.bench.run import run_benches
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.build.hf_export import export_hf
@@ -348,30 +348,30 @@ def test_bench_reports_the_expert_union_by_verification_length(moe_engines):
     engine = moe_engines["draft_target"]
     prompts = [{"prompt": "abcabcabc", "kind": "copy"}, {"prompt": "hello world", "kind": "open"}]
     report = run_benches([engine], prompts, 24, 0.0, 0, with_transformers=True, quiet=True)[0]
-    assert report["transformers_tokens_per_s"] > 0  # transformers' Mixtral on the same weights
-    curve = report["moe"]
+    assert report.transformers.transformers_tokens_per_s > 0  # transformers' Mixtral on the same weights
+    curve = report.moe
     gamma = engine.num_draft_tokens
-    assert curve["verification_length"] == list(range(1, gamma + 2))
-    distinct = curve["distinct_experts_per_layer"]
+    assert curve.verification_length == list(range(1, gamma + 2))
+    distinct = curve.distinct_experts_per_layer
     assert distinct[0] == 2  # one token: exactly its k experts
     assert all(a <= b for a, b in zip(distinct, distinct[1:])) and distinct[-1] <= 4  # a union only grows
     layer = engine.target.moe_layers()[0]
-    assert curve["expert_bytes_read"][0] == 2 * len(engine.target.moe_layers()) * layer.expert_bytes
-    assert curve["verify_cost"][0] == 1.0 and len(curve["verify_cost"]) == gamma + 1
+    assert curve.expert_bytes_read[0] == 2 * len(engine.target.moe_layers()) * layer.expert_bytes
+    assert curve.verify_cost[0] == 1.0 and len(curve.verify_cost) == gamma + 1
     # the dense model the MoE was derived from, timed on the same windows
-    assert curve["dense_verify_cost"][0] == 1.0 and len(curve["dense_verify_cost"]) == gamma + 1
-    assert curve["plain_step_speed_vs_dense"] > 0
-    by_gamma = curve["predicted_speedup_by_gamma"]
-    assert len(by_gamma) == gamma and by_gamma[curve["best_gamma"] - 1] == max(by_gamma)
-    assert report["predicted_speedup"] == by_gamma[gamma - 1]
+    assert curve.dense_verify_cost[0] == 1.0 and len(curve.dense_verify_cost) == gamma + 1
+    assert curve.plain_step_speed_vs_dense > 0
+    by_gamma = curve.predicted_speedup_by_gamma
+    assert len(by_gamma) == gamma and by_gamma[curve.best_gamma - 1] == max(by_gamma)
+    assert report.summary.predicted_speedup == by_gamma[gamma - 1]
     capped = dataclasses.replace(engine.pipeline, serving=ServingSpec(PolicySpec(gamma_cap=2)))
     engine.pipeline, original = capped, engine.pipeline
     try:  # positions past the cap are never drafted: no prediction is made for them
         report = run_benches([engine], prompts, 24, 0.0, 0, with_transformers=False, quiet=True)[0]
     finally:
         engine.pipeline = original
-    assert len(report["moe"]["predicted_speedup_by_gamma"]) == 2
-    assert report["predicted_speedup"] == report["moe"]["predicted_speedup_by_gamma"][1]
+    assert len(report.moe.predicted_speedup_by_gamma) == 2
+    assert report.summary.predicted_speedup == report.moe.predicted_speedup_by_gamma[1]
 
 
 def test_moe_quality_scores_each_k_against_the_dense_model(tiny_checkpoints, tmp_path):
@@ -433,12 +433,6 @@ def test_export_hf_writes_the_pipelines_moe_target_from_the_cli(tiny_checkpoints
     refused = run_cli("export-hf", str(path), "--engines-dir", str(engines), "--output", str(tmp_path / "occupied"))
     assert refused.returncode == 2 and "not a Hugging Face checkpoint" in refused.stderr
     assert (tmp_path / "occupied" / "notes.txt").read_text() == "mine"
-
-
-def test_predicted_speedup_by_gamma_uses_the_union_curve_and_acceptance_by_position():
-    # one token accepted for sure, the second half the time; verifying 2 tokens costs 1.5 steps, 3 tokens 3 steps
-    by_gamma = predicted_speedups([1.0, 0.5], draft_cost=0.25, verify_cost=[1.0, 1.5, 3.0])
-    assert by_gamma == pytest.approx([2.0 / 1.75, 2.5 / 3.5])
 
 
 def test_gamma_cap_limits_every_request(moe_engines, tmp_path):

@@ -148,7 +148,7 @@ def test_end_id_replaces_the_end_of_sequence_tokens(tiny_engines):
 
 
 def test_a_seed_reproduces_plain_decode_whatever_shares_the_batch(tiny_engines, rows):
-    """What a seed guarantees (README): the same text alone and in any batch whenever the request's proposal
+    """What a seed guarantees (docs/serving.md): the same text alone and in any batch whenever the request's proposal
     lengths are the same, which always holds for plain decode (num_draft_tokens 0)."""
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
     request = GenerationRequest(PROMPTS[0], 40, params, 0, end_id=NO_END_ID)

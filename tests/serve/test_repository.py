@@ -58,7 +58,7 @@ def test_an_installed_specdeploy_carries_the_model_code(tmp_path):
     assert result.returncode == 0, result.stderr
     (wheel,) = (tmp_path / "wheel").glob("specdeploy-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    for model in ("preprocessing", "speculative", "orchestration"):
+    for model in ("preprocessing", "speculative_torch", "speculative_trtllm"):
         assert f"specdeploy/serve/model_repo/{model}/model.py" in names
 
 

@@ -395,7 +395,7 @@ def test_a_moved_repository_serves(served, tmp_path):
 
 def test_long_stream_report(served):
     """bench --url --long-stream: the same greedy generation streamed and in-process, exactly N tokens each
-    (end_id -1), with the speed figures the README reports."""
+    (end_id -1), with the speed figures docs/benchmarks.md reports."""
     from specdeploy.bench.server_load_report import run_long_stream
 
     server, engine = served

@@ -173,14 +173,14 @@ def test_bench_reports_the_tree_its_prediction_and_a_suggested_tree(tiny_checkpo
     engine = Engine(build(load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads)),
                           tmp_path / "engines", quiet=True).directory)
     prompts = [{"prompt": "Say hello.", "kind": "open"}, {"prompt": "Count to five.", "kind": "open"}]
-    report = run_bench(engine, prompts, 16, 0.0, 0, with_transformers=False, quiet=True)["medusa"]
+    report = run_bench(engine, prompts, 16, 0.0, 0, with_transformers=False, quiet=True).medusa
     paths = [(0,), (1,), (0, 0), (0, 0, 0)]
-    assert report["tree"] == [list(p) for p in paths] and report["tree_size"] == 4
-    assert report["expected_accepted_per_step_held_out"] == pytest.approx(expected_accepted(paths, [
+    assert report.tree == [list(p) for p in paths] and report.tree_size == 4
+    assert report.expected_accepted_per_step_held_out == pytest.approx(expected_accepted(paths, [
         a["by_rank"] for a in accuracy]))
-    assert 0 <= report["expected_accepted_per_step"] <= 4 and len(report["head_top1_here"]) == 3
-    assert report["predicted_speedup"] > 0 and len(report["verify_costs"]) == 13 and report["verify_costs"][0] == 1
-    TokenTree.from_choices(report["suggested_tree"])
+    assert 0 <= report.expected_accepted_per_step <= 4 and len(report.head_top1_here) == 3
+    assert report.predicted_speedup > 0 and len(report.verify_costs) == 13 and report.verify_costs[0] == 1
+    TokenTree.from_choices(report.suggested_tree)
 
 
 def test_typical_acceptance_is_wired_and_accepts_more_than_the_exact_rule(tiny_checkpoints, tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdeploy.bench.run import load_prompts
+from specdeploy.bench.prompts import load_prompts
 from specdeploy.runtime.engine import Engine
 from specdeploy.speculative.medusa import MedusaHeads
 from specdeploy.speculative.medusa_accuracy import IGNORE, accuracies

@@ -2,7 +2,7 @@
 through TensorRT-LLM's Python API: the same calls its examples/models/core/llama/convert_checkpoint.py makes
 (Mixtral maps to LLaMAForCausalLM). Run by the trtllm build plan as
 `python -m specdeploy.build.trtllm.convert --model_dir HF --output_dir OUT --dtype bfloat16 --tp_size 4 ...`;
-it needs TensorRT-LLM (facts: docs/trtllm-upstream.md)."""
+it needs TensorRT-LLM (facts: docs/tensorrt-llm.md)."""
 
 from __future__ import annotations
 

@@ -43,7 +43,7 @@ def missing_requirements(pipeline: PipelineSpec) -> list[str]:
     """What this machine lacks for the pipeline's TensorRT-LLM build, in words (empty: nothing)."""
     missing = []
     converter = pipeline.backend.settings.medusa_converter
-    if pipeline.speculation.method == "medusa" and not Path(converter).is_file():
+    if pipeline.speculation.uses_heads and not Path(converter).is_file():
         missing.append(f"TensorRT-LLM's Medusa converter at {converter} (backend.trtllm.medusa_converter: the "
                        f"path of examples/medusa/convert_checkpoint.py from a TensorRT-LLM {TRTLLM_VERSION} "
                        f"checkout)")

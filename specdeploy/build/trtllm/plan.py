@@ -1,6 +1,6 @@
 """A TensorRT-LLM build as a plan: every conversion and engine build of a trtllm pipeline, with every argument and
 path, computed without TensorRT-LLM. `specdeploy build --dry-run` prints it; a real build runs it where TensorRT-LLM
-and a GPU exist. The flags, keys and file layouts follow the pinned release; docs/trtllm-upstream.md records each
+and a GPU exist. The flags, keys and file layouts follow the pinned release; docs/tensorrt-llm.md records each
 with its upstream path.
 
 The converters read a Hugging Face directory. A checkpoint that is one already (source: hf_dir) and needs no
@@ -62,7 +62,7 @@ def draft_reads(draft: DraftSpec) -> str:
 
 def hf_components(pipeline: PipelineSpec) -> list[str]:
     """The EXPORTS keys a pipeline's converters (or its LLM) read."""
-    if pipeline.speculation.method != "draft_target":
+    if not pipeline.speculation.uses_draft_model:
         return ["target"]
     return list(dict.fromkeys(["target", draft_reads(pipeline.speculation.draft)]))
 
@@ -127,7 +127,7 @@ def check_model_fits(pipeline: PipelineSpec, config: ModelConfig) -> None:
         ep = moe_mapping(spec)[1]
         if experts % ep:
             raise BuildError(f"backend.trtllm.moe_ep_size: {ep} does not divide the target's {experts} experts")
-        if pipeline.speculation.method == "medusa":
+        if pipeline.speculation.uses_heads:
             raise BuildError("speculation.method: medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "
                              "converter maps tensor and pipeline parallelism only); use draft_target or ngram")
 
@@ -158,7 +158,7 @@ def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode:
                "--workers", str(build_workers(spec))]
     if mode is not None:
         command += ["--speculative_decoding_mode", mode, "--max_draft_len", str(limits.max_draft_tokens)]
-    if pipeline.speculation.method == "draft_target" and exact_sampling_needs_logits(pipeline):
+    if pipeline.speculation.uses_draft_model and exact_sampling_needs_logits(pipeline):
         command.append("--gather_generation_logits")
     return tuple(command)
 
@@ -176,7 +176,7 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
     sources = hf_dirs(pipeline, root)
     steps = export_steps(pipeline, root)
     mode = None
-    if speculation.method == "medusa":
+    if speculation.uses_heads:
         heads = speculation.medusa
         steps.append(export("write the Medusa heads as medusa_lm_head.safetensors + config.json",
                             "export medusa heads", hf / "medusa"))
@@ -191,9 +191,9 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
     else:
         steps.append(Step("convert the target", checkpoints / "target",
                           convert_command(spec, sources["target"], checkpoints / "target", None)))
-        if speculation.method in ("draft_target", "ngram"):
+        if speculation.drafts_outside_target:
             mode = "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
-    if speculation.method == "draft_target":
+    if speculation.uses_draft_model:
         draft = speculation.draft
         steps.append(Step("convert the draft", checkpoints / "draft",
                           convert_command(spec, sources[draft_reads(draft)], checkpoints / "draft",
@@ -227,10 +227,10 @@ def llm_api_config(pipeline: PipelineSpec, root: Path, models: dict[str, Path] |
               "kv_cache_config": {"free_gpu_memory_fraction": spec.kv_cache_free_gpu_mem_fraction,
                                   "enable_block_reuse": spec.enable_kv_cache_reuse}}
     gamma = speculation.num_draft_tokens
-    if speculation.method == "draft_target":
+    if speculation.uses_draft_model:
         config["speculative_config"] = {"decoding_type": "DraftTarget", "max_draft_len": gamma,
                                         "speculative_model_dir": str(models["draft"])}
-    elif speculation.method == "ngram":
+    elif speculation.drafts_from_context:
         config["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": gamma,
                                         "max_matching_ngram_size": speculation.ngram.max_n}
     return config

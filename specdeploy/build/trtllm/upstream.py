@@ -1,6 +1,6 @@
 """The upstream command-line flags the trtllm build plan may use, as TensorRT-LLM 1.2.x defines them. Tests check
 every flag a plan emits against these tables, so a typo or a flag of another release fails here, not on a GPU.
-Sources (NVIDIA/TensorRT-LLM; see docs/trtllm-upstream.md for the versions read): the values are each flag's
+Sources (NVIDIA/TensorRT-LLM; see docs/tensorrt-llm.md for the versions read): the values are each flag's
 allowed values, None for a free value, "switch" for a flag that takes none."""
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ DECODING_MODES = ("top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "red
 # from every GetParameter call of NVIDIA/TensorRT-LLM triton_backend/inflight_batcher_llm/src/model_instance_state.cc
 # @ c8c6df08 (the same in @ 0c8de69a and tensorrtllm_backend v0.19.0 inflight_batcher_llm/src); model_state.cc
 # @ 5cdd6921 reads only gpu_device_ids and participant_ids, both with a fallback. Every other parameter falls back to
-# a default (docs/trtllm-upstream.md lists them). name → the function that reads it.
+# a default (docs/tensorrt-llm.md lists them). name → the function that reads it.
 TENSORRTLLM_REQUIRED_PARAMETERS = {
     "gpt_model_type": "ModelInstanceState::getBatchingTypeFromParams",
     "tokenizer_dir": "ModelInstanceState::getGuidedDecodingConfigFromParams",

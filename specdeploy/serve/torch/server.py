@@ -20,7 +20,7 @@ def instance_device(args: dict) -> str:
     return "cpu"
 
 
-class SpeculativeServer:
+class TorchServer:
     def __init__(self, engine_dir: Path, model_name: str, pb_utils, device: str = "cpu") -> None:
         """engine_dir: the engine this model serves; everything else (limits, defaults, policy) comes from the
         pipeline saved in it. device: where this instance runs (instance_device)."""

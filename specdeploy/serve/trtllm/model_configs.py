@@ -33,7 +33,7 @@ def tensorrtllm_model(name: str, pipeline: PipelineSpec, engine_path: str, draft
             tensor.allow_ragged_batch = True
     for tensor_name, (kind, dims) in TENSORRTLLM_OUTPUTS.items():
         config.output.add(name=tensor_name, data_type=pb.DataType.Value(kind), dims=dims)
-    medusa = pipeline.speculation.method == "medusa" and not draft
+    medusa = pipeline.speculation.uses_heads and not draft
     parameters = {
         "gpt_model_type": "inflight_fused_batching", "gpt_model_path": engine_path, "max_beam_width": "1",
         "batch_scheduler_policy": "guaranteed_no_evict",

@@ -32,14 +32,14 @@ from typing import Protocol
 import numpy as np
 
 from specdeploy.decoding.draft_length import ProposalLength
+from specdeploy.decoding.prompt_lookup import common_prefix_length, prompt_lookup
 from specdeploy.decoding.sequence import Sequence
+from specdeploy.decoding.serving_request import ServingCounters, ServingRequest, TokenCallback
 from specdeploy.errors import ShuttingDown
-from specdeploy.runtime.scheduler import SchedulerCounters, TokenCallback
 from specdeploy.serve.trtllm import sampling as trtllm_sampling
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.spec.request import GenerationRequest, check_request
 from specdeploy.spec.sampling_params import SamplingParams
-from specdeploy.speculative.ngram import NgramProposer, common_prefix_length
 
 # Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
 # cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
@@ -80,16 +80,14 @@ class EngineCalls(Protocol):
         draft_logits: [k, padded vocabulary], q's logits (softmax only)."""
 
 
-@dataclass(eq=False)
-class Job:
-    sequence: Sequence
-    on_tokens: TokenCallback
-    is_cancelled: Callable[[], bool]
-    reserved: int
+@dataclass(eq=False, kw_only=True)
+class Job(ServingRequest):
+    """A request as both serving loops keep it, plus what the orchestration adds: the seed its engine calls'
+    own seeds derive from, how many calls it made, and the tokens its final callback carries."""
+
     seed: int  # the request's seed, or a random one: every engine call's seed derives from it
     calls: int = 0
     pending: list[int] = field(default_factory=list)  # the last tokens, sent with the final callback
-    submitted: float = field(default_factory=time.perf_counter)
 
     def sampling(self) -> Sampling:
         """The sampling of this request's next engine call, with that call's own seed."""
@@ -106,9 +104,8 @@ class Orchestrator:
         self.on_change = on_change
         self.policy = pipeline.serving.policy
         self.kv_capacity = pipeline.kv_capacity_tokens
-        self.counters = SchedulerCounters()
-        self.ngram = (NgramProposer(pipeline.speculation.ngram.min_n, pipeline.speculation.ngram.max_n)
-                      if pipeline.speculation.method == "ngram" else None)
+        self.counters = ServingCounters()
+        self.ngram = pipeline.speculation.ngram if pipeline.speculation.drafts_from_context else None
         settings = pipeline.backend.settings
         self.logits_width = trtllm_sampling.padded_vocab_size(vocab_size, settings.tp_size * settings.pp_size)
         self.active: list[Job] = []
@@ -128,7 +125,8 @@ class Orchestrator:
         proposal = ProposalLength(self.pipeline.speculation.schedule, request.gamma(self.pipeline))
         sequence = Sequence.for_request(request, proposal, self.end_ids)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
-        job = Job(sequence, on_tokens, is_cancelled, request.kv_slots(self.pipeline), seed)
+        job = Job(sequence=sequence, on_tokens=on_tokens, is_cancelled=is_cancelled,
+                  reserved=request.kv_slots(self.pipeline), seed=seed)
         with self.lock:
             self.waiting.append(job)
         self._changed()  # the queued-requests gauge
@@ -170,7 +168,7 @@ class Orchestrator:
             while sequence.finish_reason is None:
                 if self._interrupted(job):
                     break
-                if self.pipeline.speculation.method == "medusa":
+                if self.pipeline.speculation.uses_heads:
                     self._medusa(job)  # the engine speculates itself, every step: the policy has nothing to turn
                 elif (gamma := self._gamma(job)) == 0:
                     self._plain(job)
@@ -185,7 +183,7 @@ class Orchestrator:
 
     def _interrupted(self, job: Job) -> bool:
         sequence = job.sequence
-        if job.is_cancelled():
+        if job.cancelled:
             sequence.finish_reason = "cancelled"
         elif self.drain_deadline is not None and time.time() >= self.drain_deadline:
             sequence.finish_reason = "shutdown: the server stopped before the request finished"
@@ -251,7 +249,7 @@ class Orchestrator:
         started = time.perf_counter()
         logits = None  # greedy: the target's top-k 1 token matching is exact, and needs no q
         if self.ngram is not None:
-            drafts = self.ngram.continuation(context, gamma)
+            drafts = prompt_lookup(context, gamma, self.ngram.min_n, self.ngram.max_n)
             if drafts and not params.greedy:
                 logits = trtllm_sampling.point_mass_logits(drafts, self.logits_width)
         else:
@@ -316,7 +314,7 @@ class Orchestrator:
         except Exception:
             traceback.print_exc()
 
-    def snapshot(self) -> tuple[SchedulerCounters, int, int, int]:
+    def snapshot(self) -> tuple[ServingCounters, int, int, int]:
         """(a copy of the counters, running requests, free KV slots, queued requests), read together under the
         lock."""
         with self.lock:

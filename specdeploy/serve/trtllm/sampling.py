@@ -11,7 +11,7 @@ was really drawn from. So the orchestration sends log q of that distribution:
 Without draft logits the target accepts x only if it equals its own sample and draws a fresh sample at a rejection,
 which gives x the probability p(x)(2 − p(x)): exact only when greedy (top-k 1), the one case that sends none.
 
-How the executor samples one token (NVIDIA/TensorRT-LLM, docs/trtllm-upstream.md has the commits):
+How the executor samples one token (NVIDIA/TensorRT-LLM, docs/tensorrt-llm.md has the commits):
 - penaltyKernels.cu: the logits times 1 / (T + 1e-6), then the repetition penalty on every token of the prompt and
   the output so far (logit < 0 ? logit × r : logit / r; both scale by a positive factor, so the order is moot);
 - samplingTopKKernels.cu / samplingTopPKernels.cu: the candidates in descending probability (the top k, or every
@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specdeploy.decoding.sampling import penalised, seen_after_drafts, seen_mask
+from specdeploy.decoding.repetition_penalty import penalised, seen_after_drafts, seen_mask
 from specdeploy.spec.sampling_params import SamplingParams
 
 LOWEST_LOGIT = float(np.finfo(np.float32).min)  # softmax gives it 0 (the kernels mask with -FLT_MAX too)
@@ -93,7 +93,8 @@ def draft_logits(raw: np.ndarray, context: list[int], drafts: list[int], params:
     vocabulary) whose softmax is the distribution each of the first n drafted tokens was drawn from: n stops before
     the first position whose distribution a tie decides. Cutting there is exact: it depends on the draft's logits
     at that position, not on the token drawn from them."""
-    seen = seen_after_drafts(seen_mask(context, vocab_size), torch.tensor(drafts, dtype=torch.long))[:len(drafts)]
+    seen = seen_after_drafts(seen_mask(torch.tensor(context, dtype=torch.long), vocab_size),
+                             torch.tensor(drafts, dtype=torch.long))[:len(drafts)]
     probs, ambiguous = executor_distribution(torch.from_numpy(np.asarray(raw[:, :vocab_size], dtype=np.float32)),
                                              params, seen)
     usable = int(ambiguous.long().cumsum(0).eq(0).sum())

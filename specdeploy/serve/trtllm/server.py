@@ -8,15 +8,14 @@ from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer
 
-from specdeploy.decoding.text import end_of_sequence_ids
-from specdeploy.models.config import ModelConfig
+from specdeploy.decoding.chat_template import end_of_sequence_ids
 from specdeploy.serve.served_model import DrainWatcher, Metrics, submit_request
 from specdeploy.serve.trtllm.engine_calls import BlsCalls
 from specdeploy.serve.trtllm.orchestration import Orchestrator
 from specdeploy.spec.pipeline import load_pipeline
 
 
-class OrchestrationServer:
+class TrtllmServer:
     def __init__(self, pipeline_file: Path, target_dir: Path, target_model: str, draft_model: str | None,
                  model_name: str, pb_utils) -> None:
         """pipeline_file: the served pipeline (pipeline.json); target_dir: the target's tokenizer and config.json;
@@ -24,11 +23,11 @@ class OrchestrationServer:
         self.pb = pb_utils
         self.pipeline = load_pipeline(pipeline_file)
         self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        config = ModelConfig.from_hf(AutoConfig.from_pretrained(target_dir))
+        config = AutoConfig.from_pretrained(target_dir)  # its vocabulary and end ids (the build checked the rest)
         method = self.pipeline.speculation.method
         self.metrics = Metrics(pb_utils, {"model": model_name, "method": method})
         self.orchestrator = Orchestrator(self.pipeline, BlsCalls(pb_utils, target_model, draft_model),
-                                         config.vocab_size, end_of_sequence_ids(self.tokenizer, config.eos_token_ids),
+                                         config.vocab_size, end_of_sequence_ids(self.tokenizer, config.eos_token_id),
                                          on_change=self._on_change)
         self._on_change(self.orchestrator)  # the gauges start at their idle values, not at 0
         self.watcher = DrainWatcher(self.orchestrator)

@@ -1,5 +1,5 @@
 """The trtllm backend without TensorRT-LLM: pipeline validation, the build plan against the upstream flag tables
-(docs/trtllm-upstream.md), the converter against a test double of TensorRT-LLM's Python API, and a real build
+(docs/tensorrt-llm.md), the converter against a test double of TensorRT-LLM's Python API, and a real build
 that stops naming what is missing."""
 
 from __future__ import annotations

@@ -81,7 +81,7 @@ def test_an_moe_target_exports_per_expert_and_its_dense_source_as_the_draft(doub
     # the int4 draft is converted from the dense checkpoint itself
     assert not (root / "hf" / "dense_source").exists()
     logs = "".join(log.read_text() for log in (root / "logs").glob("*.log")).splitlines()
-    convert_draft = next(line for line in logs if "trtllm_convert" in line and "/checkpoints/draft " in line)
+    convert_draft = next(line for line in logs if "trtllm.convert" in line and "/checkpoints/draft " in line)
     assert f"--model_dir {tiny_checkpoints['target']} " in convert_draft
     target = json.loads((root / "engines" / "target" / "config.json").read_text())["pretrained_config"]
     assert target["architecture"] == "MixtralForCausalLM"

@@ -37,10 +37,10 @@ from specdeploy.build.trtllm.upstream import (
     MISSING_PARAMETER,
     TENSORRTLLM_REQUIRED_PARAMETERS,
 )
-from specdeploy.decoding.sampling import seen_mask
+from specdeploy.decoding.prompt_lookup import common_prefix_length
+from specdeploy.decoding.repetition_penalty import seen_mask
 from specdeploy.models.llama import ragged_forward_all
 from specdeploy.models.registry import load_component
-from specdeploy.speculative.ngram import common_prefix_length
 
 REMEMBERED = 4096  # logits of this many recent (sequence, positions) queries are kept
 
@@ -279,7 +279,7 @@ class TensorrtllmDouble:
 
     def seen(self, tokens: list[int]) -> torch.Tensor:
         """[V] bool: the tokens the repetition penalty applies to (prompt and output)."""
-        return seen_mask(tokens, self.vocab_size)
+        return seen_mask(torch.tensor(tokens, dtype=torch.long), self.vocab_size)
 
     def validate(self, prompt: int, count: int, drafts: list[int]) -> tuple[int, list[int]]:
         """LlmRequest::validate (llmRequest.cpp): (max new tokens, drafts) as the executor keeps them."""

@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from specdeploy.decoding.text import STREAM_CONTEXT, IncrementalDetokenizer, decode, new_text, stream_window
+from specdeploy.decoding.detokenizer import STREAM_CONTEXT, IncrementalDetokenizer, decode, new_text, stream_window
 
 TEXT = "héllo wörld, 你好 🎉 naïve café ∑x² — ok"
 

@@ -14,14 +14,13 @@ from specdeploy.serve.model_files import (
     parameter_path,
 )
 from specdeploy.serve.served_model import ServedModel
-from specdeploy.serve.trtllm.server import OrchestrationServer
+from specdeploy.serve.trtllm.server import TrtllmServer
 
 
 class TritonPythonModel(ServedModel):
     def initialize(self, args):
         config = json.loads(args["model_config"])
         parameters = {key: value["string_value"] for key, value in config["parameters"].items()}
-        self.server = OrchestrationServer(parameter_path(args, PIPELINE_PARAMETER),
-                                          parameter_path(args, TOKENIZER_PARAMETER),
-                                          parameters[TARGET_MODEL_PARAMETER],
-                                          parameters[DRAFT_MODEL_PARAMETER] or None, config["name"], pb_utils)
+        self.server = TrtllmServer(parameter_path(args, PIPELINE_PARAMETER), parameter_path(args, TOKENIZER_PARAMETER),
+                                   parameters[TARGET_MODEL_PARAMETER], parameters[DRAFT_MODEL_PARAMETER] or None,
+                                   config["name"], pb_utils)

@@ -1,4 +1,5 @@
-"""Triton Python model (decoupled): owns draft and target and runs continuous-batched speculative decoding.
+"""Triton Python model (decoupled), the torch flavour's `speculative`: owns draft and target and runs
+continuous-batched speculative decoding.
 
 Each request joins the scheduler; every step's tokens go back as a response (streaming) or once at the end.
 Thin: the engine, the scheduler, the validation and the metrics live in specdeploy.
@@ -10,11 +11,10 @@ import triton_python_backend_utils as pb_utils
 
 from specdeploy.serve.model_files import ENGINE_PARAMETER, parameter_path
 from specdeploy.serve.served_model import ServedModel
-from specdeploy.serve.torch.server import SpeculativeServer, instance_device
+from specdeploy.serve.torch.server import TorchServer, instance_device
 
 
 class TritonPythonModel(ServedModel):
     def initialize(self, args):
         name = json.loads(args["model_config"])["name"]
-        self.server = SpeculativeServer(parameter_path(args, ENGINE_PARAMETER), name, pb_utils,
-                                        instance_device(args))
+        self.server = TorchServer(parameter_path(args, ENGINE_PARAMETER), name, pb_utils, instance_device(args))

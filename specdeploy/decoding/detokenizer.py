@@ -1,5 +1,4 @@
-"""Text around the token ids: the chat template, the tokens that end a request, and detokenisation as tokens
-arrive, never as broken UTF-8.
+"""Token ids into text as they arrive, never as broken UTF-8.
 
 Incremental detokenisation decodes a window of tokens and emits what its newest tokens add. A trailing U+FFFD
 means a multi-byte character is still incomplete, so the tokens of that character are held back until a later
@@ -11,36 +10,10 @@ marker a decoder strips), and covers the tokens of a held-back character. Each r
 
 from __future__ import annotations
 
-from specdeploy.errors import RequestError
-
 HELD_BACK = 4  # a UTF-8 character has at most 4 bytes, so at most 4 byte tokens await its completion
 # Shown tokens resent before the new ones: held-back tokens, then room for the decoding to start at a character
 # boundary and for a decoder's start-of-text effects.
 STREAM_CONTEXT = 8
-
-
-def encode_prompt(tokenizer, text: str) -> list[int]:
-    """Token ids for a user message; wrapped in the chat template when the tokenizer has one."""
-    if not text or not text.strip():
-        raise RequestError("text_input: must not be empty")
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        return tokenizer(text, add_special_tokens=False)["input_ids"]
-    return tokenizer(text)["input_ids"]
-
-
-def encode_stop_words(tokenizer, words: list[str]) -> list[list[int]]:
-    """Each non-empty stop word as the token ids it has inside generated text."""
-    return [tokenizer(word, add_special_tokens=False)["input_ids"] for word in words if word]
-
-
-def end_of_sequence_ids(tokenizer, model_eos_ids: tuple[int, ...]) -> frozenset[int]:
-    """The tokens that end a generation by default: the model's end-of-sequence ids and the tokenizer's."""
-    ids = set(model_eos_ids)
-    if tokenizer.eos_token_id is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
 
 
 def decode(tokenizer, ids: list[int]) -> str:

@@ -1,0 +1,146 @@
+"""`specdeploy bench`: the in-process bench of one or more pipelines, or a running server's load test, with what
+each option asks for (printing, --json, --report DIR, --measure-gamma-cap). The CLI parses the options into
+BenchOptions and calls `bench`."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from specdeploy.bench.bench_report import BenchReport
+from specdeploy.bench.prompts import load_prompts
+from specdeploy.errors import SpecdeployError
+from specdeploy.runtime.engine import Engine
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    pipeline_paths: tuple[str, ...] = ()
+    url: str | None = None  # HOST:PORT of a running server
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)  # with url
+    requests_per_level: int | None = None  # with url; with long_stream: generations per mode and place
+    stress: int | None = None  # with url: this many requests, some cancelled
+    cancel_fraction: float = 0.2
+    metrics_url: str | None = None  # with stress
+    long_stream: int | None = None  # with url: one streamed generation of this many tokens
+    prompts_path: str | None = None  # default: the shipped mixed set
+    max_tokens: int | None = None  # default: the pipeline's
+    temperature: float | None = None  # in-process; default: the pipeline's
+    seed: int = 0  # in-process
+    json_out: Path | None = None
+    with_transformers: bool = True
+    gammas: tuple[int, ...] = ()  # in-process: also decode every prompt at these gammas
+    peers: bool = False  # in-process
+    report_dir: Path | None = None
+    measure_gamma_cap: bool = False  # in-process, MoE targets
+
+
+def check_options(options: BenchOptions) -> None:
+    """Refuse option combinations that cannot run, before anything is built or measured."""
+    in_process = options.url is None
+    if not in_process and options.measure_gamma_cap:
+        raise SpecdeployError("--measure-gamma-cap measures in-process: give PIPELINE.yaml without --url")
+    if not in_process and options.peers:
+        raise SpecdeployError("--peers measures in-process: give PIPELINE.yaml without --url")
+    if options.report_dir is not None and (options.stress is not None or options.long_stream is not None):
+        raise SpecdeployError("--report plots the in-process bench or the concurrency levels of --url, not "
+                              "--stress or --long-stream")
+    if not in_process and len(options.pipeline_paths) > 1:
+        raise SpecdeployError("--url compares a server with one pipeline in-process: give one PIPELINE.yaml")
+    if in_process and not options.pipeline_paths:
+        raise SpecdeployError("give PIPELINE.yaml (in-process) or --url HOST:PORT (a running server)")
+    if options.long_stream is not None and not options.pipeline_paths:
+        raise SpecdeployError("--long-stream compares with the pipeline in-process: give PIPELINE.yaml")
+    if options.report_dir is not None:
+        from specdeploy.bench.report import pyplot
+
+        pyplot()  # before measuring: a missing matplotlib is an error now, not after minutes of benchmarking
+
+
+def bench(options: BenchOptions, load_engine: Callable[[str], Engine]) -> None:
+    """Run what the options ask for, print it and write what they name. load_engine: a pipeline file's engine,
+    built if needed."""
+    prompts = load_prompts(options.prompts_path)
+    check_options(options)
+    engines = [load_engine(path) for path in options.pipeline_paths]
+    if options.url is None:
+        written = in_process(options, engines, prompts)
+    else:
+        written = against_server(options, engines[0] if engines else None, [p["prompt"] for p in prompts])
+    if options.json_out:
+        options.json_out.parent.mkdir(parents=True, exist_ok=True)
+        options.json_out.write_text(json.dumps(written, indent=2))
+        print(f"wrote {options.json_out}")
+
+
+def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]) -> dict:
+    """The bench of every pipeline in one run; returns the JSON to write (one report, or several compared)."""
+    from specdeploy.bench import moe_curve
+    from specdeploy.bench.peers import peer_ratios
+    from specdeploy.bench.printing import print_report
+    from specdeploy.bench.run import run_benches
+
+    if options.measure_gamma_cap:
+        for engine in engines:
+            moe_curve.lift_gamma_cap(engine)
+    most = min(engine.pipeline.limits.max_draft_tokens for engine in engines)
+    if any(not 1 <= gamma <= most for gamma in options.gammas):
+        raise SpecdeployError(f"--gammas: every gamma must be in 1..{most} (limits.max_draft_tokens), got "
+                              f"{','.join(map(str, options.gammas))}")
+    reports = run_benches(engines, prompts, options.max_tokens, options.temperature, options.seed,
+                          with_transformers=options.with_transformers, with_peers=options.peers,
+                          gammas=options.gammas)
+    for report in reports:
+        print_report(report)
+        for name, ratio in peer_ratios(report).items():
+            print(f"{report.setup.pipeline}: ours plain {ratio.ours_plain:.2f}x, speculative "
+                  f"{ratio.ours_speculative:.2f}x the tokens/s of {name}")
+    if options.measure_gamma_cap:
+        for engine, report in zip(engines, reports):
+            print(moe_curve.save_gamma_cap(engine, report))
+    if options.report_dir is not None:
+        from specdeploy.bench.report import write_report
+
+        print(f"wrote {write_report(reports, options.report_dir, list(options.pipeline_paths))}")
+    if len(reports) == 1:
+        return reports[0].to_json()
+    return compared(reports)
+
+
+def compared(reports: list[BenchReport]) -> dict:
+    from specdeploy.bench.comparison import compare, print_comparison
+
+    comparison = compare(reports)
+    print_comparison(comparison)
+    return {"comparison": comparison, "reports": [report.to_json() for report in reports]}
+
+
+def against_server(options: BenchOptions, engine: Engine | None, texts: list[str]) -> dict:
+    """--url: the long stream, the stress test or the concurrency levels (beside the engine in-process when a
+    pipeline is given); returns the JSON to write."""
+    from specdeploy.bench import server_load_report as load_report
+
+    if options.long_stream is not None:
+        report = load_report.run_long_stream(options.url, engine, texts[0], options.long_stream,
+                                             options.requests_per_level or 3)
+        load_report.print_long_stream(report)
+        return report
+    if options.stress is not None:
+        report = load_report.run_stress(options.url, texts, options.stress, max(options.concurrency),
+                                        options.max_tokens, options.cancel_fraction, options.seed,
+                                        options.metrics_url)
+        print(json.dumps(report, indent=2))
+        return report
+    in_process_rate = (None if engine is None else
+                       load_report.in_process_tokens_per_s(engine, texts, options.max_tokens))
+    report = load_report.run_server_bench(options.url, texts, list(options.concurrency), options.max_tokens,
+                                          options.requests_per_level, in_process_rate)
+    load_report.print_server_report(report)
+    if options.report_dir is not None:
+        from specdeploy.bench.report import write_server_report
+
+        served = None if engine is None else engine.pipeline
+        print(f"wrote {write_server_report(report, options.report_dir, served)}")
+    return report

@@ -1,0 +1,89 @@
+"""A bench report on the terminal: one table of every figure, and a sentence saying where the time went when
+speculation lost."""
+
+from __future__ import annotations
+
+from dataclasses import asdict
+
+from rich.console import Console
+from rich.table import Table
+
+from specdeploy.bench.bench_report import BenchReport
+
+
+def why_it_loses(report: BenchReport) -> str | None:
+    """A sentence saying where the time went when speculation ran slower than plain decode (None when it did
+    not), naming the CPU's generic bf16 matmul when that is the cause of a costly verify."""
+    summary = report.summary
+    if summary.speedup >= 1:
+        return None
+    text = (f"Speculation ran at {summary.speedup:.2f}x plain decode here: a step cost "
+            f"{summary.proposal_cost_per_step:.2f} plain steps to propose and {summary.verify_cost_ratio:.2f} to "
+            f"verify, for {summary.mean_accepted_length:.2f} tokens.")
+    if report.setup.dtype == "bfloat16" and not report.setup.machine.bf16_matmul.startswith("oneDNN"):
+        text += (" This CPU has no oneDNN bf16 matmul (it needs AVX-512 or AMX), so a bf16 matmul's time grows with "
+                 "its rows and verifying n tokens costs nearly n plain steps: serve this pipeline without "
+                 "speculation here, or on a CPU with AVX-512 or AMX.")
+    return text
+
+
+def phases_text(seconds: dict[str, float]) -> str:
+    """{"gamma_sweep": 22.3, ...} → "gamma sweep 22, ..." (whole seconds)."""
+    return ", ".join(f"{phase.replace('_', ' ')} {value:.0f}" for phase, value in seconds.items())
+
+
+def cell(value) -> str:
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, list):
+        return " ".join(f"{v:.2f}" for v in value)
+    return str(value)
+
+
+def section_cell(value) -> str:
+    """A Medusa or MoE figure: byte counts in 3 significant digits."""
+    if isinstance(value, float):
+        return f"{value:.3f}"
+    if isinstance(value, list) and value and isinstance(value[0], float):
+        return " ".join(f"{v:.3g}" if v >= 1e4 else f"{v:.2f}" for v in value)
+    return str(value)
+
+
+def figure_rows(report: BenchReport) -> list[tuple[str, str]]:
+    """(name, value) of every measured figure, named as in the JSON."""
+    summary = asdict(report.summary)
+    del summary["by_kind"]
+    parts = [summary, asdict(report.greedy) if report.greedy else {}, asdict(report.ceiling),
+             {"verify_costs": report.verify_costs}, asdict(report.transformers) if report.transformers else {},
+             {"max_tokens": report.setup.max_tokens, "threads": report.setup.threads},
+             {"gamma_sweep": report.gamma_sweep}]
+    rows = [(name, cell(value)) for part in parts for name, value in part.items() if value is not None]
+    rows += [(f"speedup ({kind})", f"{row.speedup:.3f} ({row.prompts} prompts)")
+             for kind, row in report.summary.by_kind.items()]
+    for section, part in (("medusa", report.medusa), ("moe", report.moe)):
+        if part is not None:
+            rows += [(f"{section}: {name}", section_cell(value)) for name, value in asdict(part).items()
+                     if value is not None]
+    return rows
+
+
+def print_report(report: BenchReport, console: Console | None = None) -> None:
+    console = console or Console()
+    setup = report.setup
+    capped = "" if setup.gamma_cap is None else f" capped at {setup.gamma_cap}"
+    table = Table(title=f"specdeploy bench — {setup.pipeline}: {setup.method}, gamma={setup.num_draft_tokens}"
+                        f"{capped} ({setup.schedule}), {setup.dtype}, T={setup.temperature}, {setup.prompts} prompts")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in figure_rows(report):
+        table.add_row(name, value)
+    if report.phase_seconds:
+        table.add_row("time spent (s)", phases_text(report.phase_seconds))
+    machine = setup.machine
+    table.add_row("machine", f"{machine.cpu}, {machine.threads} threads, "
+                             f"{' '.join(machine.matmul_flags) or 'no listed flags'}; "
+                             f"bf16 matmul: {machine.bf16_matmul}")
+    console.print(table)
+    verdict = why_it_loses(report)
+    if verdict:
+        console.print(f"[yellow]{verdict}[/yellow]")

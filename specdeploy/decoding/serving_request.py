@@ -1,0 +1,59 @@
+"""A request inside a serving loop, as both flavours keep it: the torch flavour's scheduler (runtime/scheduler.py)
+and the trtllm flavour's orchestrator (serve/trtllm/orchestration.py). Each holds its running requests as
+`ServingRequest`s, hands their tokens to a `TokenCallback`, and counts the finished ones in `ServingCounters`, which
+the specdeploy_* metrics read (serve/served_model.py). Nothing here runs a model, so the trtllm flavour, which
+loads no weights, imports it without the torch engine."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from specdeploy.decoding.sequence import Sequence
+from specdeploy.decoding.stats import RequestStats
+
+# on_tokens(tokens, finished, stats): new tokens of one request; finished is None or the finish reason
+# ("stop", "length", "cancelled", "error: ...", "shutdown: ..."); stats: the request's RequestStats so far.
+TokenCallback = Callable[[list[int], str | None, RequestStats], None]
+
+
+@dataclass(eq=False)  # a request is itself: rows and queues find it by identity
+class ServingRequest:
+    sequence: Sequence
+    on_tokens: TokenCallback
+    is_cancelled: Callable[[], bool] = lambda: False  # the client's side: a disconnected stream
+    reserved: int = 0  # KV slots priced at admission
+    cancel_requested: bool = False  # the server's side: cancelled through the loop
+    submitted: float = field(default_factory=time.perf_counter)
+
+    @property
+    def cancelled(self) -> bool:
+        """Cancelled through the serving loop or by the client."""
+        return self.cancel_requested or self.is_cancelled()
+
+
+@dataclass
+class ServingCounters:
+    """Monotonic totals over finished requests, for metrics."""
+
+    drafted: int = 0
+    accepted: int = 0
+    steps: int = 0  # verification steps, summed over requests
+    accepted_per_position: list[int] = field(default_factory=list)
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, stats: RequestStats, finish_reason: str) -> None:
+        """Count a finished request: its statistics, and its outcome (the finish reason before any ": detail")."""
+        self.drafted += stats.drafted
+        self.accepted += stats.accepted
+        self.steps += stats.steps
+        for i, count in enumerate(stats.accepted_per_position):
+            if i >= len(self.accepted_per_position):
+                self.accepted_per_position.append(0)
+            self.accepted_per_position[i] += count
+        self.count_outcome(finish_reason)
+
+    def count_outcome(self, finish_reason: str) -> None:
+        outcome = finish_reason.split(":")[0]
+        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
