@@ -44,7 +44,7 @@ def test_console_script_exit_status(tmp_path):
 
 def assert_no_engine(engines: Path, name: str) -> None:
     """A failed build leaves neither the engine nor a half-written staging directory behind (only the engine's
-    lock file, which stays: see layout.build_lock)."""
+    lock file, which stays: see engine_paths.build_lock)."""
     assert not (engines / name).exists()
     assert not [p for p in engines.glob(f".{name}*") if p.name != f".{name}.lock"] if engines.exists() else True
 

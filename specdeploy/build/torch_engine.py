@@ -26,8 +26,8 @@ from specdeploy.build.moe_derive import derive_target
 from specdeploy.errors import BuildError, SpecdeployError
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 from specdeploy.models.registry import DTYPES, projection_key
-from specdeploy.spec.engine_paths import build_lock, engine_path, save_engine_pipeline, staging_dir
-from specdeploy.spec.manifest import fingerprint, reuse, write_manifest
+from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, staging_dir
+from specdeploy.spec.manifest import build_unless_current, fingerprint, write_manifest
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
@@ -135,11 +135,8 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                          f"trtllm pipeline)")
     final = engine_path(engines_root, pipeline)
     inputs = build_inputs(pipeline, final)
-    with build_lock(final):  # checked under the lock: a build that held it before us may have just written it
-        if not force and reuse(final, inputs, pipeline):
-            return BuildResult(final, False)
-        write_engine(pipeline, final, inputs, quiet)
-    return BuildResult(final, True)
+    built = build_unless_current(final, inputs, pipeline, force, lambda: write_engine(pipeline, final, inputs, quiet))
+    return BuildResult(final, built)
 
 
 def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool) -> None:

@@ -16,10 +16,11 @@ from __future__ import annotations
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from specdeploy.errors import SpecdeployError
-from specdeploy.spec.engine_paths import MANIFEST_FILE, PIPELINE_FILE, save_engine_pipeline, write_json
+from specdeploy.spec.engine_paths import MANIFEST_FILE, PIPELINE_FILE, build_lock, save_engine_pipeline, write_json
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 
 ENGINE_SECTIONS = ("name", "target", "speculation", "limits", "backend")  # a change in these rebuilds the engine
@@ -144,3 +145,15 @@ def write_manifest(staging: Path, inputs: dict) -> None:
                     components=sorted(p.name for p in staging.iterdir() if p.is_dir()),
                     outputs=output_records(staging))
     (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))
+
+
+def build_unless_current(final: Path, inputs: dict, pipeline: PipelineSpec, force: bool,
+                         write: Callable[[], None]) -> bool:
+    """Run `write` (which builds the engine into `final`) under final's build lock, unless the engine there is
+    up to date with `inputs` and not `force`d. Returns whether it built. Checked under the lock: a build that held
+    it before us may have just written it."""
+    with build_lock(final):
+        if not force and reuse(final, inputs, pipeline):
+            return False
+        write()
+    return True

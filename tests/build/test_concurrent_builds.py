@@ -1,5 +1,5 @@
 """Two processes writing one output on one volume (two build Jobs, a Job's retry beside a pod still running, two
-`specdeploy build` or `package` runs): they take turns through layout.build_lock, the second finds the first's output
+`specdeploy build` or `package` runs): they take turns through build_lock, the second finds the first's output
 up to date, and neither deletes the other's work.
 
 The writers are forked processes going through the real layout functions, with a slow step inside the staging

@@ -32,8 +32,8 @@ from specdeploy.build.trtllm.plan import (
     streams_target,
 )
 from specdeploy.errors import BuildError
-from specdeploy.spec.engine_paths import build_lock, engine_path, save_engine_pipeline, staging_dir
-from specdeploy.spec.manifest import fingerprint, reuse, write_manifest
+from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, staging_dir
+from specdeploy.spec.manifest import build_unless_current, fingerprint, write_manifest
 from specdeploy.spec.pipeline import PipelineSpec
 
 MEDUSA_HEADS_FILE = "medusa_lm_head.safetensors"  # the name TensorRT-LLM's Medusa converter reads
@@ -164,11 +164,9 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
                          f"{len(steps)} steps it would run.")
     final = engine_path(engines_root, pipeline)
     inputs = build_inputs(pipeline, final)
-    with build_lock(final):  # checked under the lock: a build that held it before us may have just written it
-        if not force and reuse(final, inputs, pipeline):
-            return BuildResult(final, False)
-        run_plan(pipeline, final, inputs, steps, quiet)
-    return BuildResult(final, True)
+    built = build_unless_current(final, inputs, pipeline, force,
+                                 lambda: run_plan(pipeline, final, inputs, steps, quiet))
+    return BuildResult(final, built)
 
 
 def run_plan(pipeline: PipelineSpec, final: Path, inputs: dict, steps: list[Step], quiet: bool) -> None:
