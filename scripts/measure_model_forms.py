@@ -213,8 +213,10 @@ def measure(dtype: torch.dtype, state: dict, config, args) -> None:
     if not swaps.packed:
         variants = [v for v in variants if "packed" not in v.forms]
     variants.append(Variant("before", {"packed", "layernorm", "complex", "bound"}))
-    if args.variants:
-        variants = [v for v in variants if v.name == "plain" or v.name in args.variants]
+    if args.variants:  # any combination, named plain+<form>+<form>...
+        known = {v.name: v for v in variants}
+        chosen = [known.get(name) or Variant(name, set(name.split("+")[1:]) & set(FORMS)) for name in args.variants]
+        variants = [Variant("plain", set())] + [v for v in chosen if v.name != "plain"]
     context = args.context
     prompt = torch.randint(0, config.vocab_size, (1, context + 8), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(1, context + 16)
@@ -308,7 +310,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--context", type=int, default=128)
-    parser.add_argument("--variants", nargs="+", help="measure only these variants (and plain), e.g. before")
+    parser.add_argument("--variants", nargs="+",
+                        help="measure only these variants (and plain), e.g. before plain+packed+layernorm")
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
