@@ -92,6 +92,17 @@ class Variant:
         self.name, self.forms = name, forms
 
 
+def variant_named(name: str) -> Variant:
+    """"before" (every old form), or plain+<form>+<form>... with each form one of FORMS; ValueError otherwise."""
+    if name == "before":
+        return Variant(name, {"packed", "layernorm", "complex", "bound"})
+    base, *forms = name.split("+")
+    unknown = [form for form in forms if form not in FORMS]
+    if base != "plain" or unknown:
+        raise ValueError(f"variant {name!r}: expected 'before' or plain+<form>+..., forms from {', '.join(FORMS)}")
+    return Variant(name, set(forms))
+
+
 class Swaps:
     """Both forms of every swappable piece of one model, built once (weights shared where a form allows)."""
 
@@ -212,11 +223,9 @@ def measure(dtype: torch.dtype, state: dict, config, args) -> None:
     variants = [Variant("plain", set())] + [Variant(f"plain+{form}", {form}) for form in FORMS]
     if not swaps.packed:
         variants = [v for v in variants if "packed" not in v.forms]
-    variants.append(Variant("before", {"packed", "layernorm", "complex", "bound"}))
-    if args.variants:  # any combination, named plain+<form>+<form>...
-        known = {v.name: v for v in variants}
-        chosen = [known.get(name) or Variant(name, set(name.split("+")[1:]) & set(FORMS)) for name in args.variants]
-        variants = [Variant("plain", set())] + [v for v in chosen if v.name != "plain"]
+    variants.append(variant_named("before"))
+    if args.variants:
+        variants = [Variant("plain", set())] + [variant_named(name) for name in args.variants if name != "plain"]
     context = args.context
     prompt = torch.randint(0, config.vocab_size, (1, context + 8), generator=torch.Generator().manual_seed(0))
     cache = model.new_cache(1, context + 16)
@@ -314,6 +323,11 @@ def main() -> None:
                         help="measure only these variants (and plain), e.g. before plain+packed+layernorm")
     parser.add_argument("--compile", action="store_true")
     args = parser.parse_args()
+    for name in args.variants or []:
+        try:
+            variant_named(name)
+        except ValueError as error:
+            parser.error(f"--variants: {error}")
     torch.set_num_threads(args.threads)
     pipeline = load_pipeline(REPO / "pipelines" / "smollm2-draft-target.yaml")
     checkpoint = load_checkpoint(pipeline.target.checkpoint, pipeline)
