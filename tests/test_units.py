@@ -213,6 +213,20 @@ def test_rotary_and_norm_are_transformers_llamas_and_a_tied_head_is_the_embeddin
     expected, _ = apply_rotary_pos_emb(q.transpose(1, 2), q.transpose(1, 2), cos, sin)
     rotation = rotary_table(config, 128)[:, positions, None]
     torch.testing.assert_close(rotate(q, rotation), expected.transpose(1, 2), rtol=1e-6, atol=1e-6)
+    # bf16 rotates in bf16, as transformers does (its cos/sin cast to q's dtype). Its fused multiply-add rounds
+    # once where transformers rounds each product too: they differ by the products' roundings, under two bf16 units
+    # in the last place of the largest of the pair's inputs and the result.
+    q16 = q.bfloat16()
+    cos16, sin16 = LlamaRotaryEmbedding(hf_config)(q16, positions)
+    expected16, _ = apply_rotary_pos_emb(q16.transpose(1, 2), q16.transpose(1, 2), cos16, sin16)
+    assert cos16.dtype == torch.bfloat16
+    rotated16 = rotate(q16, rotation.bfloat16())
+    assert rotated16.dtype == torch.bfloat16
+    ours, theirs = rotated16.float(), expected16.transpose(1, 2).float()
+    largest = torch.stack([q16.abs(), q16.roll(4, dims=-1).abs(), rotated16.abs()]).amax(0).float()
+    last_place = torch.exp2(torch.floor(torch.log2(largest)) - 7)  # bf16 keeps 8 significant bits
+    assert ((ours - theirs).abs() <= 2 * last_place).all()
+    assert torch.equal(rotate(q16, rotation), rotated16)  # an fp32 table is cast to q's dtype first
 
     weight = torch.randn(32, generator=generator)
     x = torch.randn(3, 32, generator=generator)
@@ -227,3 +241,34 @@ def test_rotary_and_norm_are_transformers_llamas_and_a_tied_head_is_the_embeddin
     unpacked = LlamaModel(config, state, torch.bfloat16, prepack=False)  # what a compiled engine is built from
     assert unpacked.lm_head.weight.data_ptr() == unpacked.embed.data_ptr()
     assert all(layer.qkv.packed is None for layer in unpacked.layers)
+
+
+def test_the_eager_norm_is_the_compiled_models_norm(monkeypatch):
+    """RMSNorm runs layer norm of [x, -x] eagerly and the fp32 form under torch.compile: one function. In fp32 a
+    whole model's logits agree either way; in bf16 both stay within bf16's rounding of transformers' norm."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from specdeploy.models.config import ModelConfig
+    from specdeploy.models.llama import LlamaModel, RMSNorm
+
+    hf_config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                            num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    torch.manual_seed(5)
+    model = LlamaModel(ModelConfig.from_hf(hf_config), LlamaForCausalLM(hf_config).state_dict())
+    tokens = torch.randint(0, 64, (2, 7))
+    positions = torch.arange(7).repeat(2, 1)
+
+    def logits() -> torch.Tensor:
+        return model.logits(model(tokens, positions, model.new_cache(2, 8)))
+
+    eager = logits()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    compiled_form = logits()
+    torch.testing.assert_close(eager, compiled_form, rtol=1e-5, atol=1e-5)
+    monkeypatch.undo()
+
+    weight, x = torch.randn(32).bfloat16(), (torch.randn(5, 32) * 3).bfloat16()
+    hf_norm = LlamaRMSNorm(32, eps=1e-5).bfloat16()
+    hf_norm.weight.data.copy_(weight)
+    torch.testing.assert_close(RMSNorm(weight, 1e-5)(x), hf_norm(x))

@@ -69,16 +69,27 @@ def fused_linear(state: dict[str, torch.Tensor], names: list[str], dtype: torch.
 
 
 class RMSNorm(nn.Module):
-    """x / sqrt(mean(x²) + eps) * weight over the last dimension, computed in fp32 and rounded once to x's dtype."""
+    """x / sqrt(mean(x²) + eps) * weight over the last dimension. x: [..., H] → [..., H] in x's dtype.
+
+    Compiled (torch.compile), the plain form: in fp32, rounded once, which inductor fuses into one kernel. Eager,
+    layer norm of [x, -x] (zero mean, so its variance is mean(x²): the same function), one fused kernel where the
+    plain form is eight: 7 against 15 µs per row on a 2-core EPYC, and a decode step runs 61 norms. It rounds the
+    weight product to x's dtype as Hugging Face's LlamaRMSNorm does; in fp32 the two forms agree to 1e-6
+    (tests/test_units.py)."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(weight.float(), requires_grad=False)
+        self.doubled_weight = nn.Parameter(torch.cat([weight, weight]), requires_grad=False)
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        wide = x.float()
-        return (wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        if torch.compiler.is_compiling():
+            wide = x.float()
+            return (wide * torch.rsqrt(wide.square().mean(-1, keepdim=True) + self.eps) * self.weight).to(x.dtype)
+        width = x.shape[-1]
+        doubled = torch.cat([x, -x], dim=-1)
+        return F.layer_norm(doubled, (2 * width,), self.doubled_weight, None, self.eps)[..., :width]
 
 
 def rotary_table(config: ModelConfig, length: int) -> torch.Tensor:
@@ -90,12 +101,12 @@ def rotary_table(config: ModelConfig, length: int) -> torch.Tensor:
 
 
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding in fp32, rotate-half layout: x * cos + [-x2, x1] * sin, with [-x2, x1] * sin written as
-    [x2, x1] * [-sin, sin] (one roll instead of a negation and a concatenation: the same products).
-    x: [B, T, heads, D]; rotation: [2, B, T, 1, D] (rotary_table's rows at each position)."""
-    cos, signed_sin = rotation
-    wide = x.float()
-    return (wide * cos + wide.roll(x.shape[-1] // 2, dims=-1) * signed_sin).to(x.dtype)
+    """Rotary embedding in x's dtype, as Hugging Face Llama computes it, rotate-half layout: x * cos + [-x2, x1] * sin,
+    with [-x2, x1] * sin written as [x2, x1] * [-sin, sin] (one roll and one fused multiply-add instead of a
+    negation, a concatenation and two casts to fp32: the bf16 step runs 0.6x the kernels' time of the fp32 form).
+    x: [B, T, heads, D]; rotation: [2, B, T, 1, D] (rotary_table's rows at each position, any float dtype)."""
+    cos, signed_sin = rotation.to(x.dtype)
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
 class GatedMLP(nn.Module):
@@ -132,7 +143,9 @@ class DecoderLayer(nn.Module):
         mask: [B, 1, G*T, S] bool or None, G = query heads per kv head (queries are grouped by kv head)."""
         batch, length, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv(self.input_norm(x)).unflatten(-1, (heads + 2 * kv_heads, dim))  # [B, T, all heads, D]
+        # Submodules are called through .forward: nn.Module.__call__'s hook checks cost ~2 µs a call, 120 calls a
+        # step. The feed-forward block keeps __call__: build/moe_derive.py hooks it to record its inputs.
+        qkv = self.qkv.forward(self.input_norm.forward(x)).unflatten(-1, (heads + 2 * kv_heads, dim))
         qk = rotate(qkv[:, :, :heads + kv_heads], rotation)
         k = qk[:, :, heads:].transpose(1, 2)  # [B, kv_heads, T, D]
         v = qkv[:, :, heads + kv_heads:].transpose(1, 2)
@@ -142,8 +155,8 @@ class DecoderLayer(nn.Module):
         q = qk[:, :, :heads].transpose(1, 2).reshape(batch, kv_heads, (heads // kv_heads) * length, dim)
         attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
         attended = attended.view(batch, kv_heads, heads // kv_heads, length, dim).permute(0, 3, 1, 2, 4)
-        x = x + self.out(attended.reshape(batch, length, heads * dim))
-        return x + self.feed_forward(self.post_attention_norm(x))
+        x = x + self.out.forward(attended.reshape(batch, length, heads * dim))
+        return x + self.feed_forward(self.post_attention_norm.forward(x))
 
 
 class LlamaModel(nn.Module):
@@ -168,7 +181,8 @@ class LlamaModel(nn.Module):
             # copying it, unless prepack packs it, which makes a second, packed copy (V x H, 56 MB in bf16 for
             # SmolLM2) because the embedding lookup still needs the plain rows.
             self.lm_head = DenseLinear(self.embed.data)
-        self.register_buffer("rotations", rotary_table(config, config.max_position_embeddings), persistent=False)
+        self.register_buffer("rotations", rotary_table(config, config.max_position_embeddings).to(dtype),
+                             persistent=False)
         if prepack:
             for module in self.modules():
                 if isinstance(module, DenseLinear):
@@ -214,7 +228,7 @@ class LlamaModel(nn.Module):
         rotation = self.rotation_at(positions)
         x = self.embed[tokens]
         for index, layer in enumerate(self.layers):
-            x = layer(x, rotation, *kv_cache.layer(index), slots, mask, kv_len)
+            x = layer.forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len)  # no hooks: skip __call__
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
