@@ -73,8 +73,8 @@ class RMSNorm(nn.Module):
 
     Compiled (torch.compile), the plain form: in fp32, rounded once, which inductor fuses into one kernel. Eager,
     layer norm of [x, -x] (zero mean, so its variance is mean(x²): the same function), one fused kernel where the
-    plain form is eight: 7 against 15 µs per row on a 2-core EPYC, and a decode step runs 61 norms. It rounds the
-    weight product to x's dtype as Hugging Face's LlamaRMSNorm does; in fp32 the two forms agree to 1e-6
+    plain form is eight: 7 against 16 µs per row on a 2-core EPYC, and a decode step runs 61 norms. It rounds the
+    weight product to x's dtype as Hugging Face's LlamaRMSNorm does; in fp32 a model's logits agree to 1e-5 either way
     (tests/test_units.py)."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
@@ -103,7 +103,7 @@ def rotary_table(config: ModelConfig, length: int) -> torch.Tensor:
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in x's dtype, as Hugging Face Llama computes it, rotate-half layout: x * cos + [-x2, x1] * sin,
     with [-x2, x1] * sin written as [x2, x1] * [-sin, sin] (one roll and one fused multiply-add instead of a
-    negation, a concatenation and two casts to fp32: the bf16 step runs 0.6x the kernels' time of the fp32 form).
+    negation, a concatenation and two casts to fp32: 7.6 against 12.5 µs per call in bf16 on a 2-core EPYC).
     x: [B, T, heads, D]; rotation: [2, B, T, 1, D] (rotary_table's rows at each position, any float dtype)."""
     cos, signed_sin = rotation.to(x.dtype)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
