@@ -13,13 +13,17 @@ from specdeploy.models.device_transfer import from_host
 
 
 class KVCache:
-    """Keys and values for every layer: `keys[layer]`, `values[layer]` are [batch, kv_heads, max_length, head_dim]."""
+    """Keys and values for every layer: `keys[layer]`, `values[layer]` are [batch, kv_heads, max_length, head_dim].
+
+    One tensor per layer, not one [layers, ...] tensor: a compiled step's writes into a layer's slice of a stacked
+    tensor become a copy of every layer's entries at each layer (inductor functionalizes the mutation of a view),
+    55 ms a step at 2,048 slots against 0.2 ms for separate tensors written in place."""
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:
-        shape = (num_layers, batch_size, num_kv_heads, max_length, head_dim)
-        self.keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.values = torch.zeros(shape, dtype=dtype, device=device)
+        shape = (batch_size, num_kv_heads, max_length, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.max_length = max_length
         self.lengths = [0] * batch_size  # committed prefix per row, host-side so no sync is needed to read it
 
@@ -36,16 +40,21 @@ class KVCache:
     def rows(self, start: int, stop: int) -> KVCache:
         """Rows start..stop-1 as a cache sharing this one's storage; its lengths start as a copy of theirs."""
         view = object.__new__(KVCache)
-        view.keys, view.values = self.keys[:, start:stop], self.values[:, start:stop]
+        view.keys = [keys[start:stop] for keys in self.keys]
+        view.values = [values[start:stop] for values in self.values]
         view.max_length = self.max_length
         view.lengths = self.lengths[start:stop]
         return view
 
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of every layer's keys and values: [layers, batch, kv_heads, max_length, head_dim] each."""
+        return torch.stack(self.keys), torch.stack(self.values)
+
     def move_row(self, source: int, destination: int) -> None:
         """Copy row `source`'s committed entries into row `destination` (compacting the active rows)."""
         length = self.lengths[source]
-        self.keys[:, destination, :, :length] = self.keys[:, source, :, :length]
-        self.values[:, destination, :, :length] = self.values[:, source, :, :length]
+        for entries in (*self.keys, *self.values):
+            entries[destination, :, :length] = entries[source, :, :length]
         self.lengths[destination] = length
 
     def move_entries(self, row: int, sources: list[int], destinations: list[int]) -> None:
@@ -53,23 +62,23 @@ class KVCache:
         accepted path, moved from where its nodes were written to the positions it now holds)."""
         if sources == destinations:
             return
-        source = from_host(sources, self.keys.device)
-        destination = from_host(destinations, self.keys.device)
-        self.keys[:, row, :, destination] = self.keys[:, row, :, source]
-        self.values[:, row, :, destination] = self.values[:, row, :, source]
+        source = from_host(sources, self.keys[0].device)
+        destination = from_host(destinations, self.keys[0].device)
+        for entries in (*self.keys, *self.values):
+            entries[row, :, destination] = entries[row, :, source]
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """One layer's keys and values: two [B, kv_heads, max_length, head_dim] views into the cache."""
+        """One layer's keys and values: [B, kv_heads, max_length, head_dim] each."""
         return self.keys[index], self.values[index]
 
 
 def write_entries(keys_cache: torch.Tensor, values_cache: torch.Tensor, slots: torch.Tensor, keys: torch.Tensor,
                   values: torch.Tensor) -> None:
     """Store new entries of one layer. *_cache: [B, kv_heads, max_length, D]; slots: [B, T] long;
-    keys/values: [B, kv_heads, T, D]."""
+    keys/values: [B, kv_heads, T, D]. Indexed assignment, which inductor keeps in place in a compiled step."""
     if slots.shape[0] == 1:
-        keys_cache[0].index_copy_(1, slots[0], keys[0])
-        values_cache[0].index_copy_(1, slots[0], values[0])
+        keys_cache[:, :, slots[0]] = keys
+        values_cache[:, :, slots[0]] = values
         return
     rows = torch.arange(slots.shape[0], device=slots.device)[:, None]
     keys_cache[rows, :, slots] = keys.transpose(1, 2)

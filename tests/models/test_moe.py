@@ -285,7 +285,7 @@ def test_the_moe_cache_after_rejections_is_a_fresh_prefill(moe_engines):
         assert length == len(committed) - 1
         fresh = engine.target.new_cache(1, 256)
         engine.target(torch.tensor([committed[:length]]), torch.arange(length)[None], fresh)
-        torch.testing.assert_close(engine.cache.keys[:, :1, :, :length], fresh.keys[:, :, :, :length],
+        torch.testing.assert_close(engine.cache.stacked()[0][:, :1, :, :length], fresh.stacked()[0][:, :, :, :length],
                                    atol=1e-4, rtol=1e-4)
     assert rejections > 0
 

@@ -49,7 +49,8 @@ def test_batched_rows_with_different_lengths(tiny_checkpoints):
     for row, prompt in enumerate((short, long)):
         row_cache = model.new_cache(1, 16)
         model(torch.tensor([prompt[:-1]]), torch.arange(len(prompt) - 1)[None], row_cache)
-        cache.keys[:, row], cache.values[:, row] = row_cache.keys[:, 0], row_cache.values[:, 0]
+        for entries, row_entries in zip(cache.keys + cache.values, row_cache.keys + row_cache.values):
+            entries[row] = row_entries[0]
         cache.lengths[row] = len(prompt) - 1
     tokens = torch.tensor([[short[-1]], [long[-1]]])
     positions = torch.tensor([[len(short) - 1], [len(long) - 1]])
@@ -151,10 +152,9 @@ def test_caches_hold_exactly_the_committed_prefix(tiny_engines, kind, temperatur
         rejections += len(emitted) <= 4
         assert target_length == len(committed) - 1  # everything but the pending token
         fresh = fresh_prefill(engine.target, committed[:target_length], 256)
-        torch.testing.assert_close(engine.cache.keys[:, :, :, :target_length], fresh.keys[:, :, :, :target_length],
-                                   atol=1e-4, rtol=1e-4)
-        torch.testing.assert_close(engine.cache.values[:, :, :, :target_length],
-                                   fresh.values[:, :, :, :target_length], atol=1e-4, rtol=1e-4)
+        for ours, expected in zip(engine.cache.stacked(), fresh.stacked()):  # keys, then values
+            torch.testing.assert_close(ours[..., :target_length, :], expected[..., :target_length, :],
+                                       atol=1e-4, rtol=1e-4)
         draft = engine.proposer
         if kind in ("int4", "int8"):  # a derived draft reads the target's entries: the check above covers them
             assert draft.shared and draft.cache is engine.cache
@@ -169,7 +169,8 @@ def test_caches_hold_exactly_the_committed_prefix(tiny_engines, kind, temperatur
             assert draft_length == len(committed) - 2
         fresh = fresh_prefill(draft.model, committed[:draft_length], 256)
         tolerance = 1e-4 if draft.model.dtype == torch.float32 else 5e-2
-        torch.testing.assert_close(draft.cache.keys[:, :, :, :draft_length], fresh.keys[:, :, :, :draft_length],
+        keys, fresh_keys = draft.cache.stacked()[0], fresh.stacked()[0]
+        torch.testing.assert_close(keys[..., :draft_length, :], fresh_keys[..., :draft_length, :],
                                    atol=tolerance, rtol=tolerance)
     assert rejections > 0
 

@@ -121,10 +121,8 @@ def test_greedy_tree_speculation_equals_plain_batched_and_the_cache_is_the_commi
             length = engine.cache.lengths[row]
             assert length == len(sequence.committed) - 1
             fresh = fresh_prefill(engine.target, sequence.committed[:length], 256)
-            torch.testing.assert_close(engine.cache.keys[:, row, :, :length], fresh.keys[:, 0, :, :length],
-                                       atol=1e-4, rtol=1e-4)
-            torch.testing.assert_close(engine.cache.values[:, row, :, :length], fresh.values[:, 0, :, :length],
-                                       atol=1e-4, rtol=1e-4)
+            for ours, expected in zip(engine.cache.stacked(), fresh.stacked()):  # keys, then values
+                torch.testing.assert_close(ours[:, row, :, :length], expected[:, 0, :, :length], atol=1e-4, rtol=1e-4)
     assert sum(s.stats.accepted for s in sequences) > 0 and steps >= 5
 
 
@@ -147,6 +145,6 @@ def test_mixed_rows_verify_a_tree_with_one_host_read_and_keep_their_caches(tiny_
             length = engine.cache.lengths[row]
             assert length == len(sequence.committed) - 1
             fresh = fresh_prefill(engine.target, sequence.committed[:length], 256)
-            torch.testing.assert_close(engine.cache.keys[:, row, :, :length], fresh.keys[:, 0, :, :length],
-                                       atol=1e-4, rtol=1e-4)
+            keys, fresh_keys = engine.cache.stacked()[0], fresh.stacked()[0]
+            torch.testing.assert_close(keys[:, row, :, :length], fresh_keys[:, 0, :, :length], atol=1e-4, rtol=1e-4)
     assert all(s.stats.drafted > 0 for s in sequences)
