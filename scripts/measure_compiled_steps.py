@@ -1,7 +1,8 @@
 """Time a built engine's models step by step, eager against torch.compile (inductor, freezing), in one run (issue 27).
 
 For each component of the engine (the bf16 target: eager from oneDNN's prepacked weights, compiled from the plain
-ones, which inductor's freezing packs itself; the int4 draft, which is the target's weights as int4 groups) and each
+ones, which inductor's freezing packs itself; the int4 draft, which is the target's weights as int4 groups; and, when
+llama-cpp-python is installed (`make peers`), llama.cpp's decode step on the GGUF the target came from) and each
 width (1: a decode step; N: a verify of N positions), the forward plus the vocabulary projection of its last
 position, over a cache holding --context tokens. Each round times every line once, so the machine's drift falls on
 all of them alike; the figures are the median and minimum over rounds. Compilation is at a fixed shape (one graph
@@ -44,6 +45,33 @@ def step_runner(model, prompt: torch.Tensor, context: int, width: int, cache_slo
     def run() -> torch.Tensor:
         cache.lengths = [context]
         return model.logits(forward(tokens, positions, cache)[:, -1])
+
+    return run
+
+
+def llama_cpp_runner(engine: Path, prompt: torch.Tensor, context: int):
+    """llama.cpp's decode step (llama-cpp-python, `make peers`) on the GGUF the engine's target was built from, at
+    the same position after the same context; None where it is not installed or the target has no GGUF."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    from specdeploy.build.checkpoints import locate
+    from specdeploy.spec.engine_paths import engine_pipeline
+
+    pipeline = engine_pipeline(engine)
+    gguf = locate(pipeline.target.checkpoint, pipeline)
+    if gguf.suffix != ".gguf" or pipeline.target.moe is not None:
+        return None
+    threads = torch.get_num_threads()
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=context + 16, n_threads=threads, n_threads_batch=threads,
+                          verbose=False)
+    llm.eval(prompt[0, :context].tolist())
+    token = int(prompt[0, context])
+
+    def run() -> None:
+        llm.n_tokens = context  # eval drops the cache entries past n_tokens: a decode step at the same position
+        llm.eval([token])
 
     return run
 
@@ -113,6 +141,9 @@ def main() -> None:
             milliseconds(run, 1)
             print(f"{name} w{width}: compiled in {time.perf_counter() - start:.0f} s", flush=True)
             runs[f"{name} compiled w{width}"] = run
+    llama_cpp_step = llama_cpp_runner(args.engine, prompt, args.context)
+    if llama_cpp_step is not None:
+        runs["llama.cpp w1"] = llama_cpp_step
     times: dict[str, list[float]] = {line: [] for line in runs}
     for _ in range(args.rounds):
         for line, run in runs.items():
