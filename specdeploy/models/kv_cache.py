@@ -40,8 +40,11 @@ class KVCache:
     def rows(self, start: int, stop: int) -> KVCache:
         """Rows start..stop-1 as a cache sharing this one's storage; its lengths start as a copy of theirs."""
         view = object.__new__(KVCache)
-        view.keys = [keys[start:stop] for keys in self.keys]
-        view.values = [values[start:stop] for values in self.values]
+        if start == 0 and stop == self.batch_size:  # every row (each draft forward asks): the tensors themselves
+            view.keys, view.values = self.keys, self.values
+        else:
+            view.keys = [keys[start:stop] for keys in self.keys]
+            view.values = [values[start:stop] for values in self.values]
         view.max_length = self.max_length
         view.lengths = self.lengths[start:stop]
         return view
