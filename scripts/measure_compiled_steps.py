@@ -128,11 +128,12 @@ def main() -> None:
     components = [name for name in ("target", "draft") if (args.engine / name / "config.json").is_file()]
     if not components:
         parser.error(f"{args.engine}: no target/ or draft/ with a config.json (build the pipeline first)")
-    prompt = torch.randint(0, 49152, (1, args.context + max(args.widths)), generator=torch.Generator().manual_seed(0))
+    config, _ = component_config(args.engine / components[0])  # the target's and a derived draft's are alike
+    prompt = torch.randint(0, config.vocab_size, (1, args.context + max(args.widths)),
+                           generator=torch.Generator().manual_seed(0))
     runs = {}
     for name in components:
         eager, plain = load_component(args.engine / name), plain_model(args.engine / name)
-        prompt = prompt % eager.config.vocab_size
         for width in args.widths:
             runs[f"{name} eager w{width}"] = step_runner(eager, prompt, args.context, width, args.cache_slots)
             start = time.perf_counter()
@@ -153,7 +154,7 @@ def main() -> None:
     for line, values in times.items():
         print(f"  {line:24} median {statistics.median(values):7.2f}   min {min(values):7.2f}")
     if args.cache_writes:
-        cache_write_cost(eager.config.num_layers, args.cache_slots, args.steps * 5)
+        cache_write_cost(config.num_layers, args.cache_slots, args.steps * 5)
 
 
 if __name__ == "__main__":
