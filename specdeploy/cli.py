@@ -103,6 +103,14 @@ def integers(text: str, option: str) -> list[int]:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
 
 
+def write_json(path: Path | None, report: dict) -> None:
+    """A command's report as JSON at `path`, when the user asked for one."""
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(report, indent=2))
+        click.echo(f"wrote {path}")
+
+
 def echo_text(text: str) -> None:
     if text:
         click.echo(text, nl=False)
@@ -238,6 +246,22 @@ def export_hf(pipeline_path: str, engines_dir: Path, component: str, output: Pat
     click.echo(f"wrote {export_component(pipeline_path, engines_dir, component, output, dtype)}")
 
 
+@cli.command("quant-quality")
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the report as JSON.")
+def quant_quality(pipeline_path: str, json_out: Path | None) -> None:
+    """Score the pipeline's target stored weight-only quantized (int8 rows, int4 groups; target.weight_only) against
+    the bf16 target on held-out text: greedy agreement, KL divergence, perplexity."""
+    from specdeploy.bench.quant_quality import print_quant_quality
+    from specdeploy.bench.quant_quality import quant_quality as measure
+    from specdeploy.spec.pipeline import load_pipeline
+
+    report = measure(load_pipeline(pipeline_path))
+    print_quant_quality(report)
+    write_json(json_out, report)
+
+
 @cli.command("moe-quality")
 @click.argument("pipeline_path", metavar="PIPELINE.yaml")
 @click.option("--experts-per-token", "ks", default=None, help="Comma-separated k to derive and score "
@@ -257,10 +281,7 @@ def moe_quality(pipeline_path: str, ks: str | None, json_out: Path | None) -> No
         chosen = list(range(1, (pipeline.target.moe.experts if pipeline.target.moe else 0) + 1))
     report = measure(pipeline, chosen)
     print_quality(report)
-    if json_out:
-        json_out.parent.mkdir(parents=True, exist_ok=True)
-        json_out.write_text(json.dumps(report, indent=2))
-        click.echo(f"wrote {json_out}")
+    write_json(json_out, report)
 
 
 @cli.command("train-medusa")

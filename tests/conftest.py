@@ -97,7 +97,7 @@ def write_pipeline(path: Path, **sections) -> Path:
 
 def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft_target", draft: Path | None = None,
                   gamma: int = 3, dtype: str = "float32", schedule: str = "constant", derive: str = "int4",
-                  **extra) -> Path:
+                  target_weight_only: str | None = None, **extra) -> Path:
     speculation: dict = {"method": method, "num_draft_tokens": gamma, "schedule": schedule}
     if method == "draft_target":
         speculation["draft"] = ({"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(draft)},
@@ -105,7 +105,8 @@ def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft
     if method == "ngram":
         speculation["ngram"] = {"min_n": 1, "max_n": 3}
     return write_pipeline(directory / f"{name}.yaml", name=name,
-                          target={"checkpoint": {"source": "hf_dir", "path": str(target)}, "dtype": dtype},
+                          target={"checkpoint": {"source": "hf_dir", "path": str(target)}, "dtype": dtype,
+                                  "weight_only": target_weight_only},
                           speculation=speculation,
                           limits={"max_batch_size": 8, "max_input_length": 64, "max_sequence_length": 256,
                                   "max_draft_tokens": 8}, **extra)
@@ -125,8 +126,8 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
-    """Loaded tiny engines: draft_target (noisy fp32 draft), int4 and int8 (derived drafts), ngram, heuristic (noisy
-    draft, adaptive proposal length)."""
+    """Loaded tiny engines: draft_target (noisy fp32 draft), int4 and int8 (derived drafts), ngram, int4_target (an
+    int4 target with n-gram speculation), heuristic (noisy draft, adaptive proposal length)."""
     from specdeploy.build.torch_engine import build
     from specdeploy.runtime.engine import Engine
     from specdeploy.spec.pipeline import load_pipeline
@@ -137,6 +138,8 @@ def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
         "int4": tiny_pipeline(root, "tiny-int4", tiny_checkpoints["target"]),
         "int8": tiny_pipeline(root, "tiny-int8", tiny_checkpoints["target"], derive="int8"),
         "ngram": tiny_pipeline(root, "tiny-ngram", tiny_checkpoints["target"], method="ngram"),
+        "int4_target": tiny_pipeline(root, "tiny-int4-target", tiny_checkpoints["target"], method="ngram",
+                                     dtype="bfloat16", target_weight_only="int4"),
         "heuristic": tiny_pipeline(root, "tiny-heuristic", tiny_checkpoints["target"],
                                    draft=tiny_checkpoints["draft"], schedule="heuristic"),
     }

@@ -32,6 +32,7 @@ class Machine:
     matmul_flags: list[str] = field(default_factory=list)
     cores: int | None = None
     torch: str | None = None
+    weight_only_kernels: str | None = None  # the int4/int8 kernels' code path (reports before issue 27 lack it)
 
     @classmethod
     def from_json(cls, data: dict) -> Machine:
@@ -197,6 +198,7 @@ class BenchReport:
         if self.medusa is not None:
             data["medusa"] = without_none(asdict(self.medusa))
         data.update(asdict(self.setup))
+        data["machine"] = without_none(data["machine"])
         if self.gamma_sweep:
             data["gamma_sweep"] = {str(gamma): value for gamma, value in self.gamma_sweep.items()}
         if self.peers is not None:

@@ -5,47 +5,17 @@ distribution, and each model's perplexity on the text."""
 
 from __future__ import annotations
 
-import math
-
-import torch
-import torch.nn.functional as F
 from rich.console import Console
 from rich.progress import track
 from rich.table import Table
 
-from specdeploy.build import text_corpus as corpus
+from specdeploy.bench.model_quality import compare, held_out_sequences, perplexity, teacher_forced_logits
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.build.moe_derive import calibration_sequences, derive_moe
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.moe import MixtralModel
 from specdeploy.spec.pipeline import PipelineSpec
-
-
-def held_out_sequences(tokenizer, count: int = 12, max_length: int = 256) -> list[list[int]]:
-    _, texts = corpus.calibration_split()
-    return [tokenizer.encode(text)[:max_length] for text in texts[:count]]
-
-
-def teacher_forced_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
-    """[T, V] fp32: the next-token logits at every position of `tokens`."""
-    with torch.inference_mode():
-        ids = torch.tensor([tokens])
-        return model.logits(model(ids, torch.arange(len(tokens))[None], model.new_cache(1, len(tokens))))[0]
-
-
-def perplexity(logits: list[torch.Tensor], sequences: list[list[int]]) -> float:
-    losses = [F.cross_entropy(scores[:-1], torch.tensor(tokens[1:]), reduction="sum")
-              for scores, tokens in zip(logits, sequences)]
-    return math.exp(float(sum(losses)) / sum(len(s) - 1 for s in sequences))
-
-
-def compare(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> dict:
-    positions = sum(len(r) for r in reference)
-    agree = sum(int((dense.argmax(-1) == moe.argmax(-1)).sum()) for dense, moe in zip(reference, logits))
-    divergence = sum(float(F.kl_div(moe.log_softmax(-1), dense.log_softmax(-1), log_target=True, reduction="sum"))
-                     for dense, moe in zip(reference, logits))
-    return {"greedy_agreement": agree / positions, "kl_from_dense": divergence / positions}
 
 
 def moe_quality(pipeline: PipelineSpec, experts_per_token: list[int], quiet: bool = False) -> dict:

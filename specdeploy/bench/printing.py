@@ -82,7 +82,9 @@ def print_report(report: BenchReport, console: Console | None = None) -> None:
     machine = setup.machine
     table.add_row("machine", f"{machine.cpu}, {machine.threads} threads, "
                              f"{' '.join(machine.matmul_flags) or 'no listed flags'}; "
-                             f"bf16 matmul: {machine.bf16_matmul}")
+                             f"bf16 matmul: {machine.bf16_matmul}"
+                             + (f"; int4/int8 weight-only: {machine.weight_only_kernels}"
+                                if machine.weight_only_kernels else ""))
     console.print(table)
     verdict = why_it_loses(report)
     if verdict:

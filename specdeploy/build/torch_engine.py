@@ -47,36 +47,37 @@ def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
     return fingerprint(pipeline, pipeline_sources(pipeline), versions, final)
 
 
-def draft_quantization(draft: dict[str, torch.Tensor], precision: Literal["int4", "int8"]) -> dict:
-    """What quantized_draft_state produced, for the draft's config.json."""
+def quantization_record(state: dict[str, torch.Tensor], precision: Literal["int4", "int8"]) -> dict:
+    """What quantized_state produced, for the component's config.json."""
     if precision == "int8":
         return {"method": "int8", "lm_head": "int8"}
-    head = "int4, top logits rescored at int8" if "lm_head.codes" in draft else "int8"
+    head = "int4, top logits rescored at int8" if "lm_head.codes" in state else "int8"
     return {"method": "int4", "group_size": GROUP_SIZE, "lm_head": head}
 
 
-def quantized_draft_state(state: dict[str, torch.Tensor], precision: Literal["int4", "int8"]
-                          ) -> dict[str, torch.Tensor]:
-    """Weight-only quantized copy of the target. int4: projections (and each expert's) as int4 groups; the
-    vocabulary head as int4 groups plus int8 rows for rescoring its top logits (int8 alone when the vocabulary does
-    not suit the int4 kernel). int8: projections, experts and head as int8 rows. Either way norms and the embedding
-    table stay bf16 (an embedding lookup reads one row, so quantizing it saves nothing)."""
+def quantized_state(state: dict[str, torch.Tensor], precision: Literal["int4", "int8"], rescored_head: bool
+                    ) -> dict[str, torch.Tensor]:
+    """Weight-only quantized copy of a model's weights. int4: projections (and each expert's) as int4 groups; int8:
+    as int8 rows. The vocabulary head as int8 rows, and with `rescored_head` (a derived int4 draft) also as int4
+    groups read first, with only its top logits rescored at int8 (unless the vocabulary does not suit the int4
+    kernel). Norms and the embedding table stay bf16 (an embedding lookup reads one row, so quantizing it saves
+    nothing)."""
     quantize = quantize_int4 if precision == "int4" else quantize_int8
-    draft = {}
+    quantized = {}
     for name, tensor in state.items():
         base = name.removesuffix(".weight")
         if name.endswith(EXPERT_SUFFIXES):  # [E, N, K]: each expert's quantized parts, stacked
             experts = [quantize(expert) for expert in tensor]
-            draft.update({f"{name}.{k}": torch.stack([e[k] for e in experts]) for k in experts[0]})
+            quantized.update({f"{name}.{k}": torch.stack([e[k] for e in experts]) for k in experts[0]})
         elif base.endswith(LINEAR_SUFFIXES):
-            draft.update({f"{base}.{k}": v for k, v in quantize(tensor).items()})
+            quantized.update({f"{base}.{k}": v for k, v in quantize(tensor).items()})
         elif name != "lm_head.weight":
-            draft[name] = tensor.to(torch.bfloat16)
-    head = state[projection_key(state)]  # tied: the draft gets its own copy
-    if precision == "int4" and head.shape[0] % INT4_KERNEL_ROWS == 0:  # otherwise the head stays int8 only
-        draft.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
-    draft.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})
-    return draft
+            quantized[name] = tensor.to(torch.bfloat16)
+    head = state[projection_key(state)]  # tied: the quantized head is a copy beside the bf16 embedding table
+    if rescored_head and precision == "int4" and head.shape[0] % INT4_KERNEL_ROWS == 0:
+        quantized.update({f"lm_head.{k}": v for k, v in quantize_int4(head).items()})
+    quantized.update({f"lm_head.{k}": v for k, v in quantize_int8(head).items()})
+    return quantized
 
 
 def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, torch.Tensor], dtype: str,
@@ -90,15 +91,14 @@ def write_component(directory: Path, checkpoint: Checkpoint, state: dict[str, to
     checkpoint.tokenizer.save_pretrained(directory)
 
 
-def check_draft_quantizable(pipeline: PipelineSpec, checkpoint: Checkpoint) -> None:
+def check_quantizable(checkpoint: Checkpoint, key: str, fix: str) -> None:
     """Int4 groups run along each projection's input dimension: hidden and intermediate (per expert) sizes.
-    `checkpoint`: what the draft is quantized from. (Int8 rows take any size.)"""
-    derive = pipeline.speculation.draft.derive
+    `checkpoint`: what is quantized; `key`: the pipeline key asking for int4; `fix`: what to use instead. (Int8 rows
+    take any size.)"""
     for name in ("hidden_size", "intermediate_size"):
         if getattr(checkpoint.config, name) % GROUP_SIZE:
-            raise BuildError(f"speculation.draft.derive {derive} needs {name} divisible by {GROUP_SIZE}, got "
-                             f"{getattr(checkpoint.config, name)} in the {checkpoint.config.architecture} model it "
-                             f"quantizes (use derive: none with a draft checkpoint)")
+            raise BuildError(f"{key} needs {name} divisible by {GROUP_SIZE}, got {getattr(checkpoint.config, name)} "
+                             f"in the {checkpoint.config.architecture} model it quantizes ({fix})")
 
 
 def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> None:
@@ -139,6 +139,18 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
     return BuildResult(final, built)
 
 
+def write_target(directory: Path, target: Checkpoint, pipeline: PipelineSpec) -> None:
+    """The target component, in its dtype or, with target.weight_only, quantized."""
+    precision = pipeline.target.weight_only
+    if precision is None:
+        dtype = DTYPES[pipeline.target.dtype]
+        write_component(directory, target, {k: v.to(dtype) for k, v in target.state.items()}, pipeline.target.dtype,
+                        pipeline)
+        return
+    state = quantized_state(target.state, precision, rescored_head=False)
+    write_component(directory, target, state, pipeline.target.dtype, pipeline, quantization_record(state, precision))
+
+
 def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool) -> None:
     """Write the engine at `final` through a staging directory (the caller holds build_lock(final))."""
     speculation = pipeline.speculation
@@ -149,20 +161,22 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
         draft_spec = speculation.draft if speculation.uses_draft_model else None
         derive = None if draft_spec is None else draft_spec.derive
         precision = None if draft_spec is None else draft_spec.weight_only
+        draft_key, draft_fix = f"speculation.draft.derive {derive}", "use derive: none with a draft checkpoint"
         if derive == "int4_dense":
-            check_draft_quantizable(pipeline, dense)  # before the MoE's derivation, which takes minutes
+            check_quantizable(dense, draft_key, draft_fix)  # before the MoE's derivation, which takes minutes
+        if pipeline.target.weight_only == "int4":
+            check_quantizable(dense, "target.weight_only int4", "use int8")
         moe = pipeline.target.moe
         if moe is not None:
             progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE "
                                               f"({moe.experts_per_token} per token) from the dense target")
             target = derive_target(moe, dense, str(pipeline.target.checkpoint.path))
         if derive == "int4":
-            check_draft_quantizable(pipeline, target)
-        progress.update(task, description=f"[{pipeline.name}] writing target ({pipeline.target.dtype})")
+            check_quantizable(target, draft_key, draft_fix)
+        stored = pipeline.target.weight_only or pipeline.target.dtype
+        progress.update(task, description=f"[{pipeline.name}] writing target ({stored})")
         save_engine_pipeline(staging, pipeline)
-        target_dtype = DTYPES[pipeline.target.dtype]
-        write_component(staging / "target", target, {k: v.to(target_dtype) for k, v in target.state.items()},
-                        pipeline.target.dtype, pipeline)
+        write_target(staging / "target", target, pipeline)
         if draft_spec is not None:
             if precision is not None:
                 # int4_dense: a derived MoE's dense source. Either way the attention is the target's, so the draft
@@ -171,9 +185,9 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
                 progress.update(task, description=f"[{pipeline.name}] quantizing the "
                                                   f"{'dense source' if source is dense else 'target'} into an "
                                                   f"{precision} draft")
-                draft_state = quantized_draft_state(source.state, precision)
+                draft_state = quantized_state(source.state, precision, rescored_head=True)
                 write_component(staging / "draft", source, draft_state, pipeline.target.dtype, pipeline,
-                                draft_quantization(draft_state, precision))
+                                quantization_record(draft_state, precision))
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
                 draft = load_checkpoint(draft_spec.checkpoint, pipeline)

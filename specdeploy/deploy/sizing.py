@@ -48,18 +48,23 @@ class PodSize:
                 f"{self.nodes} node(s)")
 
 
+def weight_only_bytes(config: ModelConfig, precision: str) -> float:
+    """A model stored weight-only quantized: int4 projections with their group scales (or int8 rows), the bf16
+    embedding table and an int8 vocabulary head (its own copy, tied or not)."""
+    vocabulary = config.vocab_size * config.hidden_size
+    embeddings = vocabulary * (1 if config.tie_word_embeddings else 2)
+    projection_bytes = 1.0 if precision == "int8" else INT4_BYTES * 1.25
+    return (parameters(config) - embeddings) * projection_bytes + vocabulary * 3
+
+
 def estimate_weights_gib(pipeline: PipelineSpec, target: ModelConfig) -> float:
     """Target and draft (or heads) weights as the engine stores them."""
-    target_params = parameters(target)
-    total = target_params * DTYPE_BYTES[pipeline.target.dtype]
+    precision = pipeline.target.weight_only
+    total = parameters(target) * DTYPE_BYTES[pipeline.target.dtype] if precision is None \
+        else weight_only_bytes(target, precision)
     speculation = pipeline.speculation
     if speculation.uses_draft_model and speculation.draft.weight_only is not None:
-        # int4 projections with their group scales (or int8 rows), the bf16 embedding table and an int8 vocabulary
-        # head (its own copy, tied or not)
-        vocabulary = target.vocab_size * target.hidden_size
-        embeddings = vocabulary * (1 if target.tie_word_embeddings else 2)
-        projection_bytes = 1.0 if speculation.draft.weight_only == "int8" else INT4_BYTES * 1.25
-        total += (target_params - embeddings) * projection_bytes + vocabulary * 3
+        total += weight_only_bytes(target, speculation.draft.weight_only)
     elif speculation.uses_heads:
         heads = speculation.medusa
         total += heads.num_heads * (heads.num_layers * target.hidden_size ** 2 + target.hidden_size

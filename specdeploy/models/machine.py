@@ -47,4 +47,10 @@ def describe() -> dict:
             "cores": os.cpu_count(), "threads": torch.get_num_threads(),
             "matmul_flags": [flag for flag in MATMUL_FLAGS if flag in flags],
             "bf16_matmul": "oneDNN" if onednn_bf16() else "generic (time grows with rows)",
-            "torch": torch.__version__}
+            "weight_only_kernels": weight_only_kernels(), "torch": torch.__version__}
+
+
+def weight_only_kernels() -> str:
+    """The code path of torch's CPU int4 and int8 weight-only matmuls (a weight-only target's or a derived draft's):
+    ATen's vectorized kernels at the CPU capability torch dispatched to (AVX512, AVX2 or DEFAULT, scalar)."""
+    return f"ATen {torch.backends.cpu.get_cpu_capability()}"

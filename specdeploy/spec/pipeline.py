@@ -148,11 +148,20 @@ class MoESpec(Section):
 
 @dataclass(frozen=True)
 class TargetSpec(Section):
-    """The target model; `moe`, when given, turns a dense checkpoint into a Mixtral-architecture MoE at build."""
+    """The target model; `moe`, when given, turns a dense checkpoint into a Mixtral-architecture MoE at build.
+    `weight_only` stores its projections quantized at build (int4 groups of 32 with a scale and a minimum, what a
+    GGUF's Q4_1 blocks hold, or int8 rows) and its vocabulary head as int8 rows; activations, norms, the embedding
+    table and the KV cache stay in `dtype`, which must then be bfloat16 (the weight-only kernels take bf16)."""
 
     checkpoint: CheckpointSpec
     dtype: DType = "bfloat16"
     moe: MoESpec | None = None
+    weight_only: Literal["int4", "int8"] | None = None
+
+    def check(self) -> None:
+        if self.weight_only is not None and self.dtype != "bfloat16":
+            raise Problem("weight_only", f"{self.weight_only} needs dtype: bfloat16 (the weight-only kernels take "
+                                         f"bf16 activations), got dtype: {self.dtype}")
 
 
 @dataclass(frozen=True)
@@ -181,6 +190,17 @@ class DraftSpec(Section):
                                         f"target)")
         if not 0.0 <= self.early_stop_threshold < 1.0:
             raise Problem("early_stop_threshold", f"must be in [0, 1), got {self.early_stop_threshold}")
+
+
+WEIGHT_BITS = {None: 16, "int8": 8, "int4": 4}
+
+
+def draft_is_smaller(draft: DraftSpec, target: TargetSpec) -> bool:
+    """Whether a derived draft stores fewer bits per projection weight than the target it is derived from (a
+    checkpoint draft, or one derived from an MoE's dense source, is another model and always qualifies)."""
+    if draft.derive in ("none", "int4_dense"):
+        return True
+    return WEIGHT_BITS[draft.weight_only] < WEIGHT_BITS[target.weight_only]
 
 
 @dataclass(frozen=True)
@@ -485,6 +505,11 @@ class PipelineSpec(Section):
         if draft is not None and draft.derive == "int4_dense" and self.target.moe is None:
             raise Problem("speculation.draft.derive", "int4_dense quantizes the dense model an MoE target is derived "
                                                       "from, and this target has no target.moe: use int4")
+        if draft is not None and not draft_is_smaller(draft, self.target):
+            raise Problem("speculation.draft.derive", f"{draft.derive} from a target already stored as "
+                                                      f"{self.target.weight_only} would be no cheaper than the "
+                                                      f"target: use ngram, or a smaller draft checkpoint "
+                                                      f"(derive: none)")
         if self.backend.kind == "trtllm":
             self.check_trtllm()
         nodes = len(self.speculation.medusa.choices)
@@ -511,6 +536,9 @@ class PipelineSpec(Section):
                                                                   f"draft_tokens_external target engine, which "
                                                                   f"TensorRT-LLM refuses to load without KV cache "
                                                                   f"block reuse: set it true")
+        if settings.line == "llm_api" and self.target.weight_only is not None:
+            raise Problem("target.weight_only", "needs the engine line (TensorRT-LLM quantizes it at conversion); "
+                                                "on line: llm_api give a quantized checkpoint instead")
         draft = speculation.draft
         if settings.line == "llm_api" and speculation.uses_draft_model and draft.derive != "none":
             raise Problem("speculation.draft.derive", f"{draft.derive} needs the engine line (TensorRT-LLM "

@@ -50,6 +50,10 @@ def test_the_machine_is_described_from_cpuinfo_and_torch():
     flags = set(machine.cpu_info().get("flags", "").split())
     assert set(described["matmul_flags"]) == flags & set(machine.MATMUL_FLAGS)
     assert described["bf16_matmul"].startswith("oneDNN") == machine.onednn_bf16()
+    capability = described["weight_only_kernels"].removeprefix("ATen ")
+    assert capability in ("AVX512", "AVX2", "DEFAULT", "ZVECTOR", "VSX", "SVE256", "SVE128")
+    if flags and "avx2" not in flags:
+        assert capability not in ("AVX512", "AVX2")
     assert described["threads"] == torch.get_num_threads() and described["cpu"]
     # oneDNN's bf16 kernels need AVX-512 (BW) or AMX or AVX-NE-CONVERT: a CPU with none of them gets the generic one
     if flags and not flags & {"avx512bw", "amx_bf16", "avx_ne_convert"}:

@@ -589,6 +589,29 @@ def test_the_weights_estimate_counts_an_int8_draft_at_a_byte_per_projection_weig
     assert sizes["int8"] - sizes["int4"] == pytest.approx(projections * (1 - 0.625))
 
 
+def test_the_weights_estimate_counts_a_quantized_target_like_a_derived_draft():
+    """target.weight_only stores the target as a derived draft stores itself: an int4 target with an n-gram
+    speculator weighs what an int4 draft alone adds to a bf16 pipeline, and less than the bf16 target."""
+    from specdeploy.deploy.sizing import GIB, estimate_weights_gib
+    from specdeploy.models.config import ModelConfig
+    from specdeploy.spec.pipeline import parse_pipeline
+
+    config = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16)
+    checkpoint = {"source": "gguf", "path": "/m.gguf"}
+
+    def size(target: dict, speculation: dict) -> float:
+        pipeline = parse_pipeline({"name": "p", "target": {"checkpoint": checkpoint, **target},
+                                   "speculation": speculation})
+        return estimate_weights_gib(pipeline, config) * GIB
+
+    ngram = {"method": "ngram"}
+    bf16, int4 = size({}, ngram), size({"weight_only": "int4"}, ngram)
+    with_draft = size({}, {"method": "draft_target", "draft": {"derive": "int4"}})
+    assert int4 == pytest.approx(with_draft - bf16)
+    assert int4 < bf16
+
+
 def test_the_rendered_wait_gives_up_when_the_rendered_build_fails_for_good(rendered, tmp_path):
     """The build Job's steps record their failures in the journal on the data volume; a configuration error (exit
     status 2, which the Job's podFailurePolicy ends without retrying) makes the serving pods' wait give up at once,

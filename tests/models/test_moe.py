@@ -506,3 +506,25 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     refused = run_cli("bench", str(dense), "--engines-dir", str(engines), "--prompts", str(prompts),
                       "--max-tokens", "8", "--no-transformers", "--measure-gamma-cap")
     assert refused.returncode == 2 and "MoE" in refused.stderr
+
+
+def test_quant_quality_scores_each_stored_form_against_bf16_and_refuses_an_moe(tiny_checkpoints, tmp_path):
+    """Each form runs through the engine's own kernels: fp32 stays closest to bf16; int8 rows of these gaussian
+    weights beat int4 groups; the derived draft's int4 head adds divergence to int4's (it is exact only in its top
+    logits). An MoE target is moe-quality's to score, and says so."""
+    path = tiny_pipeline(tmp_path, "tiny-quant-quality", tiny_checkpoints["target"], method="ngram",
+                         dtype="bfloat16", target_weight_only="int4")
+    out = tmp_path / "quality.json"
+    result = run_cli("quant-quality", str(path), "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    rows = {row["form"].split(",")[0] if "draft" not in row["form"] else "draft": row for row in report["by_form"]}
+    assert set(rows) == {"float32", "int8", "int4", "draft"}
+    kl = {name: row["kl_from_dense"] for name, row in rows.items()}
+    assert kl["float32"] < kl["int8"] < kl["int4"] < kl["draft"], kl
+    assert rows["float32"]["greedy_agreement"] > 0.95 and report["bfloat16_perplexity"] > 1
+    assert "greedy agreement" in result.stdout
+    moe = moe_pipeline(tmp_path, "tiny-moe-quant", tiny_checkpoints["target"],
+                       {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256})
+    refused = run_cli("quant-quality", str(moe))
+    assert refused.returncode != 0 and "moe-quality" in refused.stderr

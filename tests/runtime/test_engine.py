@@ -79,7 +79,7 @@ def test_tree_mask_and_positions(tiny_checkpoints):
     torch.testing.assert_close(tree, torch.stack(chains), atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["draft_target", "int4", "int8", "ngram", "heuristic"])
+@pytest.mark.parametrize("kind", ["draft_target", "int4", "int8", "ngram", "int4_target", "heuristic"])
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_greedy_speculative_equals_plain(tiny_engines, kind, gamma):
     engine = tiny_engines[kind]
@@ -266,6 +266,47 @@ def test_an_int8_draft_is_int8_rows_and_closer_to_the_target_than_int4(tiny_engi
     target = logits(int8.target)
     error = {name: (logits(e.proposer.model) - target).abs().mean() for name, e in (("int8", int8), ("int4", int4))}
     assert error["int8"] < error["int4"] / 2, error
+
+
+def test_a_weight_only_target_stores_int4_groups_and_an_int8_head_and_computes_what_they_hold(tiny_engines):
+    """target.weight_only: int4 quantizes the target's projections to int4 groups and its head to int8 rows alone
+    (no int4 head: the target's whole distribution matters, not only its top tokens); config.json records it; the
+    engine's kernels compute the model its stored codes define (a bf16 model of the dequantized weights), which is
+    not the bf16 target. (How far it is from the bf16 target on real text: `specdeploy quant-quality`.)"""
+    import json
+
+    from safetensors.torch import load_file
+
+    from specdeploy.models.quantize import Int4Linear, Int8Linear, RescoredHead, dequantize_int4
+    from specdeploy.models.registry import component_config
+
+    engine = tiny_engines["int4_target"]
+    quantization = json.loads((engine.dir / "target" / "config.json").read_text())["model"]["quantization"]
+    assert quantization == {"method": "int4", "group_size": 32, "lm_head": "int8"}
+    modules = list(engine.target.modules())
+    assert sum(isinstance(m, Int4Linear) for m in modules) == 4 * engine.target.config.num_layers
+    assert isinstance(engine.target.lm_head, Int8Linear) and not any(isinstance(m, RescoredHead) for m in modules)
+    stored = load_file(str(engine.dir / "target" / "model.safetensors"))
+    dequantized = {name: tensor for name, tensor in stored.items() if name.endswith(".weight")}
+    for name in [n.removesuffix(".codes") for n in stored if n.endswith(".codes")]:
+        parts = {part: stored[f"{name}.{part}"] for part in ("codes", "scales", "minimums")}
+        dequantized[f"{name}.weight"] = dequantize_int4(**parts)
+    dequantized["lm_head.weight"] = stored["lm_head.int8"].float() * stored["lm_head.row_scales"][:, None]
+    config = component_config(engine.dir / "target")[0]
+    dense_dir = tiny_engines["ngram"].dir / "target"
+    tokens = torch.tensor([PROMPTS[0] + PROMPTS[1]])
+    positions = torch.arange(tokens.shape[1])[None]
+
+    def logits(state: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        model = engine.target if state is None else LlamaModel(config, state, torch.bfloat16).eval()
+        with torch.inference_mode():
+            return model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1])))
+
+    quantized, of_codes = logits(None), logits(dequantized)
+    bf16 = logits(load_file(str(dense_dir / "model.safetensors")))
+    scale = bf16.abs().mean()
+    assert (quantized - of_codes).abs().mean() < 0.02 * scale  # bf16 rounding apart, the same function
+    assert (quantized - bf16).abs().mean() > 5 * (quantized - of_codes).abs().mean()  # and not the bf16 target
 
 
 def test_int8_rows_work_from_an_unaligned_buffer():

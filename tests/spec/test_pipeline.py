@@ -111,6 +111,7 @@ def test_shipped_ngram_details():
     assert spec.name == "smollm2-ngram"
     assert spec.speculation.ngram == NgramSpec(min_n=1, max_n=4)
     assert spec.speculation.acceptance == "exact"
+    assert spec.target.weight_only == "int4"  # its GGUF's own Q4_1 blocks
 
 
 def test_shipped_medusa_details():
@@ -601,3 +602,36 @@ def test_medusa_choices_round_trip_through_the_saved_json(tmp_path: Path):
     data = spec.to_dict()
     assert data["speculation"]["medusa"]["choices"][3] == [0, 0]
     assert json.loads(json.dumps(data)) == data and parse_pipeline(data) == spec
+
+
+TARGET = MINIMAL["target"]["checkpoint"]
+
+
+def test_target_weight_only_takes_int4_or_int8():
+    for precision in ("int4", "int8"):
+        spec = parse_pipeline(minimal(target={"checkpoint": TARGET, "weight_only": precision}))
+        assert spec.target.weight_only == precision
+    assert parse_pipeline(minimal()).target.weight_only is None
+
+
+def test_target_weight_only_refuses_other_precisions_and_float32(tmp_path: Path):
+    load_error(write(tmp_path, minimal(target={"checkpoint": TARGET, "weight_only": "int2"})),
+               "target.weight_only", "'int2'", "not allowed", "'int4', 'int8'")
+    load_error(write(tmp_path, minimal(target={"checkpoint": TARGET, "dtype": "float32", "weight_only": "int4"})),
+               "target.weight_only", "needs dtype: bfloat16", "got dtype: float32")
+
+
+@pytest.mark.parametrize("target, derive, refused", [
+    ("int4", "int4", True), ("int4", "int8", True), ("int8", "int8", True), ("int8", "int4", False),
+    (None, "int4", False), ("int4", "none", False)])
+def test_a_derived_draft_must_store_fewer_bits_than_a_quantized_target(tmp_path: Path, target, derive, refused):
+    draft = {"derive": derive}
+    if derive == "none":
+        draft["checkpoint"] = {"source": "gguf", "path": "draft.gguf"}
+    data = minimal(target={"checkpoint": TARGET, "weight_only": target},
+                   speculation={"method": "draft_target", "draft": draft})
+    if refused:
+        load_error(write(tmp_path, data), "speculation.draft.derive", f"{derive} from a target already stored as "
+                                                                      f"{target}", "use ngram")
+    else:
+        assert load_pipeline(write(tmp_path, data)).speculation.draft.derive == derive

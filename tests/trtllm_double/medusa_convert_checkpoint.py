@@ -1,7 +1,8 @@
 """Double of examples/medusa/convert_checkpoint.py: parses like upstream's argparse (names and choices from
 specdeploy's upstream table; upstream's integer defaults), refuses what it asserts, and reads the heads as it does:
 medusa_num_layers from the heads' config.json, the head count from the command line (its default 4 always wins over
-the config), every head's weights from medusa_lm_head.safetensors."""
+the config), every head's weights from medusa_lm_head.safetensors, and the weight-only quantization it records in
+config.json (examples/medusa/convert_checkpoint.py)."""
 
 import argparse
 import json
@@ -21,11 +22,25 @@ def parser() -> argparse.ArgumentParser:
     for flag, allowed in MEDUSA_CONVERT_FLAGS.items():
         if flag in DEFAULTS:
             parser.add_argument(flag, type=int, default=DEFAULTS[flag])
+        elif allowed == "switch":
+            parser.add_argument(flag, action="store_true")
+        elif flag == "--weight_only_precision":  # upstream: nargs='?', const and default 'int8'
+            parser.add_argument(flag, nargs="?", const="int8", default="int8", choices=allowed)
         else:
             parser.add_argument(flag, choices=allowed if isinstance(allowed, tuple) else None,
                                 default="float16" if flag == "--dtype" else None)
     parser.add_argument("--model_type", default="llama")
     return parser
+
+
+def quant_algo(args: argparse.Namespace) -> str | None:
+    """Upstream's config: W8A16 or W4A16 under --use_weight_only, otherwise none (int4_gptq: W4A16_GPTQ whatever the
+    switch says)."""
+    if args.weight_only_precision == "int4_gptq":
+        return "W4A16_GPTQ"
+    if not args.use_weight_only:
+        return None
+    return {"int8": "W8A16", "int4": "W4A16"}[args.weight_only_precision]
 
 
 def main(argv: list[str]) -> None:
@@ -48,6 +63,8 @@ def main(argv: list[str]) -> None:
     (output / "config.json").write_text(json.dumps({"architecture": "MedusaForCausalLM",
                                                     "num_medusa_heads": args.num_medusa_heads,
                                                     "max_draft_len": args.max_medusa_token_len,
+                                                    "quantization": {"quant_algo": quant_algo(args),
+                                                                     "kv_cache_quant_algo": None},
                                                     "mapping": {"world_size": args.tp_size * args.pp_size}}))
 
 

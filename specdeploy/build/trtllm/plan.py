@@ -139,9 +139,12 @@ def convert_command(spec: TrtllmSpec, model_dir: Path, output: Path, weight_only
     command = ["python3", "-m", "specdeploy.build.trtllm.convert", "--model_dir", str(model_dir),
                "--output_dir", str(output), "--dtype", spec.dtype, "--tp_size", str(spec.tp_size),
                "--pp_size", str(spec.pp_size), "--moe_tp_size", str(moe_tp), "--moe_ep_size", str(moe_ep)]
-    if weight_only is not None:  # int4: QuantAlgo.W4A16, int8: W8A16
-        command += ["--use_weight_only", "--weight_only_precision", weight_only]
-    return tuple(command)
+    return (*command, *weight_only_flags(weight_only))
+
+
+def weight_only_flags(weight_only: str | None) -> tuple[str, ...]:
+    """Both converters' weight-only switch: int4 → QuantAlgo.W4A16, int8 → W8A16 (per channel, no calibration)."""
+    return () if weight_only is None else ("--use_weight_only", "--weight_only_precision", weight_only)
 
 
 def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode: str | None) -> tuple[str, ...]:
@@ -186,11 +189,12 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
             "--dtype", spec.dtype,
             "--num_medusa_heads", str(heads.num_heads), "--num_medusa_layers", str(heads.num_layers),
             "--max_medusa_token_len", str(pipeline.limits.max_draft_tokens), "--tp_size", str(spec.tp_size),
-            "--pp_size", str(spec.pp_size))))
+            "--pp_size", str(spec.pp_size), *weight_only_flags(pipeline.target.weight_only))))
         mode = "medusa"
     else:
         steps.append(Step("convert the target", checkpoints / "target",
-                          convert_command(spec, sources["target"], checkpoints / "target", None)))
+                          convert_command(spec, sources["target"], checkpoints / "target",
+                                          pipeline.target.weight_only)))
         if speculation.drafts_outside_target:
             mode = "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
     if speculation.uses_draft_model:

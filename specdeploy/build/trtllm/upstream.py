@@ -22,6 +22,7 @@ MEDUSA_CONVERT_FLAGS: dict[str, tuple[str, ...] | str | None] = {
     "--model_dir": None, "--medusa_model_dir": None, "--output_dir": None,
     "--dtype": ("float32", "bfloat16", "float16"), "--num_medusa_heads": None, "--num_medusa_layers": None,
     "--max_medusa_token_len": None, "--tp_size": None, "--pp_size": None, "--workers": None,
+    "--use_weight_only": "switch", "--weight_only_precision": ("int8", "int4", "int4_gptq"),
 }
 
 # examples/models/core/llama/convert_checkpoint.py, whose flags build/trtllm/convert.py keeps

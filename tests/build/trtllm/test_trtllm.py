@@ -134,6 +134,44 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive
         assert Path(draft_convert["--model_dir"]) == pipeline.resolve(pipeline.target.checkpoint.path)
 
 
+@pytest.mark.parametrize("path", [p for p in GPU_EXAMPLES if "mixtral" not in p.stem],
+                         ids=[p.stem for p in GPU_EXAMPLES if "mixtral" not in p.stem])
+@pytest.mark.parametrize("precision", ["int4", "int8"])
+def test_a_weight_only_target_is_quantized_by_its_converter(path, precision, tmp_path):
+    """target.weight_only reaches the converter that writes the target (ours, or examples/medusa/convert_checkpoint.py
+    for a Medusa target: both take --use_weight_only --weight_only_precision), with upstream's flags and values; a
+    separate draft keeps its own precision."""
+    spec = yaml.safe_load(path.read_text())
+    spec["target"]["weight_only"] = precision
+    (tmp_path / path.name).write_text(yaml.safe_dump(spec))
+    pipeline = load_pipeline(tmp_path / path.name)
+    steps, _ = plan(pipeline, tmp_path / "engines")
+    converts = {step.output.name: step.command for step in steps if step.command and step.command[0] == "python3"}
+    check_against(table_for(converts["target"]), converts["target"])
+    target = flags(converts["target"])
+    assert "--use_weight_only" in target and target["--weight_only_precision"] == precision
+    if "draft" in converts:
+        assert "--use_weight_only" not in flags(converts["draft"])
+
+
+def test_a_weight_only_target_needs_the_engine_line_and_a_smaller_draft(tmp_path):
+    """The LLM API line takes checkpoints as they are; and a draft derived at the target's own precision would cost
+    what the target costs."""
+    spec = yaml.safe_load(LLAMA70B.read_text())
+    spec["target"]["weight_only"] = "int4"
+    spec["backend"]["trtllm"]["line"] = "llm_api"
+    spec["backend"]["trtllm"].pop("server", None)
+    (tmp_path / "api.yaml").write_text(yaml.safe_dump(spec))
+    with pytest.raises(PipelineError, match=r"target\.weight_only.*engine line"):
+        load_pipeline(tmp_path / "api.yaml")
+    mixtral = yaml.safe_load(next(p for p in GPU_EXAMPLES if "mixtral" in p.stem).read_text())
+    mixtral["target"]["weight_only"] = "int4"
+    (tmp_path / "mixtral.yaml").write_text(yaml.safe_dump(mixtral))
+    with pytest.raises(PipelineError, match=r"speculation\.draft\.derive.*int4 from a target already stored as "
+                                            r"int4 would be no cheaper"):
+        load_pipeline(tmp_path / "mixtral.yaml")
+
+
 def test_dry_run_prints_the_plan_and_a_torch_pipeline_refuses_it(tmp_path, tiny_checkpoints):
     example = next(p for p in GPU_EXAMPLES if "mixtral" in p.name)
     result = run_cli("build", str(example), "--engines-dir", str(tmp_path / "engines"), "--dry-run")
