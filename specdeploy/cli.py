@@ -76,8 +76,7 @@ def cli() -> None:
 @device_option
 def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool, device: str | None) -> None:
     """Build the pipeline's target (and draft) engines."""
-    from specdeploy.build.torch_engine import build as build_engine
-    from specdeploy.workflows import load_spec
+    from specdeploy.workflows import build_torch_engine, load_spec
 
     pipeline = load_spec(pipeline_path, device)
     if pipeline.backend.kind == "trtllm":
@@ -91,7 +90,7 @@ def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool, dev
         return
     if dry_run:
         raise click.UsageError("--dry-run prints the plan of a trtllm pipeline; a torch build runs in-process")
-    directory, built = build_engine(pipeline, engines_dir, force=force)
+    directory, built = build_torch_engine(pipeline, engines_dir, force=force)
     click.echo(f"built {directory}" if built else f"{directory}: up to date, nothing to build")
 
 

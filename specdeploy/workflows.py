@@ -19,6 +19,7 @@ from typing import NamedTuple
 from specdeploy.build.torch_engine import BuildResult, build
 from specdeploy.decoding.detokenizer import IncrementalDetokenizer
 from specdeploy.errors import SpecdeployError
+from specdeploy.runtime.compile_engine import compile_engine, is_compiled
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock
 from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
@@ -57,10 +58,20 @@ def load_spec(pipeline_path: str | Path, device: Device | None = None) -> Pipeli
     return pipeline if device is None else dataclasses.replace(pipeline, backend=pipeline.backend.with_device(device))
 
 
+def build_torch_engine(pipeline: PipelineSpec, engines_dir: Path, force: bool = False,
+                       quiet: bool = False) -> BuildResult:
+    """Build the pipeline's torch engine if it is missing or stale, then, for backend.torch.compile, compile its
+    steps into the engine's cache unless a build already did."""
+    result = build(pipeline, engines_dir, force=force, quiet=quiet)
+    if pipeline.backend.compiles and (result.built or not is_compiled(result.directory)):
+        compile_engine(pipeline, result.directory, quiet)
+    return result
+
+
 def prepare_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False,
                    device: Device | None = None) -> BuildResult:
     """Build the pipeline's engine if it is missing or stale."""
-    return build(load_spec(pipeline_path, device), engines_dir, quiet=quiet)
+    return build_torch_engine(load_spec(pipeline_path, device), engines_dir, quiet=quiet)
 
 
 def load_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False,

@@ -90,6 +90,10 @@ def tiny_moe_layer(device: str = "cpu"):
     return SparseMoE(config, {key: value.to(device) for key, value in state.items()}, "m", torch.float32)
 
 
+# token-id prompts for the tiny models: plain text, a repeating pattern (n-gram drafts), a run
+PROMPTS = [[5, 40, 41, 42, 43, 7, 9], [70, 71, 72, 70, 71, 72, 70, 71], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+
+
 def write_pipeline(path: Path, **sections) -> Path:
     path.write_text(yaml.safe_dump(sections, sort_keys=False))
     return path

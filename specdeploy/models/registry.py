@@ -35,12 +35,12 @@ def component_config(directory: Path) -> tuple[ModelConfig, str]:
     return ModelConfig.from_dict(meta["model"]), meta["dtype"]
 
 
-def load_component(directory: Path, device: str = "cpu") -> LlamaModel:
+def load_component(directory: Path, device: str = "cpu", prepack: bool = True) -> LlamaModel:
     """A model from `<engine>/<component>/` (config.json + model.safetensors), checked on one token: weights that
-    hold NaN or inf are an error here, not empty text later."""
+    hold NaN or inf are an error here, not empty text later. prepack=False for a model to be compiled."""
     config, dtype = component_config(directory)
     state = load_file(str(Path(directory) / "model.safetensors"), device=device)
-    model = model_class(config.architecture)(config, state, DTYPES[dtype]).to(device).eval()
+    model = model_class(config.architecture)(config, state, DTYPES[dtype], prepack=prepack).to(device).eval()
     with torch.inference_mode():
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
         logits = model.logits(model(token, token, model.new_cache(1, 1)))

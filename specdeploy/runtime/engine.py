@@ -20,6 +20,7 @@ from specdeploy.decoding import chat_template, detokenizer
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
+from specdeploy.models.compiled import compile_steps, use_cache_of, warm_up
 from specdeploy.models.registry import load_component
 from specdeploy.runtime.batch import BatchDecoder
 from specdeploy.spec.engine_paths import engine_pipeline
@@ -71,6 +72,13 @@ def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:
                                                                          acceptance=acceptance))
 
 
+def check_compilable(device: str) -> None:
+    """SpecdeployError unless compiled steps can run on `device` (CPU only: CUDA is not measured yet)."""
+    if torch.device(device).type != "cpu":
+        raise SpecdeployError(f"backend.torch.compile runs compiled steps on the CPU only, and this engine runs on "
+                              f"{device!r}: leave compile off there")
+
+
 def check_device(device: str) -> None:
     """SpecdeployError when torch cannot run on `device` here."""
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -98,7 +106,11 @@ class Engine:
             # the thread that loads the engine runs its steps (a Triton instance's scheduler thread): its current
             # GPU must be the engine's, or streams, events and contexts land on GPU 0
             torch.cuda.set_device(torch.device(self.device))
-        self.target = load_component(self.dir / "target", self.device)
+        compiles = self.pipeline.backend.compiles
+        if compiles:
+            check_compilable(self.device)
+            use_cache_of(self.dir)
+        self.target = load_component(self.dir / "target", self.device, prepack=not compiles)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
         limits = self.pipeline.limits
         # Headroom past the limit: ragged batches pad short rows by up to max_draft_tokens + 1 positions.
@@ -108,6 +120,17 @@ class Engine:
         self.end_ids = chat_template.end_of_sequence_ids(self.tokenizer, self.target.config.eos_token_ids)
         self.decoder = BatchDecoder(self.target, self.cache, self.proposer, limits.max_sequence_length,
                                     self.pipeline.speculation.acceptance)
+        # seconds compiling (or loading from the engine's cache) its steps took at load: None when not compiled
+        self.compile_seconds = self._compile_steps() if compiles else None
+
+    def _compile_steps(self) -> float:
+        """Compile the target's and the proposer's step forwards and run each shape family once (compiled.py)."""
+        started = time.perf_counter()
+        width = self.pipeline.limits.max_draft_tokens + 1
+        for model, cache in [(self.target, self.cache), *self.proposer.stepped_models()]:
+            compile_steps(model, width)
+            warm_up(model, cache, width)
+        return time.perf_counter() - started
 
     @property
     def method(self) -> Method:

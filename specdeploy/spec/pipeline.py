@@ -448,6 +448,9 @@ class TorchSpec(Section):
     changing it rebuilds nothing."""
 
     device: Device = "cpu"
+    # decode and verify steps through torch.compile (models/compiled.py): compiled at build into the engine's cache,
+    # loaded with the engine; CPU only
+    compile: bool = False
 
 
 @dataclass(frozen=True)
@@ -474,7 +477,12 @@ class BackendSpec(Section):
         """The same backend run on `device` (the CLI's --device); only the torch backend has a choice."""
         if self.kind != "torch":
             raise PipelineError(f"--device is for the torch backend (this pipeline's backend.kind is {self.kind!r})")
-        return dataclasses.replace(self, torch=TorchSpec(device=device))
+        return dataclasses.replace(self, torch=dataclasses.replace(self.torch or TorchSpec(), device=device))
+
+    @property
+    def compiles(self) -> bool:
+        """Whether the torch engine runs compiled steps (backend.torch.compile)."""
+        return self.torch is not None and self.torch.compile
 
     @property
     def settings(self) -> TrtllmSpec:
@@ -510,6 +518,9 @@ class PipelineSpec(Section):
                                                       f"{self.target.weight_only} would be no cheaper than the "
                                                       f"target: use ngram, or a smaller draft checkpoint "
                                                       f"(derive: none)")
+        if self.backend.compiles and self.speculation.drafts_tree:
+            raise Problem("backend.torch.compile", "compiled steps run chains of drafts; a Medusa tree's masked "
+                                                   "verify runs eagerly (leave compile off for method medusa)")
         if self.backend.kind == "trtllm":
             self.check_trtllm()
         nodes = len(self.speculation.medusa.choices)

@@ -49,7 +49,7 @@ class DraftModelProposer(Proposer):
     @classmethod
     def from_engine(cls, parts: EngineParts) -> DraftModelProposer:
         spec = parts.pipeline.speculation.draft
-        model = load_component(parts.directory / "draft", parts.device)
+        model = load_component(parts.directory / "draft", parts.device, prepack=not parts.pipeline.backend.compiles)
         # A draft derived from the target reads the target's keys/values for the committed prefix.
         shared = spec.derive != "none" and can_share_cache(model, parts.target)
         cache = parts.cache if shared else model.new_cache(parts.cache.batch_size, parts.cache.max_length)
@@ -58,6 +58,9 @@ class DraftModelProposer(Proposer):
     @property
     def device(self) -> torch.device:
         return self.model.embed.device
+
+    def stepped_models(self) -> list[tuple[LlamaModel, KVCache]]:
+        return [(self.model, self.cache)]
 
     def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
         if not self.shared:

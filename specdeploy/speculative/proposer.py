@@ -84,6 +84,11 @@ class Proposer:
     def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
         pass
 
+    def stepped_models(self) -> list[tuple[LlamaModel, KVCache]]:
+        """The models this proposer runs a forward of at every step, each with the cache it runs on (what compiled
+        steps compile besides the target)."""
+        return []
+
     def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
         return Proposal.empty(len(sequences), "cpu")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Collector
+from conftest import PROMPTS, Collector
 
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
@@ -13,7 +13,6 @@ from specdeploy.spec.pipeline import PolicySpec, ServingSpec
 from specdeploy.spec.request import NO_END_ID, GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 
-PROMPTS = [[5, 40, 41, 42, 43, 7, 9], [70, 71, 72, 70, 71, 72, 70, 71], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 GREEDY = SamplingParams()
 
 

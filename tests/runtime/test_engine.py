@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import PROMPTS
 from transformers import LlamaForCausalLM
 
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
 from specdeploy.spec.sampling_params import SamplingParams
-
-PROMPTS = [[5, 40, 41, 42, 43, 7, 9], [70, 71, 72, 70, 71, 72, 70, 71], [10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 
 
 def our_model(checkpoint_dir) -> tuple[LlamaForCausalLM, LlamaModel]:
