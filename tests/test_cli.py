@@ -233,7 +233,7 @@ def test_bench_rejects_bad_prompt_file(tmp_path, tiny_dt):
     assert f"{prompts}:2" in result.stderr and "'prompt'" in result.stderr
 
 
-def test_int4_draft_needs_group_aligned_sizes(tmp_path):
+def test_int4_draft_and_target_need_group_aligned_sizes(tmp_path):
     from conftest import save_tiny_checkpoint
 
     odd = save_tiny_checkpoint(tmp_path / "odd", seed=4, hidden_size=48, intermediate_size=96)
@@ -241,6 +241,12 @@ def test_int4_draft_needs_group_aligned_sizes(tmp_path):
     with pytest.raises(BuildError, match="hidden_size divisible by 32, got 48"):
         build(load_pipeline(path), tmp_path / "engines", quiet=True)
     assert_no_engine(tmp_path / "engines", "tiny-odd")
+    target = tiny_pipeline(tmp_path, "tiny-odd-target", odd, method="ngram", dtype="bfloat16",
+                           target_weight_only="int4")
+    with pytest.raises(BuildError, match=r"target\.weight_only int4 needs hidden_size divisible by 32, got 48 .*use "
+                                         r"int8"):
+        build(load_pipeline(target), tmp_path / "engines", quiet=True)
+    assert_no_engine(tmp_path / "engines", "tiny-odd-target")
 
 
 def test_up_to_date_check_hashes_only_changed_sources(tmp_path, tiny_checkpoints, monkeypatch):

@@ -6,6 +6,8 @@ each run through the engine's own model and kernels."""
 
 from __future__ import annotations
 
+from typing import Literal, NamedTuple
+
 import torch
 from rich.console import Console
 from rich.progress import track
@@ -18,19 +20,25 @@ from specdeploy.errors import SpecdeployError
 from specdeploy.models.llama import LlamaModel
 from specdeploy.spec.pipeline import PipelineSpec
 
-FORMS = {  # name → (how the weights are stored, the dtype the model runs in)
-    "float32": (None, torch.float32),
-    "int8": ("int8", torch.bfloat16),
-    "int4": ("int4", torch.bfloat16),
-    "int4, rescored int4 head (a derived draft)": ("int4 draft", torch.bfloat16),
+
+class Form(NamedTuple):
+    precision: Literal["int4", "int8"] | None  # None: the checkpoint's values as they are
+    rescored_head: bool  # the derived draft's head: int4 read, its top logits rescored at int8
+    dtype: torch.dtype  # what the model runs in
+
+
+FORMS = {
+    "float32": Form(None, False, torch.float32),
+    "int8": Form("int8", False, torch.bfloat16),
+    "int4": Form("int4", False, torch.bfloat16),
+    "int4, rescored int4 head (a derived draft)": Form("int4", True, torch.bfloat16),
 }
 
 
-def stored_state(state: dict[str, torch.Tensor], form: str | None) -> dict[str, torch.Tensor]:
-    if form is None:
+def stored_state(state: dict[str, torch.Tensor], form: Form) -> dict[str, torch.Tensor]:
+    if form.precision is None:
         return state
-    precision, _, role = form.partition(" ")
-    return quantized_state(state, precision, rescored_head=role == "draft")
+    return quantized_state(state, form.precision, form.rescored_head)
 
 
 def quant_quality(pipeline: PipelineSpec, quiet: bool = False) -> dict:
@@ -47,8 +55,8 @@ def quant_quality(pipeline: PipelineSpec, quiet: bool = False) -> dict:
 
     reference = score(dense.state, torch.bfloat16)
     rows = []
-    for name, (form, dtype) in track(FORMS.items(), description="quantizing and scoring", disable=quiet):
-        logits = score(stored_state(dense.state, form), dtype)
+    for name, form in track(FORMS.items(), description="quantizing and scoring", disable=quiet):
+        logits = score(stored_state(dense.state, form), form.dtype)
         rows.append({"form": name, **compare(reference, logits), "perplexity": perplexity(logits, sequences)})
     return {"model": str(pipeline.target.checkpoint.path), "held_out_tokens": sum(len(s) for s in sequences),
             "bfloat16_perplexity": perplexity(reference, sequences), "by_form": rows}

@@ -164,8 +164,6 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
         draft_key, draft_fix = f"speculation.draft.derive {derive}", "use derive: none with a draft checkpoint"
         if derive == "int4_dense":
             check_quantizable(dense, draft_key, draft_fix)  # before the MoE's derivation, which takes minutes
-        if pipeline.target.weight_only == "int4":
-            check_quantizable(dense, "target.weight_only int4", "use int8")
         moe = pipeline.target.moe
         if moe is not None:
             progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE "
@@ -173,6 +171,8 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
             target = derive_target(moe, dense, str(pipeline.target.checkpoint.path))
         if derive == "int4":
             check_quantizable(target, draft_key, draft_fix)
+        if pipeline.target.weight_only == "int4":  # a derived MoE's experts: its intermediate size per expert
+            check_quantizable(target, "target.weight_only int4", "use int8")
         stored = pipeline.target.weight_only or pipeline.target.dtype
         progress.update(task, description=f"[{pipeline.name}] writing target ({stored})")
         save_engine_pipeline(staging, pipeline)

@@ -320,6 +320,15 @@ def test_moe_derivation_is_refused_where_it_cannot_apply(mixtral_dirs, tiny_chec
     unquantizable = tiny_pipeline(tmp_path, "int4-of-odd-moe", odd)
     with pytest.raises(BuildError, match="int4 needs intermediate_size divisible by 32, got 48 in the mixtral"):
         build(load_pipeline(unquantizable), tmp_path / "engines", quiet=True)
+    # the dense model's sizes suit int4 groups, its 8 experts' (128 / 8 = 16 neurons each) do not
+    fine_split = moe_pipeline(tmp_path, "int4-target-of-fine-split", tiny_checkpoints["target"],
+                              {"experts": 8, "experts_per_token": 2, "calibration_tokens": 256})
+    spec = yaml.safe_load(fine_split.read_text())
+    spec["target"].update(dtype="bfloat16", weight_only="int4")
+    fine_split.write_text(yaml.safe_dump(spec))
+    with pytest.raises(BuildError, match="target.weight_only int4 needs intermediate_size divisible by 32, got 16 in "
+                                         "the mixtral"):
+        build(load_pipeline(fine_split), tmp_path / "engines", quiet=True)
     odd = moe_pipeline(tmp_path, "odd-split", tiny_checkpoints["target"], {"experts": 3, "experts_per_token": 1})
     with pytest.raises(BuildError, match="does not split into 3 experts"):
         build(load_pipeline(odd), tmp_path / "engines", quiet=True)

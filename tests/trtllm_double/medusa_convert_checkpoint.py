@@ -2,7 +2,7 @@
 specdeploy's upstream table; upstream's integer defaults), refuses what it asserts, and reads the heads as it does:
 medusa_num_layers from the heads' config.json, the head count from the command line (its default 4 always wins over
 the config), every head's weights from medusa_lm_head.safetensors, and the weight-only quantization it records in
-config.json (examples/medusa/convert_checkpoint.py)."""
+config.json (examples/medusa/convert_checkpoint.py @ b93e14ca)."""
 
 import argparse
 import json

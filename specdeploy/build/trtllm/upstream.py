@@ -17,7 +17,7 @@ TRTLLM_BUILD_FLAGS: dict[str, tuple[str, ...] | str | None] = {
     "--kv_cache_type": ("continuous", "paged", "disabled"),
 }
 
-# examples/medusa/convert_checkpoint.py
+# examples/medusa/convert_checkpoint.py (the weight-only flags @ b93e14ca)
 MEDUSA_CONVERT_FLAGS: dict[str, tuple[str, ...] | str | None] = {
     "--model_dir": None, "--medusa_model_dir": None, "--output_dir": None,
     "--dtype": ("float32", "bfloat16", "float16"), "--num_medusa_heads": None, "--num_medusa_layers": None,

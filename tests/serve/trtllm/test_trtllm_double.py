@@ -290,3 +290,20 @@ def test_the_medusa_converter_refuses_as_upstream(tmp_path):
                                                         "--max_medusa_token_len", "0")
     # the command line's head count (default 4) wins over the heads' config: more heads than the file holds
     assert medusa_convert(tmp_path).startswith("KeyError")
+
+
+def test_the_medusa_converter_quantizes_only_under_the_switch_as_upstream(tmp_path):
+    """examples/medusa/convert_checkpoint.py @ b93e14ca: --weight_only_precision alone changes nothing (quant_algo
+    stays None), --use_weight_only picks W8A16 by default or W4A16 for int4, and a precision it lacks is refused."""
+
+    def quant_algo(*flags: str) -> str | None:
+        assert medusa_convert(tmp_path, "--num_medusa_heads", "2", *flags) == ""
+        output = max(tmp_path.glob("out*"), key=lambda p: int(p.name[3:]))
+        return json.loads((output / "config.json").read_text())["quantization"]["quant_algo"]
+
+    assert quant_algo() is None
+    assert quant_algo("--weight_only_precision", "int4") is None
+    assert quant_algo("--use_weight_only") == "W8A16"
+    assert quant_algo("--use_weight_only", "--weight_only_precision", "int4") == "W4A16"
+    assert medusa_convert(tmp_path, "--num_medusa_heads", "2", "--use_weight_only", "--weight_only_precision",
+                          "int4_awq") == "SystemExit: 2"
