@@ -203,9 +203,9 @@ def print_generation(report: dict, url: str | None) -> None:
               help="Also write DIR/report.md with PNG plots, in-process or of --url's concurrency levels (needs the "
                    "report extra: matplotlib).")
 @click.option("--measure-gamma-cap", is_flag=True,
-              help="MoE targets: bench at the pipeline's full gamma (whatever its cap), predict every gamma from the "
-                   "expert-union verify cost and write the best into the engine, where serving.policy.gamma_cap: "
-                   "measured serves with it.")
+              help="draft_target and ngram: bench at the pipeline's full gamma (whatever its cap) and at smaller "
+                   "gammas, and write the gamma with the best realized speedup into the engine, where "
+                   "serving.policy.gamma_cap: measured serves with it (build measures it on calibration prompts).")
 @device_option
 def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, concurrency: str,
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,

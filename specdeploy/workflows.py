@@ -21,7 +21,7 @@ from specdeploy.decoding.detokenizer import IncrementalDetokenizer
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.compile_engine import compile_engine, is_compiled
 from specdeploy.runtime.engine import Engine
-from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock
+from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock, measured_gamma_cap
 from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
 
@@ -60,11 +60,20 @@ def load_spec(pipeline_path: str | Path, device: Device | None = None) -> Pipeli
 
 def build_torch_engine(pipeline: PipelineSpec, engines_dir: Path, force: bool = False,
                        quiet: bool = False) -> BuildResult:
-    """Build the pipeline's torch engine if it is missing or stale, then, for backend.torch.compile, compile its
-    steps into the engine's cache unless a build already did."""
+    """Build the pipeline's torch engine if it is missing or stale, then finish what the pipeline asks of a build
+    unless an earlier build did: for backend.torch.compile, compile its steps into the engine's cache; for
+    serving.policy.gamma_cap: measured, measure the cap on this machine (a fresh build never serves uncapped)."""
     result = build(pipeline, engines_dir, force=force, quiet=quiet)
     if pipeline.backend.compiles and (result.built or not is_compiled(result.directory)):
         compile_engine(pipeline, result.directory, quiet)
+    if pipeline.serving.policy.gamma_cap == "measured" and measured_gamma_cap(result.directory) is None:
+        from specdeploy.bench.gamma_cap import measure_gamma_cap
+
+        if not quiet:
+            print("measuring the gamma cap (serving.policy.gamma_cap: measured) on calibration prompts")
+        message = measure_gamma_cap(result.directory, quiet)
+        if not quiet:
+            print(message)
     return result
 
 
@@ -96,7 +105,7 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
     from specdeploy.serve.repository import write_repository
 
     pipeline = load_spec(pipeline_path, device)
-    builder = trtllm.build if pipeline.backend.kind == "trtllm" else build
+    builder = trtllm.build if pipeline.backend.kind == "trtllm" else build_torch_engine
     engine_dir = builder(pipeline, engines_dir).directory
     output = Path(output or MODEL_REPOSITORIES_DIR / pipeline.name)
     stamp = package_stamp(pipeline_path, engine_dir, served_at or output.resolve(), trtllm_source)

@@ -159,11 +159,38 @@ class Peer:
     tokens_per_s: float | None = None
     what: str | None = None
     common_prefix_tokens: float | None = None  # llama.cpp: leading tokens its greedy output shares with ours
+    by_kind: dict[str, float] | None = None  # llama.cpp: tokens/s per prompt kind
     skipped: str | None = None
 
     @classmethod
     def from_json(cls, data: dict) -> Peer:
         return cls(**known_fields(cls, data))
+
+
+@dataclass
+class Footprint:
+    """What the engine costs beside its decode rate (bench/footprint.py)."""
+
+    engine_bytes: int  # every file in the engine directory
+    load_seconds: float  # a fresh process: constructing the Engine (weights read, compiled steps loaded)
+    first_token_seconds: float  # its first request: prompt to first token (prefill and the first step)
+    first_request_seconds: float  # its first request, whole
+    peak_rss_bytes: int  # that process's peak resident memory, after the request
+    build_seconds: float | None = None  # the build manifest's (None: an engine built before builds recorded it)
+    compile_seconds: float | None = None  # backend.torch.compile: compiling the steps after the build
+    gamma_cap_seconds: float | None = None  # serving.policy.gamma_cap: measured, measured after the build
+    llama_cpp_peak_rss_bytes: int | None = None  # llama.cpp's fresh process on the same GGUF and request
+    llama_cpp_skipped: str | None = None  # why llama.cpp's was not measured
+
+    @classmethod
+    def from_json(cls, data: dict) -> Footprint:
+        return cls(**known_fields(cls, data))
+
+    @property
+    def rss_vs_llama_cpp(self) -> float | None:
+        if not self.llama_cpp_peak_rss_bytes:
+            return None
+        return self.peak_rss_bytes / self.llama_cpp_peak_rss_bytes
 
 
 @dataclass
@@ -178,6 +205,7 @@ class BenchReport:
     medusa: MedusaReport | None = None
     gamma_sweep: dict[int, float] | None = None  # gamma → measured speedup
     peers: dict[str, Peer] | None = None
+    footprint: Footprint | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)  # where the bench's time went
 
     @property
@@ -203,6 +231,8 @@ class BenchReport:
             data["gamma_sweep"] = {str(gamma): value for gamma, value in self.gamma_sweep.items()}
         if self.peers is not None:
             data["peers"] = {name: without_none(asdict(peer)) for name, peer in self.peers.items()}
+        if self.footprint is not None:
+            data["footprint"] = without_none(asdict(self.footprint))
         data["phase_seconds"] = self.phase_seconds
         return data
 
@@ -221,6 +251,7 @@ class BenchReport:
                        else None,
                        peers={name: Peer.from_json(peer) for name, peer in data["peers"].items()} if "peers" in data
                        else None,
+                       footprint=Footprint.from_json(data["footprint"]) if "footprint" in data else None,
                        phase_seconds=data.get("phase_seconds", {}))
         except (KeyError, TypeError) as error:
             raise SpecdeployError(f"not a bench report ({type(error).__name__}: {error})") from None

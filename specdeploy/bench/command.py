@@ -34,7 +34,7 @@ class BenchOptions:
     gammas: tuple[int, ...] = ()  # in-process: also decode every prompt at these gammas
     peers: bool = False  # in-process
     report_dir: Path | None = None
-    measure_gamma_cap: bool = False  # in-process, MoE targets
+    measure_gamma_cap: bool = False  # in-process: draft_target and ngram pipelines
 
 
 def check_options(options: BenchOptions) -> None:
@@ -77,21 +77,23 @@ def bench(options: BenchOptions, load_engine: Callable[[str], Engine]) -> None:
 
 def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]) -> dict:
     """The bench of every pipeline in one run; returns the JSON to write (one report, or several compared)."""
-    from specdeploy.bench import moe_curve
+    from specdeploy.bench import gamma_cap
     from specdeploy.bench.peers import peer_ratios
     from specdeploy.bench.printing import print_report
     from specdeploy.bench.run import run_benches
 
-    if options.measure_gamma_cap:
-        for engine in engines:
-            moe_curve.lift_gamma_cap(engine)
     most = min(engine.pipeline.limits.max_draft_tokens for engine in engines)
     if any(not 1 <= gamma <= most for gamma in options.gammas):
         raise SpecdeployError(f"--gammas: every gamma must be in 1..{most} (limits.max_draft_tokens), got "
                               f"{','.join(map(str, options.gammas))}")
+    gammas = options.gammas
+    if options.measure_gamma_cap:  # every engine at its full gamma, and at each smaller gamma the cap may take
+        for engine in engines:
+            gamma_cap.lift_gamma_cap(engine)
+        swept = {g for engine in engines for g in gamma_cap.sweep_gammas(engine.num_draft_tokens)}
+        gammas = tuple(sorted(swept.union(gammas)))
     reports = run_benches(engines, prompts, options.max_tokens, options.temperature, options.seed,
-                          with_transformers=options.with_transformers, with_peers=options.peers,
-                          gammas=options.gammas)
+                          with_transformers=options.with_transformers, with_peers=options.peers, gammas=gammas)
     for report in reports:
         print_report(report)
         for name, ratio in peer_ratios(report).items():
@@ -99,7 +101,7 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
                   f"{ratio.ours_speculative:.2f}x the tokens/s of {name}")
     if options.measure_gamma_cap:
         for engine, report in zip(engines, reports):
-            print(moe_curve.save_gamma_cap(engine, report))
+            print(gamma_cap.save_gamma_cap(engine, report))
     if options.report_dir is not None:
         from specdeploy.bench.report import write_report
 

@@ -6,20 +6,15 @@ tokens touch per layer, the expert weight bytes that reads, and the forward's ti
 from __future__ import annotations
 
 import statistics
-import time
-from dataclasses import asdict
 
 import torch
 
-from specdeploy.bench.bench_report import BenchReport, MoeCurve
+from specdeploy.bench.bench_report import MoeCurve
 from specdeploy.bench.measure import timed_forward
 from specdeploy.build.checkpoints import load_checkpoint
-from specdeploy.errors import SpecdeployError
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.moe import MixtralModel
 from specdeploy.runtime.engine import Engine
-from specdeploy.spec.engine_paths import MEASURED_POLICY_FILE, PIPELINE_FILE, write_json
-from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.speculative.speedup import predicted_speedups
 
 STARTS_PER_SEQUENCE = 2  # verification windows per prompt (its answer's first and last): up to 30 on 15 prompts
@@ -97,48 +92,3 @@ def predict_by_gamma(curve: MoeCurve, per_position_acceptance: list[float], draf
     by_gamma = predicted_speedups(per_position_acceptance[:served_gamma], draft_cost, curve.verify_cost)
     curve.predicted_speedup_by_gamma = by_gamma
     curve.best_gamma = 1 + max(range(len(by_gamma)), key=by_gamma.__getitem__)
-
-
-def measured_policy(report: BenchReport) -> dict:
-    """What `bench --measure-gamma-cap` writes into the engine (engine_paths.MEASURED_POLICY_FILE): the gamma with
-    the best predicted speedup, and the measurements it was picked from."""
-    curve, summary = report.moe, report.summary
-    return {"gamma_cap": curve.best_gamma, "measured_at_gamma": report.setup.num_draft_tokens,
-            "predicted_speedup_by_gamma": curve.predicted_speedup_by_gamma,
-            "realized_speedup_at_measured_gamma": summary.speedup,
-            "per_position_acceptance": summary.per_position_acceptance,
-            "draft_cost_ratio": summary.draft_cost_ratio, "verify_cost": curve.verify_cost,
-            "machine": asdict(report.setup.machine), "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-
-
-def lift_gamma_cap(engine: Engine) -> None:
-    """Let `engine` draft its pipeline's full gamma, whatever its cap, so a bench measures the acceptance of every
-    position (what picking a cap needs)."""
-    architecture = engine.target.config.architecture
-    if architecture != "mixtral":
-        raise SpecdeployError(f"{engine.pipeline.name}: --measure-gamma-cap picks a gamma from an MoE target's "
-                              f"expert-union verify cost, and this target is {architecture}")
-    if not engine.speculation.drafts_outside_target:
-        raise SpecdeployError(f"{engine.pipeline.name}: --measure-gamma-cap needs draft_target or ngram "
-                              f"speculation, the pipeline's is {engine.method}")
-    engine.pipeline = engine.pipeline.with_gamma_cap(None)
-
-
-def save_gamma_cap(engine: Engine, report: BenchReport) -> str:
-    """Write the measured policy into the engine; returns what it picked and why, in a sentence."""
-    if report.moe is None or report.moe.predicted_speedup_by_gamma is None:
-        raise SpecdeployError(f"{engine.pipeline.name}: no gamma could be predicted (no verification window fit "
-                              f"the answers, or nothing was drafted): use longer --max-tokens")
-    policy = measured_policy(report)
-    path = engine.dir / MEASURED_POLICY_FILE
-    write_json(path, policy)
-    cap, by_gamma = policy["gamma_cap"], policy["predicted_speedup_by_gamma"]
-    text = (f"gamma cap {cap}: predicted {by_gamma[cap - 1]:.2f}x plain decode, the best of "
-            f"{' '.join(f'{v:.2f}' for v in by_gamma)} for gamma 1 to {len(by_gamma)} (at gamma "
-            f"{policy['measured_at_gamma']} it ran at {policy['realized_speedup_at_measured_gamma']:.2f}x); "
-            f"written to {path}")
-    declared = load_pipeline(engine.dir / PIPELINE_FILE).serving.policy.gamma_cap
-    if declared != "measured":
-        text += (f". This pipeline's serving.policy.gamma_cap is {declared!r}: set it to measured (and rebuild) to "
-                 f"serve with it")
-    return text

@@ -123,11 +123,13 @@ def target_gguf(engine: Engine) -> tuple[Path | None, str]:
     return path, ""
 
 
-def streamed_rate(llm, encoded: list[list[int]], max_tokens: int, end_ids: tuple[int, ...]) -> tuple[float, list]:
-    """(decode tokens/s, each prompt's tokens) of llama.cpp's greedy generation over the prompts: (tokens - 1) over
-    the time from the first token to the last, each prompt from an empty cache."""
+def streamed_rate(llm, encoded: list[list[int]], max_tokens: int, end_ids: tuple[int, ...],
+                  kinds: list[str] | None = None) -> tuple[float, list, dict[str, float]]:
+    """(decode tokens/s, each prompt's tokens, decode tokens/s by prompt kind) of llama.cpp's greedy generation over
+    the prompts: (tokens - 1) over the time from the first token to the last, each prompt from an empty cache."""
     tokens, seconds, outputs = 0, 0.0, []
-    for prompt_ids in encoded:
+    by_kind: dict[str, list[float]] = {}  # kind → [tokens, seconds]
+    for prompt_ids, kind in zip(encoded, kinds or ["other"] * len(encoded)):
         llm.reset()
         output, first = [], 0.0
         for token in llm.generate(prompt_ids, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0):
@@ -139,8 +141,12 @@ def streamed_rate(llm, encoded: list[list[int]], max_tokens: int, end_ids: tuple
         if len(output) > 1:
             tokens += len(output) - 1
             seconds += time.perf_counter() - first
+            counted = by_kind.setdefault(kind, [0, 0.0])
+            counted[0] += len(output) - 1
+            counted[1] += time.perf_counter() - first
         outputs.append(output)
-    return (tokens / seconds if seconds else 0.0), outputs
+    rates = {kind: count / spent for kind, (count, spent) in sorted(by_kind.items()) if spent}
+    return (tokens / seconds if seconds else 0.0), outputs, rates
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -149,11 +155,12 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def llama_cpp_peers(engine: Engine, encoded: list[list[int]], max_tokens: int,
-                    ours: list[list[int]]) -> dict[str, Peer]:
+                    ours: list[list[int]], kinds: list[str] | None = None) -> dict[str, Peer]:
     """name → its speed, what it ran and common_prefix_tokens (or why it was skipped) for llama.cpp plain and with
     its prompt lookup. ours: our plain greedy tokens per prompt; common_prefix_tokens is the mean number of leading
-    tokens llama.cpp's greedy output shares with ours. Its Q4_1 kernels round activations to 8 bits, so the two part
-    at some near tie, but the same prompt on the same weights starts alike (a wrong template would part at once)."""
+    tokens llama.cpp's greedy output shares with ours; kinds: each prompt's kind, for the rates by kind. Its Q4_1
+    kernels round activations to 8 bits, so the two part at some near tie, but the same prompt on the same weights
+    starts alike (a wrong template would part at once)."""
     lookup = max(engine.num_draft_tokens, 1)
     names = (LLAMA_CPP, f"llama.cpp prompt lookup ({lookup})")
     try:
@@ -172,8 +179,8 @@ def llama_cpp_peers(engine: Engine, encoded: list[list[int]], max_tokens: int,
         llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=engine.max_length + lookup + 1, n_threads=threads,
                               n_threads_batch=threads, verbose=False, draft_model=draft)
         streamed_rate(llm, encoded[:1], 4, end_ids)  # warm-up
-        rate, outputs = streamed_rate(llm, encoded, max_tokens, end_ids)
-        peers[name] = Peer(tokens_per_s=rate,
+        rate, outputs, by_kind = streamed_rate(llm, encoded, max_tokens, end_ids, kinds)
+        peers[name] = Peer(tokens_per_s=rate, by_kind=by_kind,
                            common_prefix_tokens=sum(map(common_prefix, outputs, ours)) / max(len(outputs), 1),
                            what=where + ("" if draft is None else f", prompt lookup of {lookup} tokens "
                                                                   f"(max_ngram_size 2)"))

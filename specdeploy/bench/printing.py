@@ -60,6 +60,9 @@ def figure_rows(report: BenchReport) -> list[tuple[str, str]]:
     rows = [(name, cell(value)) for part in parts for name, value in part.items() if value is not None]
     rows += [(f"speedup ({kind})", f"{row.speedup:.3f} ({row.prompts} prompts)")
              for kind, row in report.summary.by_kind.items()]
+    if report.footprint is not None:
+        rows += [(f"footprint: {name}", cell(value)) for name, value in asdict(report.footprint).items()
+                 if value is not None]
     for section, part in (("medusa", report.medusa), ("moe", report.moe)):
         if part is not None:
             rows += [(f"{section}: {name}", section_cell(value)) for name, value in asdict(part).items()

@@ -21,7 +21,7 @@ from itertools import accumulate
 from pathlib import Path
 
 from specdeploy.bench.bench_report import BenchReport, MoeCurve
-from specdeploy.bench.peers import peer_ratios
+from specdeploy.bench.peers import LLAMA_CPP, peer_ratios
 from specdeploy.bench.printing import phases_text
 from specdeploy.errors import SpecdeployError
 from specdeploy.speculative.speedup import predicted_speedup, predicted_speedups
@@ -247,6 +247,48 @@ def peer_lines(reports: list[BenchReport]) -> list[str]:
     return lines
 
 
+def llama_cpp_lines(report: BenchReport) -> list[str]:
+    """Ours against llama.cpp's plain decode by prompt kind, in the same run (none without that peer)."""
+    peer = (report.peers or {}).get(LLAMA_CPP)
+    if peer is None or not peer.tokens_per_s:
+        return []
+    summary = report.summary
+    rows = [(kind, v.plain_tokens_per_s, v.speculative_tokens_per_s, (peer.by_kind or {}).get(kind))
+            for kind, v in summary.by_kind.items()]
+    rows.append(("all", summary.baseline_tokens_per_s, summary.speculative_tokens_per_s, peer.tokens_per_s))
+    lines = [f"## Against llama.cpp's plain decode: {report.label}", "",
+             "| prompt kind | ours plain | ours speculative | llama.cpp plain | plain ÷ llama.cpp | speculative ÷ "
+             "llama.cpp | speculative ÷ our plain |", "|---|---|---|---|---|---|---|"]
+    for kind, plain, speculative, theirs in rows:
+        against = ("–", "–") if not theirs else (f"{plain / theirs:.2f}×", f"{speculative / theirs:.2f}×")
+        lines.append(f"| {kind} | {plain:.1f} | {speculative:.1f} | {'–' if not theirs else f'{theirs:.1f}'} | "
+                     f"{against[0]} | {against[1]} | {speculative / plain:.2f}× |")
+    return lines + [""]
+
+
+def footprint_lines(report: BenchReport) -> list[str]:
+    """What the engine costs beside its speed: size, build, load, first request and memory (bench/footprint.py)."""
+    footprint = report.footprint
+    if footprint is None:
+        return []
+
+    def seconds(value: float | None) -> str:
+        return "–" if value is None else f"{value:.1f} s"
+
+    theirs = (f"{footprint.llama_cpp_peak_rss_bytes / 2**20:.0f} MiB" if footprint.llama_cpp_peak_rss_bytes
+              else f"skipped: {footprint.llama_cpp_skipped}")
+    ratio = footprint.rss_vs_llama_cpp
+    return [f"## Footprint: {report.label}", "",
+            "Build figures are what the build recorded; the rest ran in fresh processes (the first prompt).", "",
+            "| engine size | build | compiling steps | measuring the gamma cap | load | first token | first request | "
+            "peak resident memory | llama.cpp's | ours ÷ llama.cpp's |", "|---|---|---|---|---|---|---|---|---|---|",
+            f"| {footprint.engine_bytes / 2**20:.0f} MiB | {seconds(footprint.build_seconds)} | "
+            f"{seconds(footprint.compile_seconds)} | {seconds(footprint.gamma_cap_seconds)} | "
+            f"{seconds(footprint.load_seconds)} | {seconds(footprint.first_token_seconds)} | "
+            f"{seconds(footprint.first_request_seconds)} | {footprint.peak_rss_bytes / 2**20:.0f} MiB | {theirs} | "
+            f"{'–' if ratio is None else f'{ratio:.2f}×'} |", ""]
+
+
 def write_report(reports: list[BenchReport], directory: Path, pipelines: list[str]) -> Path:
     """Write DIR/report.md, the plots and DIR/reports.json for the in-process bench `reports` (one per pipeline,
     measured in one run). Returns the report.md path."""
@@ -283,6 +325,8 @@ def write_report(reports: list[BenchReport], directory: Path, pipelines: list[st
         positions = report.summary.per_position_acceptance
         lines += ["", "Acceptance by position: " + ", ".join(f"{p:.2f}" for p in positions), ""]
     lines += peer_lines(reports)
+    for report in reports:
+        lines += llama_cpp_lines(report) + footprint_lines(report)
     lines += ["## Plots", ""] + [f"### {title}\n\n![{title}]({name})\n" for name, title in plots.items()]
     path = directory / "report.md"
     path.write_text("\n".join(lines))

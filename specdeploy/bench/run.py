@@ -15,6 +15,7 @@ import torch
 from rich.progress import track
 
 from specdeploy.bench.bench_report import BenchReport, Ceiling, Machine, Setup, TransformersBaseline
+from specdeploy.bench.footprint import measure_footprint
 from specdeploy.bench.greedy_check import greedy_check
 from specdeploy.bench.measure import (
     measure_bandwidth,
@@ -43,7 +44,8 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
                 gammas: tuple[int, ...] = ()) -> list[BenchReport]:
     """One report per engine, measured in one run: for each prompt in turn every engine decodes it plain and with
     its speculation, so the machine's load drifts over all of them alike. transformers is measured once (first
-    engine); with_peers: each engine's peers (bench/peers.py) on the same prompts, greedy, after its own runs;
+    engine); with_peers: each engine's peers (bench/peers.py) on the same prompts, greedy, after its own runs, and
+    its footprint beside llama.cpp's (bench/footprint.py: fresh processes, the first prompt);
     gammas: each prompt also decoded at these gammas (report.gamma_sweep: gamma → speedup; not for Medusa, whose
     tree sets its own width)."""
     requests = [GenerationRequest.with_defaults(e.pipeline, [], max_tokens, temperature, seed=seed) for e in engines]
@@ -82,7 +84,10 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
         for engine, request, ids, report, done, clock in zip(engines, requests, encoded, reports, runs, spent):
             with clock("peers"):
                 report.peers = {**transformers_peers(engine, ids, request.max_tokens),
-                                **llama_cpp_peers(engine, ids, request.max_tokens, [r.plain_tokens for r in done])}
+                                **llama_cpp_peers(engine, ids, request.max_tokens, [r.plain_tokens for r in done],
+                                                  [p["kind"] for p in prompts])}
+            with clock("footprint"):
+                report.footprint = measure_footprint(engine, ids[0], request.max_tokens)
     for report, clock in zip(reports, spent):
         report.phase_seconds = clock.seconds
     return reports

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import shutil
+import time
 from pathlib import Path
 from typing import Literal, NamedTuple
 
@@ -153,6 +154,7 @@ def write_target(directory: Path, target: Checkpoint, pipeline: PipelineSpec) ->
 
 def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool) -> None:
     """Write the engine at `final` through a staging directory (the caller holds build_lock(final))."""
+    started = time.perf_counter()
     speculation = pipeline.speculation
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
@@ -198,5 +200,5 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
         if speculation.uses_heads:
             progress.update(task, description=f"[{pipeline.name}] writing Medusa heads")
             write_medusa(staging / "medusa", pipeline, target)
-        write_manifest(staging, inputs)
+        write_manifest(staging, inputs, started)
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")

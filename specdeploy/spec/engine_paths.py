@@ -2,8 +2,9 @@
 
 An engine directory `engines/<pipeline name>/` holds one folder per component (`target/`, `draft/`), the
 validated pipeline it was built from (`pipeline.json`, which every later stage re-parses) and the build manifest,
-written last, whose presence marks the engine complete. `bench --measure-gamma-cap` may add
-`measured_policy.json`: the gamma cap it measured for this engine on this machine (a rebuild removes it).
+written last, whose presence marks the engine complete. For serving.policy.gamma_cap: measured, `specdeploy build`
+then adds `measured_policy.json`: the gamma cap it measured for this engine on this machine (a rebuild measures it
+again; `bench --measure-gamma-cap` measures it again on the bench's prompts).
 
 Beside an engine (and a packaged model repository): `.<name>.lock`, which a build holds while it writes (it stays),
 and while one writes, `.<name>.partial-<random>`, the staging directory renamed into place at the end.
@@ -66,17 +67,18 @@ def engine_pipeline(directory: Path) -> PipelineSpec:
 
 
 def measured_gamma_cap(directory: Path) -> int | None:
-    """The gamma cap `bench --measure-gamma-cap` wrote into the engine at `directory`, None if it has not."""
+    """The gamma cap measured into the engine at `directory` (by build or bench --measure-gamma-cap), None if none
+    was."""
     path = Path(directory) / MEASURED_POLICY_FILE
     if not path.is_file():
         return None
     try:
         cap = json.loads(path.read_text())["gamma_cap"]
     except (ValueError, KeyError, TypeError):
-        raise SpecdeployError(f"{path}: not a measured policy (no gamma_cap); rerun specdeploy bench "
-                              f"--measure-gamma-cap or delete it") from None
-    if type(cap) is not int or cap < 1:
-        raise SpecdeployError(f"{path}: gamma_cap must be an integer ≥ 1, got {cap!r}")
+        raise SpecdeployError(f"{path}: not a measured policy (no gamma_cap); delete it and rerun "
+                              f"specdeploy build, which measures it again") from None
+    if type(cap) is not int or cap < 0:
+        raise SpecdeployError(f"{path}: gamma_cap must be an integer ≥ 0, got {cap!r}")
     return cap
 
 

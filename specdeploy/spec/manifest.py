@@ -138,10 +138,12 @@ def reuse(engine_dir: Path, inputs: dict, pipeline: PipelineSpec) -> bool:
     return True
 
 
-def write_manifest(staging: Path, inputs: dict) -> None:
-    """The build manifest, written last: the inputs' fingerprint, the build time, the components and every file."""
+def write_manifest(staging: Path, inputs: dict, started: float) -> None:
+    """The build manifest, written last: the inputs' fingerprint, when the build ended and the seconds it took
+    (started: its time.perf_counter() at the start), the components and every file."""
     staging = Path(staging)
     manifest = dict(inputs, built_at=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+                    build_seconds=round(time.perf_counter() - started, 3),
                     components=sorted(p.name for p in staging.iterdir() if p.is_dir()),
                     outputs=output_records(staging))
     (staging / MANIFEST_FILE).write_text(json.dumps(manifest, indent=2))

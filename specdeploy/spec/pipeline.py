@@ -365,9 +365,9 @@ class PolicySpec(Section):
     # while any drafting at eight or more streams gained at most 4% (the batch's GEMM is already compute-bound).
     full_up_to: int = 2
     off_above: int = 4
-    # The most tokens any step drafts, whatever a request asks (None: no cap). For an MoE target, where verifying
-    # n tokens reads the union of their experts, "measured" takes the gamma with the best predicted speedup that
-    # `bench --measure-gamma-cap` measured for the built engine (no cap until it has).
+    # The most tokens any step drafts, whatever a request asks (None: no cap; 0: none, plain decode). "measured":
+    # the gamma whose realized speedup was best on this machine, which `specdeploy build` measures into the engine
+    # (bench/gamma_cap.py): a verify's cost by width, and an MoE's expert union, depend on the CPU or GPU.
     gamma_cap: int | Literal["measured"] | None = None
 
     def check(self) -> None:
@@ -376,8 +376,9 @@ class PolicySpec(Section):
         if self.off_above < self.full_up_to:
             raise Problem("off_above", f"must be ≥ full_up_to ({self.full_up_to}), got {self.off_above}")
         if self.gamma_cap is not None and self.gamma_cap != "measured" and not (
-                isinstance(self.gamma_cap, int) and self.gamma_cap >= 1):
-            raise Problem("gamma_cap", f"must be ≥ 1, 'measured' or null for no cap, got {quoted(self.gamma_cap)}")
+                type(self.gamma_cap) is int and self.gamma_cap >= 0):
+            raise Problem("gamma_cap", f"must be ≥ 0 (0: no drafting), 'measured' or null for no cap, got "
+                                       f"{quoted(self.gamma_cap)}")
 
     def gamma(self, gamma: int, batch_size: int) -> int:
         """The proposal cap for a request whose own gamma is `gamma` in a batch of `batch_size` sequences."""

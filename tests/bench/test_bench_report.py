@@ -9,7 +9,9 @@ import pytest
 from made_reports import made_report
 from PIL import Image
 
-from specdeploy.bench.bench_report import MoeCurve
+from specdeploy.bench.bench_report import BenchReport, Footprint, MoeCurve, Peer
+from specdeploy.bench.footprint import measure_footprint
+from specdeploy.bench.gamma_cap import MARGIN, measured_policy
 from specdeploy.bench.report import gamma_curves, write_report
 from specdeploy.bench.run import run_benches
 from specdeploy.errors import SpecdeployError
@@ -151,10 +153,18 @@ def test_peers_run_on_the_same_weights_and_the_report_names_the_faster(tiny_engi
     ratios = peer_ratios(measured[0])
     assert ratios[PLAIN].ours_plain == pytest.approx(measured[0].summary.baseline_tokens_per_s
                                                      / plain_draft[PLAIN].tokens_per_s)
-    for report in measured:  # where the time went: the decodes, their analysis and the peers
-        assert set(report.phase_seconds) == {"plain_and_speculative", "analysis", "peers"}
+    for report, engine in zip(measured, engines):  # where the time went: decodes, analysis, peers, footprint
+        assert set(report.phase_seconds) == {"plain_and_speculative", "analysis", "peers", "footprint"}
         assert all(seconds > 0 for seconds in report.phase_seconds.values())
+        footprint = report.footprint  # a fresh process loaded the engine and ran the first prompt
+        assert footprint.engine_bytes == sum(f.stat().st_size for f in engine.dir.rglob("*") if f.is_file())
+        assert footprint.build_seconds > 0 and footprint.compile_seconds is None
+        assert 0 < footprint.first_token_seconds <= footprint.first_request_seconds and footprint.load_seconds > 0
+        assert footprint.peak_rss_bytes > 150 * 2**20  # importing torch alone takes more
+        assert "not a GGUF file" in footprint.llama_cpp_skipped and footprint.rss_vs_llama_cpp is None
+        assert BenchReport.from_json(report.to_json()).footprint == footprint
     text = write_report(measured, tmp_path, ["a.yaml", "b.yaml"]).read_text()
+    assert "## Footprint: tiny-dt (draft_target)" in text and "skipped: the target's checkpoint is not a GGUF" in text
     assert "## Time spent (seconds)" in text and "- tiny-dt (draft_target): plain and speculative " in text
     assert "## Peers: tiny-dt (draft_target)" in text and "skipped: the draft is derived int4" in text
     faster = [name for name, ratio in ratios.items() if ratio.ours_speculative < 1]
@@ -196,11 +206,37 @@ def test_llama_cpp_runs_the_gguf_the_target_was_built_from(smollm2_fp32_engines)
     prompts = ["Write a Python function that adds two numbers.", "Name three colours of the rainbow."]
     encoded = [engine.encode_prompt(prompt) for prompt in prompts]
     ours = [engine.generate(ids, SamplingParams(), 16, num_draft_tokens=0).run() for ids in encoded]
-    peers = llama_cpp_peers(engine, encoded, 16, ours)
+    peers = llama_cpp_peers(engine, encoded, 16, ours, ["code", "open"])
     assert set(peers) == {"llama.cpp", "llama.cpp prompt lookup (5)"}
     for peer in peers.values():
         assert peer.tokens_per_s > 0 and "SmolLM2-135M-Instruct.Q4_1.gguf" in peer.what
         assert peer.common_prefix_tokens >= 3
+        assert set(peer.by_kind) == {"code", "open"} and all(rate > 0 for rate in peer.by_kind.values())
+    footprint = measure_footprint(engine, encoded[0], 16)  # llama.cpp's fresh process imports no torch
+    assert 0 < footprint.llama_cpp_peak_rss_bytes < footprint.peak_rss_bytes
+
+
+def test_ours_against_llama_cpp_by_prompt_kind_and_the_footprint_are_tabled(tmp_path):
+    peers = {"llama.cpp": Peer(tokens_per_s=80.0, by_kind={"copy": 50.0}, what="llama.cpp")}
+    footprint = Footprint(engine_bytes=300 * 2**20, build_seconds=12.0, compile_seconds=None, gamma_cap_seconds=61.5,
+                          load_seconds=2.5, first_token_seconds=0.1, first_request_seconds=1.2,
+                          peak_rss_bytes=600 * 2**20, llama_cpp_peak_rss_bytes=200 * 2**20)
+    text = write_report([made_report(peers=peers, footprint=footprint)], tmp_path, ["made.yaml"]).read_text()
+    # copy: ours 100 plain and 150 speculative against llama.cpp's 50; all prompts: against its 80
+    assert "| copy | 100.0 | 150.0 | 50.0 | 2.00× | 3.00× | 1.50× |" in text
+    assert "| all | 100.0 | 150.0 | 80.0 | 1.25× | 1.88× | 1.50× |" in text
+    assert "| 300 MiB | 12.0 s | – | 61.5 s | 2.5 s | 0.1 s | 1.2 s | 600 MiB | 200 MiB | 3.00× |" in text
+
+
+def test_the_measured_gamma_cap_is_the_best_realized_gamma_beyond_noise_or_none_when_nothing_pays():
+    def cap(full_speedup: float, sweep: dict[int, float]) -> int:
+        report = made_report({"speedup": full_speedup}, {"num_draft_tokens": 4}, gamma_sweep=sweep)
+        return measured_policy(report)["gamma_cap"]
+
+    assert cap(1.40, {1: 1.2, 2: 1.50, 3: 1.45}) == 2  # a smaller gamma that pays more
+    assert cap(1.40, {1: 1.2, 2: 1.42, 3: 1.41}) == 4  # within MARGIN of the pipeline's own: keep its gamma
+    assert cap(0.90, {1: 0.95, 2: 0.93, 3: 0.91}) == 0  # nothing beats plain decode: draft nothing
+    assert cap(1.40, {1: 1.2, 2: 1.40 * MARGIN + 0.01, 3: 1.3}) == 2
 
 
 def test_gamma_and_position_axes_tick_whole_numbers_only():

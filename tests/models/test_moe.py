@@ -17,7 +17,9 @@ from test_cli import run_cli
 from test_engine import PROMPTS
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
+from specdeploy.bench.gamma_cap import CALIBRATION_TOKENS, calibration_prompts, lift_gamma_cap, sweep_gammas
 from specdeploy.bench.moe_curve import experts_touched
+from specdeploy.bench.prompts import load_prompts
 from specdeploy.bench.run import run_benches
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.build.hf_export import export_hf
@@ -33,6 +35,7 @@ from specdeploy.runtime.scheduler import Scheduler
 from specdeploy.spec.pipeline import CheckpointSpec, PipelineSpec, PolicySpec, ServingSpec, TargetSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.workflows import build_torch_engine
 
 MOE = dict(TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
 
@@ -458,14 +461,16 @@ def test_gamma_cap_limits_every_request(moe_engines, tmp_path):
         engine.pipeline = original
     assert generation.stats.drafted_per_position and len(generation.stats.drafted_per_position) <= 2
     with pytest.raises(PipelineError, match="gamma_cap"):
-        PolicySpec(gamma_cap=0)
+        PolicySpec(gamma_cap=-1)
+    off = dataclasses.replace(engine.pipeline, serving=ServingSpec(PolicySpec(gamma_cap=0)))
+    assert GenerationRequest(PROMPTS[1], 24, SamplingParams(), 5).gamma(off) == 0  # 0: plain decode
 
 
 def test_gamma_cap_accepts_measured_and_names_what_is_allowed(tmp_path, tiny_checkpoints):
     path = tiny_pipeline(tmp_path, "cap", tiny_checkpoints["target"], serving={"policy": {"gamma_cap": "measured"}})
     assert load_pipeline(path).serving.policy.gamma_cap == "measured"
     assert load_pipeline(path).with_gamma_cap(3).serving.policy.gamma_cap == 3
-    for bad in ("sometimes", 0, 2.5):
+    for bad in ("sometimes", -1, 2.5, True):
         spec = yaml.safe_load(path.read_text())
         spec["serving"]["policy"]["gamma_cap"] = bad
         path.write_text(yaml.safe_dump(spec))
@@ -477,12 +482,18 @@ def test_gamma_cap_accepts_measured_and_names_what_is_allowed(tmp_path, tiny_che
     assert GenerationRequest(PROMPTS[1], 8, SamplingParams(), 5).gamma(uncapped) == 5
 
 
-def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkpoints, tmp_path):
-    path = moe_pipeline(tmp_path, "tiny-moe-measured", tiny_checkpoints["target"],
-                        {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}, "draft_target")
+def measured_cap_moe_pipeline(directory: Path, name: str, checkpoint: Path) -> tuple[Path, dict]:
+    """A tiny MoE draft-target pipeline with serving.policy.gamma_cap: measured, and its spec."""
+    path = moe_pipeline(directory, name, checkpoint, {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256},
+                        "draft_target")
     spec = yaml.safe_load(path.read_text())
     spec["serving"] = {"policy": {"gamma_cap": "measured"}}
     path.write_text(yaml.safe_dump(spec))
+    return path, spec
+
+
+def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkpoints, tmp_path):
+    path, spec = measured_cap_moe_pipeline(tmp_path, "tiny-moe-measured", tiny_checkpoints["target"])
     engines = tmp_path / "engines"
     engine_dir = build(load_pipeline(path), engines, quiet=True).directory
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap is None  # nothing measured yet: no cap
@@ -495,26 +506,26 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
                      "24", "--temperature", "0", "--no-transformers", "--measure-gamma-cap", "--json", str(out))
     assert result.returncode == 0, result.stderr
     report = json.loads(out.read_text())
-    by_gamma = report["moe"]["predicted_speedup_by_gamma"]
-    assert len(by_gamma) == spec["speculation"]["num_draft_tokens"]  # measured at the full gamma
+    gamma = spec["speculation"]["num_draft_tokens"]
+    assert report["num_draft_tokens"] == gamma and list(report["gamma_sweep"]) == [str(g) for g in range(1, gamma)]
     measured = json.loads(policy_file.read_text())
-    best = 1 + by_gamma.index(max(by_gamma))
-    assert measured["gamma_cap"] == report["moe"]["best_gamma"] == best
-    assert measured["predicted_speedup_by_gamma"] == by_gamma
-    assert f"gamma cap {best}" in result.stdout and str(policy_file) in result.stdout
-    assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == best
+    realized = {**report["gamma_sweep"], str(gamma): report["speedup"]}
+    assert measured["realized_speedup_by_gamma"] == realized
+    assert measured["gamma_cap"] in {0, *map(int, realized)}  # the rule itself: test_bench_report.py
+    assert measured["moe_predicted_speedup_by_gamma"] == report["moe"]["predicted_speedup_by_gamma"]
+    assert f"gamma cap {measured['gamma_cap']}" in result.stdout and str(policy_file) in result.stdout
+    assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == measured["gamma_cap"]
     served = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
                      "24", "--temperature", "0", "--no-transformers", "--json", str(out))
-    assert served.returncode == 0 and f"capped at {best}" in served.stdout
+    assert served.returncode == 0 and f"capped at {measured['gamma_cap']}" in served.stdout
     capped = json.loads(out.read_text())
-    assert capped["gamma_cap"] == best and len(capped["per_position_acceptance"]) == best  # only drafted ones
+    assert capped["gamma_cap"] == measured["gamma_cap"]
+    assert len(capped["per_position_acceptance"]) == measured["gamma_cap"]  # only drafted positions
     policy_file.write_text(json.dumps({"gamma_cap": "two"}))
     with pytest.raises(SpecdeployError, match="measured_policy.json.*gamma_cap"):
         Engine(engine_dir)
-    dense = tiny_pipeline(tmp_path, "tiny-dense", tiny_checkpoints["target"])
-    refused = run_cli("bench", str(dense), "--engines-dir", str(engines), "--prompts", str(prompts),
-                      "--max-tokens", "8", "--no-transformers", "--measure-gamma-cap")
-    assert refused.returncode == 2 and "MoE" in refused.stderr
+    with pytest.raises(SpecdeployError, match="needs draft_target or ngram speculation"):
+        lift_gamma_cap(Engine(tiny_engine_dir(tmp_path, tiny_checkpoints), method="none"))
 
 
 def test_quant_quality_scores_each_stored_form_against_bf16_and_refuses_an_moe(tiny_checkpoints, tmp_path):
@@ -537,3 +548,36 @@ def test_quant_quality_scores_each_stored_form_against_bf16_and_refuses_an_moe(t
                        {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256})
     refused = run_cli("quant-quality", str(moe))
     assert refused.returncode != 0 and "moe-quality" in refused.stderr
+
+
+def test_build_measures_a_gamma_cap_the_pipeline_asks_for_on_prompts_the_bench_never_uses(tiny_checkpoints, tmp_path):
+    path, spec = measured_cap_moe_pipeline(tmp_path, "tiny-moe-built-cap", tiny_checkpoints["target"])
+    engines = tmp_path / "engines"
+    engine_dir = build_torch_engine(load_pipeline(path), engines, quiet=True).directory
+    policy_file = engine_dir / "measured_policy.json"
+    measured = json.loads(policy_file.read_text())
+    realized = measured["realized_speedup_by_gamma"]  # at every gamma up to the full one
+    assert list(realized) == [str(g) for g in range(1, spec["speculation"]["num_draft_tokens"] + 1)]
+    assert measured["gamma_cap"] in {0, *map(int, realized)}
+    assert measured["max_tokens"] == CALIBRATION_TOKENS and measured["seconds"] > 0
+    bench_prompts = {p["prompt"] for p in load_prompts()}
+    calibration = calibration_prompts(Engine(engine_dir))
+    assert measured["prompts"] == len(calibration) > 0 and not bench_prompts & {p["prompt"] for p in calibration}
+    assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == measured["gamma_cap"]  # a fresh build serves capped
+    written = policy_file.stat().st_mtime_ns
+    build_torch_engine(load_pipeline(path), engines, quiet=True)  # up to date: measured already, not again
+    assert policy_file.stat().st_mtime_ns == written
+    dense = yaml.safe_load(tiny_pipeline(tmp_path, "tiny-dense-cap", tiny_checkpoints["target"], method="ngram",
+                                         dtype="bfloat16", target_weight_only="int4").read_text())
+    dense["serving"] = {"policy": {"gamma_cap": "measured"}}  # an int4 target's verify cost grows with its width
+    (tmp_path / "dense.yaml").write_text(yaml.safe_dump(dense))
+    dense_dir = build_torch_engine(load_pipeline(tmp_path / "dense.yaml"), engines, quiet=True).directory
+    realized = json.loads((dense_dir / "measured_policy.json").read_text())["realized_speedup_by_gamma"]
+    gamma = dense["speculation"]["num_draft_tokens"]
+    assert list(realized) == [str(g) for g in (*sweep_gammas(gamma), gamma)] and all(v > 0 for v in realized.values())
+
+
+def tiny_engine_dir(tmp_path: Path, tiny_checkpoints: dict) -> Path:
+    """A tiny dense draft-target engine."""
+    path = tiny_pipeline(tmp_path, "tiny-plain-dt", tiny_checkpoints["target"])
+    return build(load_pipeline(path), tmp_path / "engines", quiet=True).directory

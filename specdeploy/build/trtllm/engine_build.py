@@ -10,6 +10,7 @@ import importlib.util
 import json
 import shutil
 import subprocess
+import time
 from pathlib import Path
 
 import yaml
@@ -171,6 +172,7 @@ def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet
 
 def run_plan(pipeline: PipelineSpec, final: Path, inputs: dict, steps: list[Step], quiet: bool) -> None:
     """Run the plan's steps into a staging directory that becomes `final` (the caller holds build_lock(final))."""
+    started = time.perf_counter()
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}]", total=None)
@@ -182,4 +184,4 @@ def run_plan(pipeline: PipelineSpec, final: Path, inputs: dict, steps: list[Step
                 run_action(step, pipeline, final, step.output, sources)
             else:
                 run_command(step, staging / "trtllm" / "logs" / f"{number}-{step.output.name}.log")
-        write_manifest(staging, inputs)
+        write_manifest(staging, inputs, started)
