@@ -212,6 +212,7 @@ def figures_table(reports: list[BenchReport]) -> list[str]:
             row("draft cost c", "{:.3f}", [s.draft_cost_ratio for s in summaries]),
             row("verify cost v", "{:.2f}", [s.verify_cost_ratio for s in summaries]),
             row("gamma", "{}", [s.num_draft_tokens for s in setups]),
+            row("gamma cap (serving.policy)", "{}", [s.gamma_cap for s in setups]),
             row("dtype", "{}", [s.dtype for s in setups]),
             row("temperature", "{}", [s.temperature for s in setups]),
             row("max tokens", "{}", [s.max_tokens for s in setups]),

@@ -47,7 +47,7 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
     engine); with_peers: each engine's peers (bench/peers.py) on the same prompts, greedy, after its own runs, and
     its footprint beside llama.cpp's (bench/footprint.py: fresh processes, the first prompt);
     gammas: each prompt also decoded at these gammas (report.gamma_sweep: gamma → speedup; not for Medusa, whose
-    tree sets its own width)."""
+    tree sets its own width; gammas above an engine's gamma_cap neither, which it serves at its cap)."""
     requests = [GenerationRequest.with_defaults(e.pipeline, [], max_tokens, temperature, seed=seed) for e in engines]
     encoded = [[e.encode_prompt(p["prompt"]) for p in prompts] for e in engines]
     for engine, request, ids in zip(engines, requests, encoded):
@@ -66,7 +66,7 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
             done.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens,
                                   speculative_tokens))
             if not engine.speculation.drafts_tree:
-                for gamma in gammas:
+                for gamma in swept_gammas(engine, gammas):
                     with clock("gamma_sweep"):
                         swept = engine.generate(ids[index], request.sampling, request.max_tokens,
                                                 num_draft_tokens=gamma)
@@ -91,6 +91,12 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
     for report, clock in zip(reports, spent):
         report.phase_seconds = clock.seconds
     return reports
+
+
+def swept_gammas(engine: Engine, gammas: tuple[int, ...]) -> tuple[int, ...]:
+    """The gammas of a sweep the engine serves as asked: those within its gamma_cap."""
+    cap = engine.pipeline.serving.policy.gamma_cap
+    return tuple(g for g in gammas if not isinstance(cap, int) or g <= cap)
 
 
 class PhaseSeconds:

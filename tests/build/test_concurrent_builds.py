@@ -147,11 +147,11 @@ def build_tiny(pipeline_path: Path, engines: Path, slow: bool, inside_staging, a
     if slow:
         write_manifest = builder.write_manifest
 
-        def write_manifest_slowly(staging: Path, inputs: dict) -> None:
+        def write_manifest_slowly(staging: Path, inputs: dict, started: float) -> None:
             inside_staging.set()
             assert at_lock.wait(60), "the other build never started"
             time.sleep(SECONDS)  # the other hashes its tiny sources and reaches the lock well within this
-            write_manifest(staging, inputs)
+            write_manifest(staging, inputs, started)
 
         builder.write_manifest = write_manifest_slowly
     else:

@@ -516,9 +516,11 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     assert f"gamma cap {measured['gamma_cap']}" in result.stdout and str(policy_file) in result.stdout
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == measured["gamma_cap"]
     served = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
-                     "24", "--temperature", "0", "--no-transformers", "--json", str(out))
+                     "24", "--temperature", "0", "--no-transformers", "--gammas", "1,2,3,4", "--json", str(out))
     assert served.returncode == 0 and f"capped at {measured['gamma_cap']}" in served.stdout
     capped = json.loads(out.read_text())
+    # a sweep skips the gammas the cap would serve at the cap
+    assert list(capped.get("gamma_sweep", {})) == [str(g) for g in range(1, 5) if g <= measured["gamma_cap"]]
     assert capped["gamma_cap"] == measured["gamma_cap"]
     assert len(capped["per_position_acceptance"]) == measured["gamma_cap"]  # only drafted positions
     policy_file.write_text(json.dumps({"gamma_cap": "two"}))
