@@ -40,7 +40,8 @@ test: venv
 bench: venv
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-draft-target.yaml pipelines/smollm2-medusa.yaml --json bench-results/draft-target-vs-medusa.json
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-ngram.yaml --json bench-results/ngram.json --no-transformers
-	# the MoE pipeline twice: at its full gamma, picking its gamma cap (written into the engine), then at that cap
+	# the MoE pipeline twice: its gamma cap measured again on the bench's prompts (build measured it on calibration
+	# prompts; written into the engine), then at that cap
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-moe-draft-target.yaml --measure-gamma-cap --json bench-results/moe-gamma-cap.json --no-transformers
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-moe-draft-target.yaml --json bench-results/moe-draft-target.json --no-transformers
 
