@@ -1,7 +1,7 @@
 """What an engine costs beside its decode rate: the bytes it stores and the seconds its build took (from what the
 build recorded), and, in a fresh process as a server or a user's first run starts one, the seconds a load takes,
 the first request's latency and the peak resident memory. llama.cpp's peak resident memory on the same GGUF is
-measured the same way, so the two compare process to process (ours includes importing torch: about 226 MB).
+measured the same way, so the two compare process to process (ours includes importing torch: about 222 MiB).
 
 Each fresh process is this module run as a script (`python -m specdeploy.bench.footprint engine|llama-cpp ...`),
 which prints its measurements as JSON; the llama.cpp one imports neither torch nor the engine."""
@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from specdeploy.bench.bench_report import Footprint
 from specdeploy.errors import SpecdeployError
-from specdeploy.spec.engine_paths import MANIFEST_FILE, MEASURED_POLICY_FILE
+from specdeploy.spec.engine_paths import MANIFEST_FILE, MEASURED_POLICY_FILE, directory_bytes
 
 if TYPE_CHECKING:
     from specdeploy.runtime.engine import Engine
@@ -33,10 +33,6 @@ def recorded_seconds(path: Path, key: str) -> float | None:
     except (OSError, ValueError):
         return None
     return float(value) if isinstance(value, (int, float)) else None
-
-
-def directory_bytes(directory: Path) -> int:
-    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
 
 
 def run_fresh(*args: str) -> dict:

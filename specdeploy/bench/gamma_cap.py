@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict
+from itertools import islice
 from pathlib import Path
 
 from specdeploy.bench.bench_report import BenchReport
@@ -97,8 +98,8 @@ def calibration_prompts(engine: Engine) -> list[dict]:
     longest = engine.pipeline.limits.max_input_length
     chosen = []
     for kind, prompts in written_families(0).items():
-        fitting = [p for p in prompts if len(engine.encode_prompt(p)) <= longest]
-        chosen += [{"prompt": prompt, "kind": kind} for prompt in fitting[:CALIBRATION_PROMPTS_PER_KIND]]
+        fitting = (p for p in prompts if len(engine.encode_prompt(p)) <= longest)  # encoded only until enough fit
+        chosen += [{"prompt": prompt, "kind": kind} for prompt in islice(fitting, CALIBRATION_PROMPTS_PER_KIND)]
     if not chosen:
         raise SpecdeployError(f"{engine.pipeline.name}: no calibration prompt fits limits.max_input_length "
                               f"({longest} tokens), so no gamma cap can be measured")

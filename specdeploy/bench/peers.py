@@ -127,7 +127,7 @@ def streamed_rate(llm, encoded: list[list[int]], max_tokens: int, end_ids: tuple
                   kinds: list[str] | None = None) -> tuple[float, list, dict[str, float]]:
     """(decode tokens/s, each prompt's tokens, decode tokens/s by prompt kind) of llama.cpp's greedy generation over
     the prompts: (tokens - 1) over the time from the first token to the last, each prompt from an empty cache."""
-    tokens, seconds, outputs = 0, 0.0, []
+    outputs = []
     by_kind: dict[str, list[float]] = {}  # kind → [tokens, seconds]
     for prompt_ids, kind in zip(encoded, kinds or ["other"] * len(encoded)):
         llm.reset()
@@ -139,12 +139,11 @@ def streamed_rate(llm, encoded: list[list[int]], max_tokens: int, end_ids: tuple
             if token in end_ids or len(output) >= max_tokens:
                 break
         if len(output) > 1:
-            tokens += len(output) - 1
-            seconds += time.perf_counter() - first
             counted = by_kind.setdefault(kind, [0, 0.0])
             counted[0] += len(output) - 1
             counted[1] += time.perf_counter() - first
         outputs.append(output)
+    tokens, seconds = sum(c for c, _ in by_kind.values()), sum(s for _, s in by_kind.values())
     rates = {kind: count / spent for kind, (count, spent) in sorted(by_kind.items()) if spent}
     return (tokens / seconds if seconds else 0.0), outputs, rates
 

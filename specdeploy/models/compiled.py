@@ -29,6 +29,7 @@ import torch
 
 from specdeploy.models.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel
+from specdeploy.spec.engine_paths import directory_bytes
 
 CACHE_DIR = "compiled"  # under the engine directory
 RECORD = "build.json"  # in CACHE_DIR: what the build's warm-up took
@@ -92,6 +93,6 @@ def keep_cache(engine_dir: Path) -> None:
 def record_build(engine_dir: Path, seconds: float) -> dict:
     """Write what compiling the engine's steps at build took beside the cache; returns the record."""
     record = {"compile_seconds": round(seconds, 1), "torch": torch.__version__,
-              "cache_bytes": sum(f.stat().st_size for f in (Path(engine_dir) / CACHE_DIR).rglob("*") if f.is_file())}
+              "cache_bytes": directory_bytes(Path(engine_dir) / CACHE_DIR)}
     (Path(engine_dir) / CACHE_DIR / RECORD).write_text(json.dumps(record, indent=2))
     return record

@@ -49,6 +49,11 @@ def engine_path(engines_root: Path, pipeline: PipelineSpec) -> Path:
     return path
 
 
+def directory_bytes(directory: Path) -> int:
+    """The bytes of every file under `directory`."""
+    return sum(p.stat().st_size for p in Path(directory).rglob("*") if p.is_file())
+
+
 def check_engine(directory: Path) -> Path:
     """`directory` if it holds a complete engine; otherwise an error saying how to get one."""
     directory = Path(directory)
