@@ -96,10 +96,16 @@ def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool, dev
 
 def integers(text: str, option: str) -> list[int]:
     """An option's comma-separated integers ("1,2,4"); a usage error naming the option otherwise."""
+    return numbers(text, option, int)
+
+
+def numbers(text: str, option: str, kind: type = float) -> list:
+    """An option's comma-separated numbers of `kind` ("0,0.01"); a usage error naming the option otherwise."""
     try:
-        return [int(part) for part in text.split(",")]
+        return [kind(part) for part in text.split(",")]
     except ValueError:
-        raise click.BadParameter(f"expected comma-separated integers, got {text!r}", param_hint=option) from None
+        plural = "integers" if kind is int else "numbers"
+        raise click.BadParameter(f"expected comma-separated {plural}, got {text!r}", param_hint=option) from None
 
 
 def write_json(path: Path | None, report: dict) -> None:
@@ -265,11 +271,13 @@ def quant_quality(pipeline_path: str, json_out: Path | None) -> None:
 @click.argument("pipeline_path", metavar="PIPELINE.yaml")
 @click.option("--experts-per-token", "ks", default=None, help="Comma-separated k to derive and score "
               "(default: 1 to the pipeline's target.moe.experts).")
+@click.option("--expert-noise", "noises", default=None, help="Comma-separated target.moe.expert_noise values to "
+              "derive each k with (upcycle only; default: the pipeline's).")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report as JSON.")
-def moe_quality(pipeline_path: str, ks: str | None, json_out: Path | None) -> None:
-    """Derive the pipeline's MoE target (target.moe) for each number of experts per token and score it against
-    the dense model on held-out text: greedy agreement, KL divergence, perplexity."""
+def moe_quality(pipeline_path: str, ks: str | None, noises: str | None, json_out: Path | None) -> None:
+    """Derive the pipeline's MoE target (target.moe) for each number of experts per token (and expert noise) and
+    score it against the dense model on held-out text: greedy agreement, KL divergence, perplexity."""
     from specdeploy.bench.moe_quality import moe_quality as measure
     from specdeploy.bench.moe_quality import print_quality
     from specdeploy.spec.pipeline import load_pipeline
@@ -278,7 +286,7 @@ def moe_quality(pipeline_path: str, ks: str | None, json_out: Path | None) -> No
     chosen = None if ks is None else integers(ks, "--experts-per-token")
     if chosen is None:
         chosen = list(range(1, (pipeline.target.moe.experts if pipeline.target.moe else 0) + 1))
-    report = measure(pipeline, chosen)
+    report = measure(pipeline, chosen, None if noises is None else numbers(noises, "--expert-noise"))
     print_quality(report)
     write_json(json_out, report)
 

@@ -1,17 +1,10 @@
-"""A Mixtral-architecture MoE derived from a dense Llama checkpoint (MoEfication), so an MoE target exists where
-no MoE checkpoint can be downloaded.
+"""A Mixtral-architecture MoE target derived from a dense Llama checkpoint, so an MoE target exists where no MoE
+checkpoint can be downloaded. Two methods (target.moe.method):
+- upcycle: every expert a copy of the whole dense MLP (build/moe_upcycle.py);
+- neuron_split (MoEfication, build/moe_neuron_split.py): each MLP's neurons split into experts that fire together.
 
-1. Calibration: the dense model reads openly licensed text (text_corpus.py, calibration half) and each layer's MLP
-   input x (after the post-attention norm) is recorded; its neurons' activations are a = silu(gate x) * (up x).
-2. Experts: each layer's I neurons are split into E groups of I/E neurons that fire together (balanced k-means
-   over the neurons' activation profiles |a| across the calibration positions), so a token's activation mass
-   gathers in few experts. Expert e keeps its neurons' rows of gate (w1) and up (w3) and columns of down (w2).
-3. Router: expert e's contribution to a token's output, ||w2_e a_e||, is fitted by least squares as a linear
-   function of x (Mixtral's router has no bias); a token goes to the k experts with the highest scores.
-4. Weights: the dense MLP sums every expert's output with weight one, while Mixtral renormalises the top k
-   softmax weights to sum to one. So the router's scores are scaled down until its softmax is nearly uniform
-   (the top-k weights stay within about 1% of 1/k; the ranking, and so the choice, is unchanged) and every w2 is
-   multiplied by k. With k = E and a zero router every weight is exactly 1/E and the MoE computes the dense MLP.
+Both start from calibration: the dense model reads openly licensed text (text_corpus.py, calibration half) and each
+layer's MLP input x (after the post-attention norm) is recorded.
 
 The dense model runs one layer at a time (calibration_layers), so a layer's experts are derived from that layer's
 weights alone: a dense Hugging Face checkpoint is read lazily and the MoE written layer by layer
@@ -20,26 +13,23 @@ weights alone: a dense Hugging Face checkpoint is read lazily and the MoE writte
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from specdeploy.build import text_corpus as corpus
-from specdeploy.build.checkpoints import Checkpoint
+from specdeploy.build.checkpoints import Checkpoint, moe_config
 from specdeploy.build.hf_export import export_layers
 from specdeploy.build.hf_tensors import HFTensors
+from specdeploy.build.moe_neuron_split import split_layer
+from specdeploy.build.moe_upcycle import upcycle_layer
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.kv_cache import KVCache
 from specdeploy.models.llama import DecoderLayer, GatedMLP, rotary_table
 from specdeploy.spec.pipeline import MoESpec
-
-ROUTER_LOGIT_STD = 0.01  # the router's logits' spread after scaling: softmax weights within ~1% of uniform
-KMEANS_ITERATIONS = 12
 
 
 def through_layer(layer: DecoderLayer, config: ModelConfig, x: torch.Tensor, rotations: torch.Tensor) -> torch.Tensor:
@@ -80,105 +70,31 @@ def calibration_layers(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
         yield state, torch.cat(recorded)
 
 
-def balanced_assignment(similarity: torch.Tensor, group_size: int) -> torch.Tensor:
-    """similarity [I, E] → group [I]: each item's group, every group exactly group_size items, taking the most
-    similar (item, group) pairs first."""
-    items, groups = similarity.shape
-    group = [-1] * items  # plain lists: this loop visits up to items * groups pairs
-    filled = [0] * groups
-    placed = 0
-    for flat in similarity.flatten().argsort(descending=True).tolist():
-        item, g = divmod(flat, groups)
-        if group[item] < 0 and filled[g] < group_size:
-            group[item] = g
-            filled[g] += 1
-            placed += 1
-            if placed == items:
-                break
-    return torch.tensor(group)
-
-
-def cluster_neurons(activations: torch.Tensor, num_experts: int, seed: int = 0) -> list[torch.Tensor]:
-    """activations: [P, I] → num_experts index tensors of I / num_experts neurons each, neurons with similar
-    activation profiles together (balanced spherical k-means)."""
-    profiles = F.normalize(activations.abs().T, dim=1)  # [I, P]
-    size = profiles.shape[0] // num_experts
-    generator = torch.Generator().manual_seed(seed)
-    centroids = profiles[torch.randperm(profiles.shape[0], generator=generator)[:num_experts]]
-    for _ in range(KMEANS_ITERATIONS):
-        group = balanced_assignment(profiles @ centroids.T, size)
-        centroids = F.normalize(torch.stack([profiles[group == g].mean(0) for g in range(num_experts)]), dim=1)
-    return [torch.nonzero(group == g).flatten() for g in range(num_experts)]
-
-
-def refit_down(activations: torch.Tensor, down: torch.Tensor, groups: list[torch.Tensor], chosen: torch.Tensor,
-               ridge: float = 0.01) -> torch.Tensor:
-    """down [H, I] refitted so that, on the calibration positions, the chosen experts' neurons alone (chosen
-    [P, k] expert indices) reproduce the dense MLP's output as closely as possible (ridge least squares pulled
-    toward the dense weights): the kept experts make up for the dropped ones' average contribution."""
-    neuron_expert = torch.empty(down.shape[1], dtype=torch.long)
-    for expert, neurons in enumerate(groups):
-        neuron_expert[neurons] = expert
-    kept = torch.zeros(activations.shape[0], len(groups), dtype=torch.bool).scatter_(1, chosen, True)
-    sparse = activations * kept[:, neuron_expert]  # [P, I]
-    gram = sparse.T @ sparse
-    strength = ridge * gram.diagonal().mean()
-    rhs = sparse.T @ (activations @ down.T) + strength * down.T  # [I, H]
-    solved = torch.linalg.solve(gram + strength * torch.eye(gram.shape[0]), rhs)
-    return solved.T.contiguous()
-
-
-def derive_layer(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, num_experts: int,
-                 experts_per_token: int, router_scale: float | None) -> dict[str, torch.Tensor]:
-    """One layer's MoE tensors (under transformers 5's packed names, relative to `mlp.`) from its dense MLP
-    (gate, up [I, H], down [H, I]) and calibration inputs x [P, H]. router_scale: None scales the fitted router
-    to ROUTER_LOGIT_STD; 0 gives a zero (uniform) router."""
-    activations = F.silu(x @ gate.T) * (x @ up.T)  # [P, I]
-    groups = cluster_neurons(activations, num_experts)
-    contribution = torch.stack([(activations[:, g] @ down[:, g].T).norm(dim=-1) for g in groups], dim=1)  # [P, E]
-    router = torch.linalg.lstsq(x, contribution).solution.T  # [E, H]
-    if experts_per_token < num_experts:
-        down = refit_down(activations, down, groups, (x @ router.T).topk(experts_per_token, dim=-1).indices)
-    if router_scale is None:
-        router = router * (ROUTER_LOGIT_STD / (x @ router.T).std().clamp(min=1e-12))
-    else:
-        router = router * router_scale
-    return {"gate.weight": router.contiguous(),
-            "experts.gate_up_proj": torch.stack([torch.cat([gate[g], up[g]]) for g in groups]),
-            "experts.down_proj": torch.stack([down[:, g] * experts_per_token for g in groups])}
-
-
-def moe_config(config: ModelConfig, num_experts: int, experts_per_token: int) -> ModelConfig:
-    """The derived MoE's architecture: the dense model's, each MLP split into num_experts experts."""
-    if config.intermediate_size % num_experts:
-        raise BuildError(f"target.moe.experts: intermediate_size {config.intermediate_size} does not split into "
-                         f"{num_experts} experts")
-    return dataclasses.replace(config, architecture="mixtral", num_experts=num_experts,
-                               intermediate_size=config.intermediate_size // num_experts,
-                               experts_per_token=experts_per_token)
-
-
 def derive_layers(config: ModelConfig, tensors: Mapping[str, torch.Tensor], sequences: list[list[int]],
-                  num_experts: int, experts_per_token: int,
-                  router_scale: float | None = None) -> Iterator[dict[str, torch.Tensor]]:
+                  spec: MoESpec, router_scale: float | None = None) -> Iterator[dict[str, torch.Tensor]]:
     """Per layer, in order: its weights as the MoE's, canonical names, fp32 (the dense layer's attention and norms,
-    and the experts and router in place of its MLP), each derived from that layer's dense weights alone."""
+    and the experts and router in place of its MLP), each derived from that layer's dense weights alone.
+    router_scale: None for the method's router; 0 for a zero (uniform) one."""
     for index, (state, x) in enumerate(calibration_layers(config, tensors, sequences)):
         mlp = f"model.layers.{index}.mlp"
-        layer = derive_layer(x, state[f"{mlp}.gate_proj.weight"], state[f"{mlp}.up_proj.weight"],
-                             state[f"{mlp}.down_proj.weight"], num_experts, experts_per_token, router_scale)
+        dense = [state[f"{mlp}.{name}_proj.weight"] for name in ("gate", "up", "down")]
+        if spec.method == "upcycle":
+            layer = upcycle_layer(x, *dense, spec.experts, spec.expert_noise, spec.seed * config.num_layers + index,
+                                  router_scale)
+        else:
+            layer = split_layer(x, *dense, spec.experts, spec.experts_per_token, router_scale)
         kept = {name: tensor for name, tensor in state.items() if ".mlp." not in name}
         yield kept | {f"{mlp}.{name}": tensor for name, tensor in layer.items()}
 
 
-def derive_moe(config: ModelConfig, state: dict[str, torch.Tensor], sequences: list[list[int]], num_experts: int,
-               experts_per_token: int, router_scale: float | None = None) -> tuple[ModelConfig, dict]:
-    """The MoE's config and canonical fp32 weights from a dense Llama's (see the module docstring)."""
-    derived = moe_config(config, num_experts, experts_per_token)
+def derive_moe(config: ModelConfig, state: dict[str, torch.Tensor], sequences: list[list[int]], spec: MoESpec,
+               router_scale: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict]:
+    """The MoE's config and canonical weights, in `dtype` (each layer cast as it is derived), from a dense Llama's
+    (see the module docstring)."""
     moe_state = {name: tensor for name, tensor in state.items() if not name.startswith("model.layers.")}
-    for layer in derive_layers(config, state, sequences, num_experts, experts_per_token, router_scale):
-        moe_state.update(layer)
-    return derived, moe_state
+    for layer in derive_layers(config, state, sequences, spec, router_scale):
+        moe_state.update({name: tensor.to(dtype) for name, tensor in layer.items()})
+    return moe_config(config, spec), moe_state
 
 
 def calibration_sequences(tokenizer, budget: int, max_length: int = 512, seed: int = 0) -> list[list[int]]:
@@ -201,12 +117,13 @@ def check_dense(config: ModelConfig, source: str) -> None:
                          f"{config.architecture}: remove target.moe to use it as it is")
 
 
-def derive_target(spec: MoESpec, dense: Checkpoint, source: str) -> Checkpoint:
+def derive_target(spec: MoESpec, dense: Checkpoint, source: str, dtype: torch.dtype = torch.float32) -> Checkpoint:
     """The pipeline's MoE target (target.moe) from its dense checkpoint, loaded whole (the torch builder, and GGUF
-    or packaged sources, which transformers dequantizes whole; export_derived_target streams a Hugging Face one)."""
+    or packaged sources, which transformers dequantizes whole; export_derived_target streams a Hugging Face one).
+    Its layers are held in `dtype`: an upcycled MoE is E times the dense MLPs."""
     check_dense(dense.config, source)
     sequences = calibration_sequences(dense.tokenizer, spec.calibration_tokens)
-    config, state = derive_moe(dense.config, dense.state, sequences, spec.experts, spec.experts_per_token)
+    config, state = derive_moe(dense.config, dense.state, sequences, spec, dtype=dtype)
     return Checkpoint(config, state, dense.tokenizer, dense.files)
 
 
@@ -214,16 +131,14 @@ def export_derived_target(spec: MoESpec, directory: Path, output: Path, dtype: t
     """The pipeline's MoE target derived from the dense Hugging Face checkpoint at `directory` and written to `output`
     as a Hugging Face directory in `dtype`, one shard per layer: the dense weights are read a layer at a time and
     each MoE layer is written as soon as it is derived, so memory holds about one layer (its dense and derived
-    weights, calibration activations and the refit's [I, I] system), not the model."""
+    weights, calibration activations and, for the neuron split, the refit's [I, I] system), not the model."""
     from transformers import AutoConfig, AutoTokenizer
 
     config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
     check_dense(config, str(directory))
-    derived = moe_config(config, spec.experts, spec.experts_per_token)
     tokenizer = AutoTokenizer.from_pretrained(directory)
     tensors = HFTensors(directory)
     outside = tensors.read(["model.embed_tokens.weight", "model.norm.weight"] +
                            ([] if config.tie_word_embeddings else ["lm_head.weight"]))  # mapped, not copied
-    layers = derive_layers(config, tensors, calibration_sequences(tokenizer, spec.calibration_tokens), spec.experts,
-                           spec.experts_per_token)
-    return export_layers(derived, layers, outside, tokenizer, output, dtype)
+    layers = derive_layers(config, tensors, calibration_sequences(tokenizer, spec.calibration_tokens), spec)
+    return export_layers(moe_config(config, spec), layers, outside, tokenizer, output, dtype)

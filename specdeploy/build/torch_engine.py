@@ -168,9 +168,10 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
             check_quantizable(dense, draft_key, draft_fix)  # before the MoE's derivation, which takes minutes
         moe = pipeline.target.moe
         if moe is not None:
-            progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE "
-                                              f"({moe.experts_per_token} per token) from the dense target")
-            target = derive_target(moe, dense, str(pipeline.target.checkpoint.path))
+            progress.update(task, description=f"[{pipeline.name}] deriving a {moe.experts}-expert MoE ({moe.method}, "
+                                              f"{moe.experts_per_token} per token) from the dense target")
+            target = derive_target(moe, dense, str(pipeline.target.checkpoint.path),
+                                   DTYPES[pipeline.target.dtype])
         if derive == "int4":
             check_quantizable(target, draft_key, draft_fix)
         if pipeline.target.weight_only == "int4":  # a derived MoE's experts: its intermediate size per expert

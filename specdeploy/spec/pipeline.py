@@ -129,12 +129,19 @@ class CheckpointSpec(Section):
 
 @dataclass(frozen=True)
 class MoESpec(Section):
-    """Derive a Mixtral-architecture MoE target from a dense checkpoint (build/moe_derive.py): each MLP split
-    into `experts` experts, each token routed to `experts_per_token` of them."""
+    """Derive a Mixtral-architecture MoE target from a dense checkpoint with `experts` experts per layer, each token
+    routed to `experts_per_token` of them. `method`: upcycle (build/moe_upcycle.py: every expert a copy of the whole
+    dense MLP, `expert_noise` × each matrix's spread of seeded noise per expert, a seeded random router) or
+    neuron_split (build/moe_derive.py: each MLP's neurons split into experts, a fitted router). Both read
+    `calibration_tokens` of openly licensed text: upcycling scales its router's logits on them, the split clusters
+    neurons and fits its router on them."""
 
+    method: Literal["upcycle", "neuron_split"] = "upcycle"
     experts: int = 8
     experts_per_token: int = 2
-    calibration_tokens: int = 8192  # of openly licensed text the routers are fitted on
+    calibration_tokens: int = 8192
+    expert_noise: float = 0.0
+    seed: int = 0
 
     def check(self) -> None:
         if self.experts < 2:
@@ -144,6 +151,11 @@ class MoESpec(Section):
                                                f"{self.experts_per_token}")
         if self.calibration_tokens < 256:
             raise Problem("calibration_tokens", f"must be ≥ 256, got {self.calibration_tokens}")
+        if not 0.0 <= self.expert_noise < 1.0:
+            raise Problem("expert_noise", f"must be in [0, 1) (a fraction of each matrix's standard deviation), got "
+                                          f"{self.expert_noise}")
+        if self.expert_noise and self.method != "upcycle":
+            raise Problem("expert_noise", f"only perturbs upcycled experts, and method is {self.method!r}")
 
 
 @dataclass(frozen=True)

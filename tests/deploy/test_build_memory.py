@@ -78,10 +78,12 @@ def test_the_plan_reads_hugging_face_checkpoints_where_they_are_and_exports_only
         assert our_path(pipeline) == "whole"
 
 
-def test_the_streamed_moe_export_is_the_whole_model_derivations(tmp_path, tiny_checkpoints):
+@pytest.mark.parametrize("method", ["upcycle", "neuron_split"])
+def test_the_streamed_moe_export_is_the_whole_model_derivations(tmp_path, tiny_checkpoints, method):
     """The layer-by-layer derivation and writer give the tensors and config the whole-model path gives. (All experts
-    per token: no refit, whose choice of experts a router's last bit could flip.)"""
-    moe = MoESpec(experts=4, experts_per_token=4, calibration_tokens=256)
+    per token for the split: no refit, whose choice of experts a router's last bit could flip.)"""
+    moe = MoESpec(method=method, experts=4, experts_per_token=4 if method == "neuron_split" else 2,
+                  calibration_tokens=256, expert_noise=0.05 if method == "upcycle" else 0.0)
     streamed = export_derived_target(moe, tiny_checkpoints["target"], tmp_path / "streamed", torch.bfloat16)
     pipeline = load_pipeline(trtllm_pipeline(tmp_path, tiny_checkpoints["target"]))
     derived = derive_target(moe, load_checkpoint(pipeline.target.checkpoint, pipeline), "tiny")

@@ -23,7 +23,8 @@ from specdeploy.bench.prompts import load_prompts
 from specdeploy.bench.run import run_benches
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.build.hf_export import export_hf
-from specdeploy.build.moe_derive import balanced_assignment, derive_moe
+from specdeploy.build.moe_derive import derive_moe
+from specdeploy.build.moe_neuron_split import balanced_assignment
 from specdeploy.build.torch_engine import build
 from specdeploy.errors import BuildError, PipelineError, SpecdeployError
 from specdeploy.models.config import ModelConfig
@@ -32,7 +33,15 @@ from specdeploy.models.moe import MixtralModel, SparseMoE, route
 from specdeploy.models.quantize import Int4Linear, Int8Linear
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
-from specdeploy.spec.pipeline import CheckpointSpec, PipelineSpec, PolicySpec, ServingSpec, TargetSpec, load_pipeline
+from specdeploy.spec.pipeline import (
+    CheckpointSpec,
+    MoESpec,
+    PipelineSpec,
+    PolicySpec,
+    ServingSpec,
+    TargetSpec,
+    load_pipeline,
+)
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.workflows import build_torch_engine
@@ -145,10 +154,13 @@ def dense(tmp_path_factory) -> tuple[ModelConfig, dict]:
 CALIBRATION = [[(7 * i + j) % 120 + 3 for j in range(40)] for i in range(6)]
 
 
+def split(experts_per_token: int) -> MoESpec:
+    return MoESpec(method="neuron_split", experts=4, experts_per_token=experts_per_token, calibration_tokens=256)
+
+
 def test_all_experts_with_a_uniform_router_reproduce_the_dense_model(dense):
     config, state = dense
-    moe_config, moe_state = derive_moe(config, state, CALIBRATION, num_experts=4, experts_per_token=4,
-                                       router_scale=0.0)
+    moe_config, moe_state = derive_moe(config, state, CALIBRATION, split(4), router_scale=0.0)
     assert moe_config.architecture == "mixtral" and moe_config.intermediate_size == config.intermediate_size // 4
     tokens = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(30).expand(2, 30)
@@ -167,7 +179,7 @@ def test_a_sparse_derivation_routes_and_keeps_most_of_the_model(dense):
     expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(1, 64)))
     agreement = {}
     for k in (1, 2, 4):
-        moe_config, moe_state = derive_moe(config, state, CALIBRATION, num_experts=4, experts_per_token=k)
+        moe_config, moe_state = derive_moe(config, state, CALIBRATION, split(k))
         model = MixtralModel(moe_config, moe_state)
         logits = model.logits(model(tokens, positions, model.new_cache(1, 64)))
         agreement[k] = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
@@ -176,6 +188,48 @@ def test_a_sparse_derivation_routes_and_keeps_most_of_the_model(dense):
                                                                 model.moe_layers()) == k * 40 * config.num_layers
     assert agreement[4] > 0.9  # a near-uniform router with all experts is close to the dense model
     assert agreement[1] < 1.0  # one expert of four really drops computation
+
+
+def upcycle(noise: float, seed: int = 0) -> MoESpec:
+    return MoESpec(method="upcycle", experts=4, experts_per_token=2, calibration_tokens=256, expert_noise=noise,
+                   seed=seed)
+
+
+def test_upcycled_experts_compute_the_dense_model_until_noise_makes_the_routing_decide(dense):
+    config, state = dense
+    tokens = torch.tensor(CALIBRATION[:2])
+    positions = torch.arange(tokens.shape[1]).expand(2, -1)
+    dense_model = LlamaModel(config, state)
+    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(2, 64)))
+
+    def logits(moe_config: ModelConfig, moe_state: dict) -> tuple[torch.Tensor, MixtralModel]:
+        model = MixtralModel(moe_config, moe_state)
+        return model.logits(model(tokens, positions, model.new_cache(2, 64))), model
+
+    moe_config, exact = derive_moe(config, state, CALIBRATION, upcycle(0.0))
+    assert (moe_config.num_experts, moe_config.experts_per_token) == (4, 2)
+    assert moe_config.intermediate_size == config.intermediate_size  # every expert is the whole dense MLP
+    derived, model = logits(moe_config, exact)
+    torch.testing.assert_close(derived, expected, atol=1e-5, rtol=1e-5)
+    touched = [(layer.expert_tokens > 0).sum().item() for layer in model.moe_layers()]
+    assert min(touched) >= 3  # the random router spreads 80 tokens over the experts
+
+    _, noisy = derive_moe(config, state, CALIBRATION, upcycle(0.2))
+    experts = noisy["model.layers.0.mlp.experts.gate_up_proj"]
+    assert not torch.equal(experts[0], experts[1])
+    assert torch.equal(noisy["model.layers.0.mlp.gate.weight"], exact["model.layers.0.mlp.gate.weight"])
+    with_router, _ = logits(moe_config, noisy)
+    rerouted = dict(noisy)  # the same experts, each layer's router rows rotated: other experts for every token
+    for index in range(config.num_layers):
+        name = f"model.layers.{index}.mlp.gate.weight"
+        rerouted[name] = noisy[name].roll(1, dims=0)
+    assert (logits(moe_config, rerouted)[0] - with_router).abs().max() > 1e-2  # the routing decides the output
+    # noise costs some agreement, on a random model whose logits are flat, yet far above chance (1 in 128)
+    assert (with_router.argmax(-1) == expected.argmax(-1)).float().mean() > 0.5
+    _, again = derive_moe(config, state, CALIBRATION, upcycle(0.2))
+    _, reseeded = derive_moe(config, state, CALIBRATION, upcycle(0.2, seed=1))
+    assert all(torch.equal(noisy[name], again[name]) for name in noisy)  # seeded
+    assert not torch.equal(noisy["model.layers.0.mlp.gate.weight"], reseeded["model.layers.0.mlp.gate.weight"])
 
 
 def test_the_engine_config_records_the_experts(mixtral_dirs, tmp_path):
@@ -199,15 +253,22 @@ def moe_pipeline(directory: Path, name: str, checkpoint: Path, moe: dict, method
 
 @pytest.fixture(scope="module")
 def moe_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, Engine]:
-    """An MoE target derived from the tiny dense target (4 experts, 2 per token), with an int4 copy of the MoE as
-    draft ("draft_target"), with an int8 copy ("draft_target_int8"), with the int4 dense source as draft
-    ("draft_target_dense") and with n-gram speculation; batch size 4."""
+    """MoE targets derived from the tiny dense target (4 experts, 2 per token), batch size 4. Split by neurons: with
+    an int4 copy of the MoE as draft ("draft_target"), with an int8 copy ("draft_target_int8"), with the int4 dense
+    source as draft ("draft_target_dense") and with n-gram speculation. Upcycled, with experts perturbed enough that
+    the routing decides the output: with the int4 dense source ("upcycle_draft_target_dense") and with n-gram
+    speculation ("upcycle_ngram")."""
     root = tmp_path_factory.mktemp("moe-engines")
-    moe = {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256}
+    split = {"method": "neuron_split", "experts": 4, "experts_per_token": 2, "calibration_tokens": 256}
+    upcycle = {"method": "upcycle", "experts": 4, "experts_per_token": 2, "calibration_tokens": 256,
+               "expert_noise": 0.2}
     engines = {}
-    derives = {"draft_target_dense": "int4_dense", "draft_target_int8": "int8"}
+    derives = {"draft_target_dense": "int4_dense", "draft_target_int8": "int8",
+               "upcycle_draft_target_dense": "int4_dense"}
     for name, method in (("draft_target", "draft_target"), ("draft_target_dense", "draft_target"),
-                         ("draft_target_int8", "draft_target"), ("ngram", "ngram")):
+                         ("draft_target_int8", "draft_target"), ("ngram", "ngram"),
+                         ("upcycle_draft_target_dense", "draft_target"), ("upcycle_ngram", "ngram")):
+        moe = upcycle if name.startswith("upcycle") else split
         path = moe_pipeline(root, f"tiny-moe-{name}", tiny_checkpoints["target"], moe, method)
         if name in derives:
             spec = yaml.safe_load(path.read_text())
@@ -247,7 +308,8 @@ def test_an_int8_draft_of_an_moe_is_int8_experts_closer_than_int4(moe_engines):
     assert errors[0] < errors[1] / 4, errors  # per-row int8 against int4 groups of 32
 
 
-@pytest.mark.parametrize("method", ["draft_target", "draft_target_dense", "draft_target_int8", "ngram"])
+@pytest.mark.parametrize("method", ["draft_target", "draft_target_dense", "draft_target_int8", "ngram",
+                                    "upcycle_draft_target_dense", "upcycle_ngram"])
 def test_greedy_speculation_on_the_moe_target_equals_plain(moe_engines, method):
     engine = moe_engines[method]
     drafted = 0
@@ -259,7 +321,7 @@ def test_greedy_speculation_on_the_moe_target_equals_plain(moe_engines, method):
     assert drafted > 0
 
 
-@pytest.mark.parametrize("method", ["draft_target", "draft_target_dense", "ngram"])
+@pytest.mark.parametrize("method", ["draft_target", "draft_target_dense", "ngram", "upcycle_draft_target_dense"])
 def test_batched_speculation_on_the_moe_target_equals_each_alone(moe_engines, method):
     engine = moe_engines[method]
     alone = [engine.generate(p, SamplingParams(), 24, num_draft_tokens=0).run() for p in PROMPTS]
@@ -325,16 +387,22 @@ def test_moe_derivation_is_refused_where_it_cannot_apply(mixtral_dirs, tiny_chec
         build(load_pipeline(unquantizable), tmp_path / "engines", quiet=True)
     # the dense model's sizes suit int4 groups, its 8 experts' (128 / 8 = 16 neurons each) do not
     fine_split = moe_pipeline(tmp_path, "int4-target-of-fine-split", tiny_checkpoints["target"],
-                              {"experts": 8, "experts_per_token": 2, "calibration_tokens": 256})
+                              {"method": "neuron_split", "experts": 8, "experts_per_token": 2,
+                               "calibration_tokens": 256})
     spec = yaml.safe_load(fine_split.read_text())
     spec["target"].update(dtype="bfloat16", weight_only="int4")
     fine_split.write_text(yaml.safe_dump(spec))
     with pytest.raises(BuildError, match="target.weight_only int4 needs intermediate_size divisible by 32, got 16 in "
                                          "the mixtral"):
         build(load_pipeline(fine_split), tmp_path / "engines", quiet=True)
-    odd = moe_pipeline(tmp_path, "odd-split", tiny_checkpoints["target"], {"experts": 3, "experts_per_token": 1})
+    odd = moe_pipeline(tmp_path, "odd-split", tiny_checkpoints["target"],
+                       {"method": "neuron_split", "experts": 3, "experts_per_token": 1})
     with pytest.raises(BuildError, match="does not split into 3 experts"):
         build(load_pipeline(odd), tmp_path / "engines", quiet=True)
+    noisy_split = moe_pipeline(tmp_path, "noisy-split", tiny_checkpoints["target"],
+                               {"method": "neuron_split", "expert_noise": 0.01})
+    with pytest.raises(PipelineError, match="target.moe.expert_noise: only perturbs upcycled experts"):
+        load_pipeline(noisy_split)
     too_many = moe_pipeline(tmp_path, "too-many", tiny_checkpoints["target"], {"experts": 4, "experts_per_token": 5})
     with pytest.raises(PipelineError, match="experts_per_token"):
         load_pipeline(too_many)
@@ -388,7 +456,7 @@ def test_bench_reports_the_expert_union_by_verification_length(moe_engines):
 
 def test_moe_quality_scores_each_k_against_the_dense_model(tiny_checkpoints, tmp_path):
     path = moe_pipeline(tmp_path, "tiny-moe-quality", tiny_checkpoints["target"],
-                        {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256})
+                        {"method": "neuron_split", "experts": 4, "experts_per_token": 2, "calibration_tokens": 256})
     out = tmp_path / "quality.json"
     result = run_cli("moe-quality", str(path), "--experts-per-token", "1,4", "--json", str(out))
     assert result.returncode == 0, result.stderr
@@ -399,6 +467,27 @@ def test_moe_quality_scores_each_k_against_the_dense_model(tiny_checkpoints, tmp
     assert four["greedy_agreement"] > 0.9 and abs(four["perplexity"] / report["dense_perplexity"] - 1) < 0.1
     assert "greedy agreement" in result.stdout
     assert run_cli("moe-quality", str(path), "--experts-per-token", "9").returncode != 0
+
+
+def test_moe_quality_measures_what_the_upcycled_experts_noise_costs(tiny_checkpoints, tmp_path):
+    """Unperturbed copies compute the dense model whatever the routing; noise costs quality, less with more experts
+    per token (their noise averages out)."""
+    path = moe_pipeline(tmp_path, "tiny-upcycle-quality", tiny_checkpoints["target"],
+                        {"method": "upcycle", "experts": 4, "experts_per_token": 2, "calibration_tokens": 256})
+    out = tmp_path / "quality.json"
+    result = run_cli("moe-quality", str(path), "--experts-per-token", "1,4", "--expert-noise", "0,0.3",
+                     "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    rows = {(row["experts_per_token"], row["expert_noise"]): row for row in report["by_experts_per_token"]}
+    assert report["method"] == "upcycle" and sorted(rows) == [(1, 0.0), (1, 0.3), (4, 0.0), (4, 0.3)]
+    for k in (1, 4):
+        assert rows[k, 0.0]["greedy_agreement"] == 1.0 and rows[k, 0.0]["kl_from_dense"] < 1e-6
+        assert rows[k, 0.0]["perplexity"] == pytest.approx(report["dense_perplexity"], rel=1e-4)
+        assert rows[k, 0.3]["kl_from_dense"] > 1e-3
+    assert rows[4, 0.3]["kl_from_dense"] < rows[1, 0.3]["kl_from_dense"]
+    refused = run_cli("moe-quality", str(path), "--expert-noise", "1.5")
+    assert refused.returncode != 0 and "target.moe.expert_noise: must be in [0, 1)" in refused.stderr
 
 
 def test_the_moe_target_exports_as_a_per_expert_mixtral_that_transformers_reads(moe_engines, tmp_path):
