@@ -7,7 +7,6 @@ importing may run code with dependencies we do not need).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import os
 from dataclasses import dataclass
@@ -18,7 +17,7 @@ import torch
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.registry import ARCHITECTURES
-from specdeploy.spec.pipeline import CheckpointSpec, MoESpec, PipelineSpec
+from specdeploy.spec.pipeline import CheckpointSpec, PipelineSpec
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -100,8 +99,7 @@ def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
 
 
 def target_config(pipeline: PipelineSpec) -> ModelConfig:
-    """The target's architecture as the build makes it (target.moe derives an MoE from the checkpoint), from the
-    checkpoint's configuration alone (no weights are loaded)."""
+    """The target checkpoint's architecture from its configuration alone (no weights are loaded)."""
     from transformers import AutoConfig
 
     path = locate(pipeline.target.checkpoint, pipeline)
@@ -113,21 +111,7 @@ def target_config(pipeline: PipelineSpec) -> ModelConfig:
     if hf_config.model_type not in ARCHITECTURES:
         raise BuildError(f"checkpoint {path}: architecture {hf_config.model_type!r} is not supported "
                          f"(allowed: {', '.join(ARCHITECTURES)})")
-    config = ModelConfig.from_hf(hf_config)
-    return config if pipeline.target.moe is None else moe_config(config, pipeline.target.moe)
-
-
-def moe_config(config: ModelConfig, spec: MoESpec) -> ModelConfig:
-    """The derived MoE's architecture: the dense model's with `spec.experts` experts per MLP, each the dense MLP's
-    size (upcycle) or its share of the neurons (neuron_split)."""
-    intermediate_size = config.intermediate_size
-    if spec.method == "neuron_split":
-        if intermediate_size % spec.experts:
-            raise BuildError(f"target.moe.experts: intermediate_size {intermediate_size} does not split into "
-                             f"{spec.experts} experts")
-        intermediate_size //= spec.experts
-    return dataclasses.replace(config, architecture="mixtral", num_experts=spec.experts,
-                               intermediate_size=intermediate_size, experts_per_token=spec.experts_per_token)
+    return ModelConfig.from_hf(hf_config)
 
 
 def check_tokenizers_match(target, draft) -> None:

@@ -13,6 +13,7 @@ weights alone: a dense Hugging Face checkpoint is read lazily and the MoE writte
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -20,7 +21,7 @@ from pathlib import Path
 import torch
 
 from specdeploy.build import text_corpus as corpus
-from specdeploy.build.checkpoints import Checkpoint, moe_config
+from specdeploy.build.checkpoints import Checkpoint
 from specdeploy.build.hf_export import export_layers
 from specdeploy.build.hf_tensors import HFTensors
 from specdeploy.build.moe_neuron_split import split_layer
@@ -68,6 +69,19 @@ def calibration_layers(config: ModelConfig, tensors: Mapping[str, torch.Tensor],
         with torch.inference_mode():
             hidden = [through_layer(layer, config, x, rotations) for x in hidden]
         yield state, torch.cat(recorded)
+
+
+def moe_config(config: ModelConfig, spec: MoESpec) -> ModelConfig:
+    """The derived MoE's architecture: the dense model's with `spec.experts` experts per MLP, each the dense MLP's
+    size (upcycle) or its share of the neurons (neuron_split)."""
+    intermediate_size = config.intermediate_size
+    if spec.method == "neuron_split":
+        if intermediate_size % spec.experts:
+            raise BuildError(f"target.moe.experts: intermediate_size {intermediate_size} does not split into "
+                             f"{spec.experts} experts")
+        intermediate_size //= spec.experts
+    return dataclasses.replace(config, architecture="mixtral", num_experts=spec.experts,
+                               intermediate_size=intermediate_size, experts_per_token=spec.experts_per_token)
 
 
 def derive_layers(config: ModelConfig, tensors: Mapping[str, torch.Tensor], sequences: list[list[int]],
@@ -127,18 +141,21 @@ def derive_target(spec: MoESpec, dense: Checkpoint, source: str, dtype: torch.dt
     return Checkpoint(config, state, dense.tokenizer, dense.files)
 
 
-def export_derived_target(spec: MoESpec, directory: Path, output: Path, dtype: torch.dtype) -> Path:
-    """The pipeline's MoE target derived from the dense Hugging Face checkpoint at `directory` and written to `output`
-    as a Hugging Face directory in `dtype`, one shard per layer: the dense weights are read a layer at a time and
-    each MoE layer is written as soon as it is derived, so memory holds about one layer (its dense and derived
-    weights, calibration activations and, for the neuron split, the refit's [I, I] system), not the model."""
+def export_derived_target(spec: MoESpec, dense: Path | Checkpoint, output: Path, dtype: torch.dtype) -> Path:
+    """The pipeline's MoE target derived from its dense checkpoint and written to `output` as a Hugging Face
+    directory in `dtype`, one shard per layer, each MoE layer written as soon as it is derived. `dense`: a Hugging Face
+    directory, whose weights are read a layer at a time, so memory holds about one layer (its dense and derived
+    weights, calibration activations and, for the neuron split, the refit's [I, I] system), not the model; or a
+    checkpoint already loaded whole (GGUF and packaged sources), to which the MoE adds about one layer."""
     from transformers import AutoConfig, AutoTokenizer
 
-    config = ModelConfig.from_hf(AutoConfig.from_pretrained(directory))
-    check_dense(config, str(directory))
-    tokenizer = AutoTokenizer.from_pretrained(directory)
-    tensors = HFTensors(directory)
-    outside = tensors.read(["model.embed_tokens.weight", "model.norm.weight"] +
-                           ([] if config.tie_word_embeddings else ["lm_head.weight"]))  # mapped, not copied
+    if isinstance(dense, Checkpoint):
+        config, tokenizer, tensors, source = dense.config, dense.tokenizer, dense.state, "the target checkpoint"
+    else:
+        config, tokenizer = ModelConfig.from_hf(AutoConfig.from_pretrained(dense)), AutoTokenizer.from_pretrained(dense)
+        tensors, source = HFTensors(dense), str(dense)
+    check_dense(config, source)
+    outside = {name: tensors[name] for name in ["model.embed_tokens.weight", "model.norm.weight"] +
+               ([] if config.tie_word_embeddings else ["lm_head.weight"])}  # mapped, not copied
     layers = derive_layers(config, tensors, calibration_sequences(tokenizer, spec.calibration_tokens), spec)
     return export_layers(moe_config(config, spec), layers, outside, tokenizer, output, dtype)

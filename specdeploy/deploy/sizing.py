@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from specdeploy.build.moe_derive import moe_config
 from specdeploy.models.config import ModelConfig
 from specdeploy.spec.pipeline import PipelineSpec
 
@@ -57,14 +58,18 @@ def weight_only_bytes(config: ModelConfig, precision: str) -> float:
     return (parameters(config) - embeddings) * projection_bytes + vocabulary * 3
 
 
-def estimate_weights_gib(pipeline: PipelineSpec, target: ModelConfig) -> float:
-    """Target and draft (or heads) weights as the engine stores them."""
+def estimate_weights_gib(pipeline: PipelineSpec, checkpoint: ModelConfig) -> float:
+    """Target and draft (or heads) weights as the engine stores them; `checkpoint`: the target checkpoint's
+    dimensions (the dense source, where target.moe derives an MoE from it)."""
+    moe = pipeline.target.moe
+    target = checkpoint if moe is None else moe_config(checkpoint, moe)
     precision = pipeline.target.weight_only
     total = parameters(target) * DTYPE_BYTES[pipeline.target.dtype] if precision is None \
         else weight_only_bytes(target, precision)
     speculation = pipeline.speculation
     if speculation.uses_draft_model and speculation.draft.weight_only is not None:
-        total += weight_only_bytes(target, speculation.draft.weight_only)
+        source = checkpoint if speculation.draft.derive == "int4_dense" else target
+        total += weight_only_bytes(source, speculation.draft.weight_only)
     elif speculation.uses_heads:
         heads = speculation.medusa
         total += heads.num_heads * (heads.num_layers * target.hidden_size ** 2 + target.hidden_size

@@ -86,15 +86,18 @@ def test_the_streamed_moe_export_is_the_whole_model_derivations(tmp_path, tiny_c
                   calibration_tokens=256, expert_noise=0.05 if method == "upcycle" else 0.0)
     streamed = export_derived_target(moe, tiny_checkpoints["target"], tmp_path / "streamed", torch.bfloat16)
     pipeline = load_pipeline(trtllm_pipeline(tmp_path, tiny_checkpoints["target"]))
-    derived = derive_target(moe, load_checkpoint(pipeline.target.checkpoint, pipeline), "tiny")
+    dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
+    loaded = export_derived_target(moe, dense, tmp_path / "loaded", torch.bfloat16)  # a GGUF's path: loaded whole
+    derived = derive_target(moe, dense, "tiny")
     whole = export_model(derived.config, derived.state, derived.tokenizer, tmp_path / "whole", torch.bfloat16)
-    ours, theirs = HFTensors(streamed), HFTensors(whole)
-    assert sorted(ours) == sorted(theirs) and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in ours
-    for name in ours:
-        if name.endswith("block_sparse_moe.gate.weight"):  # least squares, not bitwise repeatable even run twice
-            torch.testing.assert_close(ours[name], theirs[name], rtol=0.02, atol=1e-6)
-        else:
-            assert torch.equal(ours[name], theirs[name]), name
+    ours = HFTensors(streamed)
+    for other in (HFTensors(loaded), HFTensors(whole)):
+        assert sorted(ours) == sorted(other) and "model.layers.1.block_sparse_moe.experts.3.w2.weight" in ours
+        for name in ours:
+            if name.endswith("block_sparse_moe.gate.weight"):  # least squares, not bitwise repeatable even run twice
+                torch.testing.assert_close(ours[name], other[name], rtol=0.02, atol=1e-6)
+            else:
+                assert torch.equal(ours[name], other[name]), name
     shards = set(json.loads((streamed / INDEX_FILE).read_text())["weight_map"].values())
     assert len(shards) == derived.config.num_layers + 1  # one per layer, one for the embeddings and head
 
@@ -103,7 +106,7 @@ def test_the_streamed_moe_export_is_the_whole_model_derivations(tmp_path, tiny_c
                 if key != "transformers_version"}
 
     for name in ("config.json", "generation_config.json"):
-        assert config(streamed, name) == config(whole, name)
+        assert config(streamed, name) == config(whole, name) == config(loaded, name)
 
 
 @pytest.fixture(scope="module")

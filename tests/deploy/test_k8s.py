@@ -7,6 +7,7 @@ relies on, checkov, and the PromQL of the rules. The CPU overlay's rendered comm
 from __future__ import annotations
 
 import copy
+import dataclasses
 import filecmp
 import json
 import math
@@ -610,6 +611,31 @@ def test_the_weights_estimate_counts_a_quantized_target_like_a_derived_draft():
     with_draft = size({}, {"method": "draft_target", "draft": {"derive": "int4"}})
     assert int4 == pytest.approx(with_draft - bf16)
     assert int4 < bf16
+
+
+def test_the_weights_estimate_counts_the_moe_a_pipeline_derives_and_its_dense_draft():
+    """An upcycled MoE stores E whole copies of each MLP, a neuron split the dense model's weights once; an
+    int4_dense draft is the dense source in int4, whatever the MoE."""
+    from specdeploy.deploy.sizing import DTYPE_BYTES, GIB, estimate_weights_gib, weight_only_bytes
+    from specdeploy.models.config import ModelConfig
+    from specdeploy.spec.pipeline import parse_pipeline
+
+    dense = ModelConfig(vocab_size=1000, hidden_size=64, intermediate_size=256, num_layers=2, num_heads=4,
+                        num_kv_heads=2, head_dim=16)
+
+    def size(moe: dict | None, derive: str = "int4_dense") -> float:
+        target = {"checkpoint": {"source": "gguf", "path": "/m.gguf"}} | ({"moe": moe} if moe else {})
+        pipeline = parse_pipeline({"name": "p", "target": target,
+                                   "speculation": {"method": "draft_target", "draft": {"derive": derive}}})
+        return estimate_weights_gib(pipeline, dense) * GIB
+
+    mlps = 2 * 3 * 64 * 256 * DTYPE_BYTES["bfloat16"]  # the dense model's MLP weights
+    plain = size(None, "int4")
+    assert size({"method": "neuron_split", "experts": 4}) == pytest.approx(plain)
+    assert size({"method": "upcycle", "experts": 8}) == pytest.approx(plain + 7 * mlps)
+    upcycled_int4 = size({"method": "upcycle", "experts": 8}, "int4")  # the draft: an int4 copy of the MoE
+    assert upcycled_int4 - size({"method": "upcycle", "experts": 8}) == pytest.approx(
+        weight_only_bytes(dataclasses.replace(dense, num_experts=8), "int4") - weight_only_bytes(dense, "int4"))
 
 
 def test_the_rendered_wait_gives_up_when_the_rendered_build_fails_for_good(rendered, tmp_path):

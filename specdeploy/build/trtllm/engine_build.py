@@ -20,7 +20,7 @@ import specdeploy
 from specdeploy.build.checkpoints import Checkpoint, load_checkpoint, pipeline_sources, target_config
 from specdeploy.build.hf_export import export_model
 from specdeploy.build.hf_tensors import read_projection
-from specdeploy.build.moe_derive import derive_target, export_derived_target
+from specdeploy.build.moe_derive import export_derived_target
 from specdeploy.build.torch_engine import BuildResult
 from specdeploy.build.trtllm.plan import (
     TRITON_IMAGE,
@@ -33,6 +33,7 @@ from specdeploy.build.trtllm.plan import (
     streams_target,
 )
 from specdeploy.errors import BuildError
+from specdeploy.models.registry import DTYPES
 from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, staging_dir
 from specdeploy.spec.manifest import build_unless_current, fingerprint, write_manifest
 from specdeploy.spec.pipeline import PipelineSpec
@@ -95,12 +96,8 @@ class Sources:
     def get(self, name: str) -> Checkpoint:
         if name not in self.loaded:
             pipeline = self.pipeline
-            if name == "dense":
+            if name == "target":  # a derived MoE's dense source too (export_derived_target derives the MoE)
                 self.loaded[name] = load_checkpoint(pipeline.target.checkpoint, pipeline)
-            elif name == "target":
-                dense, moe = self.get("dense"), pipeline.target.moe
-                self.loaded[name] = dense if moe is None else derive_target(moe, dense,
-                                                                            str(pipeline.target.checkpoint.path))
             else:
                 self.loaded[name] = load_checkpoint(pipeline.speculation.draft.checkpoint, pipeline)
         return self.loaded[name]
@@ -108,13 +105,14 @@ class Sources:
 
 def run_action(step: Step, pipeline: PipelineSpec, final: Path, output: Path, sources: Sources) -> None:
     """The steps specdeploy does itself: exports and the LLM-API configuration."""
-    from specdeploy.models.registry import DTYPES, projection_key
+    from specdeploy.models.registry import projection_key
     from specdeploy.speculative.medusa import MedusaHeads, export_trtllm
 
     dtype = DTYPES[pipeline.backend.settings.dtype]
-    exports = {"export target": "target", "export draft": "draft", "export dense source": "dense"}
-    if step.action == "export target" and streams_target(pipeline):
-        export_derived_target(pipeline.target.moe, readable_checkpoint(pipeline, "dense_source"), output, dtype)
+    exports = {"export target": "target", "export draft": "draft", "export dense source": "target"}
+    if step.action == "export target" and pipeline.target.moe is not None:  # derived and written layer by layer
+        dense = readable_checkpoint(pipeline, "dense_source") if streams_target(pipeline) else sources.get("target")
+        export_derived_target(pipeline.target.moe, dense, output, dtype)
     elif step.action in exports:
         model = sources.get(exports[step.action])
         export_model(model.config, model.state, model.tokenizer, output, dtype, step.action.removeprefix("export "))
