@@ -6,7 +6,7 @@ Our steps take one of four paths (our_path; build/trtllm/plan.py decides which e
 - torch: the torch backend loads the target whole in fp32 (transformers dequantizes a GGUF whole) and writes the
   engine's copies;
 - whole: on trtllm, a GGUF or packaged source (the small CPU models) is loaded the same way, then exported through a
-  transformers model (builders/hf_export.export_model);
+  transformers model (builders/hf_export.export_model), or, for a derived MoE, derived and written a layer at a time;
 - streamed: on trtllm, an MoE derived from a Hugging Face checkpoint, read and written a layer at a time; its peak
   follows one layer (at most weights / FEWEST_LAYERS) and the calibration activations, not the model;
 - read: on trtllm, Hugging Face checkpoints that need no derivation are read where they are by TensorRT-LLM's
@@ -21,13 +21,17 @@ measured build is at or under its line; the constants below are the envelope of 
 
     case                                    path      weights  peak     case              weights  peak
     smollm2-draft-target (torch)            torch     0.391    1.286    llama-60m (torch)   0.083  0.557
-    smollm2-moe-draft-target (torch)        torch     0.391    1.655    llama-460m (torch)  0.581  1.645
+    smollm2-moe-draft-target (torch)        torch     1.430    2.826    llama-460m (torch)  0.581  1.645
     smollm2-draft-target (exported whole)   whole     0.391    1.511    llama-60m           0.083  0.621
-    smollm2-moe-draft-target (exp. whole)   whole     0.391    1.872    llama-460m          0.581  2.098
+    smollm2-moe-draft-target (exp. whole)   whole     1.430    1.202    llama-460m          0.581  2.098
     llama-60m / -460m, trtllm draft-target  read      0.083    0.308    (460m)              0.581  0.308
     llama-60m / -460m, trtllm Medusa        read      0.069    0.321    (460m)              0.488  0.412
     llama-60m / -460m, trtllm derived MoE   streamed  0.083    0.618    (460m)              0.581  1.165
     (the runtime alone, imports and nothing built: 0.224)
+The two smollm2-moe-draft-target rows were measured again when issue 28 made it an upcycled MoE (8 whole MLPs per
+layer, held in the target's dtype as it is derived; its export now derived and written a layer at a time from the
+GGUF loaded whole): both under their lines, whose constants come from the earlier runs (the neuron-split MoE then
+set the torch runtime: 1.655 GiB at 0.391).
 
 TensorRT-LLM's steps (NVIDIA/TensorRT-LLM of the 1.1/1.2 era, the copies docs/tensorrt-llm.md reads; an estimate,
 nothing here runs them):
@@ -55,7 +59,7 @@ from specdeploy.build.trtllm.plan import EXPORTS, build_workers, export_steps, s
 from specdeploy.spec.pipeline import PipelineSpec
 
 # Measured lines (see the module docstring): runtime in GiB, k in GiB per GiB of weights.
-TORCH_RUNTIME_GIB, TORCH_K = 0.88, 2.29  # the runtime: smollm2-moe-draft-target's GGUF load and MoE derivation
+TORCH_RUNTIME_GIB, TORCH_K = 0.88, 2.29  # the runtime: the GGUF load and neuron split of the MoE shipped then
 WHOLE_RUNTIME_GIB, WHOLE_K = 0.72, 3.05  # k: the bf16 target's fp32 state and the model's fp32 copy, ~4 x its size
 STREAMED_RUNTIME_GIB, STREAMED_LAYER_K = 0.60, 22.0  # k per GiB of one layer: its copies, the calibration activations
 READ_RUNTIME_GIB = 0.37  # flat: a draft-target or n-gram build holds nothing of the model (0.308 at both sizes)

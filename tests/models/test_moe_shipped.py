@@ -10,7 +10,7 @@ import pytest
 import torch
 import yaml
 from conftest import REPO, write_pipeline
-from test_engine import SMOLLM2_PROMPTS
+from test_engine import SMOLLM2_PROMPTS, assert_greedy_speculation_equals_plain
 
 from specdeploy.build.torch_engine import build
 from specdeploy.runtime.engine import Engine
@@ -80,11 +80,4 @@ def test_the_shipped_moe_answers_the_demo_prompt_as_the_dense_model_would(moe_fp
 
 @pytest.mark.smollm2
 def test_greedy_speculation_on_the_shipped_moe_equals_plain(moe_fp32):
-    accepted = 0
-    for text in [demo_prompt(), *SMOLLM2_PROMPTS]:
-        ids = moe_fp32.encode_prompt(text)
-        plain = moe_fp32.generate(ids, SamplingParams(), 32, num_draft_tokens=0).run()
-        generation = moe_fp32.generate(ids, SamplingParams(), 32)
-        assert generation.run() == plain, text
-        accepted += generation.stats.accepted
-    assert accepted > 0
+    assert_greedy_speculation_equals_plain(moe_fp32, [demo_prompt(), *SMOLLM2_PROMPTS])

@@ -9,6 +9,7 @@ from transformers import LlamaForCausalLM
 
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
+from specdeploy.runtime.engine import Engine
 from specdeploy.spec.sampling_params import SamplingParams
 
 
@@ -230,18 +231,23 @@ SMOLLM2_PROMPTS = [
 ]
 
 
-@pytest.mark.smollm2
-@pytest.mark.parametrize("method", ["draft-target", "ngram"])
-def test_smollm2_greedy_speculative_equals_plain(smollm2_fp32_engines, method):
-    engine = smollm2_fp32_engines[method]
+def assert_greedy_speculation_equals_plain(engine: Engine, prompts: list[str], max_tokens: int = 32) -> None:
+    """Each prompt's greedy answer with speculation at the engine's gamma is its plain decode's, token for token, and
+    some drafts were accepted."""
     accepted = 0
-    for prompt in SMOLLM2_PROMPTS:
+    for prompt in prompts:
         ids = engine.encode_prompt(prompt)
-        plain = engine.generate(ids, SamplingParams(), 32, num_draft_tokens=0).run()
-        generation = engine.generate(ids, SamplingParams(), 32)
+        plain = engine.generate(ids, SamplingParams(), max_tokens, num_draft_tokens=0).run()
+        generation = engine.generate(ids, SamplingParams(), max_tokens)
         assert generation.run() == plain, prompt
         accepted += generation.stats.accepted
     assert accepted > 0
+
+
+@pytest.mark.smollm2
+@pytest.mark.parametrize("method", ["draft-target", "ngram"])
+def test_smollm2_greedy_speculative_equals_plain(smollm2_fp32_engines, method):
+    assert_greedy_speculation_equals_plain(smollm2_fp32_engines[method], SMOLLM2_PROMPTS)
 
 
 def test_an_int8_draft_is_int8_rows_and_closer_to_the_target_than_int4(tiny_engines):
