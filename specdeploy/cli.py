@@ -212,13 +212,16 @@ def print_generation(report: dict, url: str | None) -> None:
               help="draft_target and ngram: bench at the pipeline's full gamma (whatever its cap) and at smaller "
                    "gammas, and write the gamma with the best realized speedup into the engine, where "
                    "serving.policy.gamma_cap: measured serves with it (build measures it on calibration prompts).")
+@click.option("--price-per-hour", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
+              help="The machine's price per hour: adds dollars per million output tokens, plain and speculative "
+                   "(in-process, and per concurrency level with --url).")
 @device_option
 def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, concurrency: str,
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
           json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool, report_dir: Path | None,
-          gammas: str | None, peers: bool, device: str | None) -> None:
+          gammas: str | None, peers: bool, price_per_hour: float | None, device: str | None) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
@@ -232,7 +235,7 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         metrics_url=metrics_url, long_stream=long_stream, prompts_path=prompts_path, max_tokens=max_tokens,
         temperature=temperature, seed=seed, json_out=json_out, with_transformers=not no_transformers,
         gammas=tuple(integers(gammas, "--gammas")) if gammas else (), peers=peers, report_dir=report_dir,
-        measure_gamma_cap=measure_gamma_cap)
+        measure_gamma_cap=measure_gamma_cap, price_per_hour=price_per_hour)
     run_bench_command(options, lambda path: load_engine(path, engines_dir, device=device))
 
 

@@ -202,11 +202,13 @@ def test_bench_puts_pipelines_side_by_side_from_one_run(tmp_path, tiny_checkpoin
     out = tmp_path / "side.json"
     result = run_cli("bench", str(ngram), str(dt), "--prompts", str(prompts), "--max-tokens", "12", "--json",
                      str(out), "--no-transformers", "--engines-dir", str(tmp_path / "engines"), "--report",
-                     str(tmp_path / "report"))
+                     str(tmp_path / "report"), "--price-per-hour", "3.6")
     assert result.returncode == 0, result.stderr
     assert "side by side" in result.stdout and "tiny-ngram-side" in result.stdout
     report = (tmp_path / "report" / "report.md").read_text()
     assert "tiny-ngram-side (ngram)" in report and "tiny-dt-side (draft_target)" in report
+    assert "| machine price per hour | $3.60 | $3.60 |" in report
+    assert "speculative, per million output tokens" in report and "cost: plain_usd_per_million_tokens" in result.stdout
     assert (tmp_path / "report" / "speedup.png").is_file()
     saved = json.loads(out.read_text())
     comparison, reports = saved["comparison"], saved["reports"]
@@ -215,6 +217,11 @@ def test_bench_puts_pipelines_side_by_side_from_one_run(tmp_path, tiny_checkpoin
     for report in reports:
         assert comparison["figures"]["speedup"][report["pipeline"]] == report["speedup"]
         assert report["greedy_match"] is True
+        # $3.60 an hour is $0.001 a second: a million tokens at r tokens/s cost 1000 / r dollars
+        cost = report["cost"]
+        assert cost["price_per_hour"] == 3.6
+        assert cost["plain_usd_per_million_tokens"] == pytest.approx(1000 / report["baseline_tokens_per_s"])
+        assert cost["speculative_usd_per_million_tokens"] == pytest.approx(1000 / report["speculative_tokens_per_s"])
     for kind, row in comparison["by_kind"].items():
         assert row["winner"] == max(row["speedup"], key=row["speedup"].get)
         assert row["speedup"] == {r["pipeline"]: r["by_kind"][kind]["speedup"] for r in reports}
@@ -223,6 +230,20 @@ def test_bench_puts_pipelines_side_by_side_from_one_run(tmp_path, tiny_checkpoin
     assert too_wide.returncode == 2 and "limits.max_draft_tokens" in too_wide.stderr
     refused = run_cli("bench", "--url", "localhost:1", "--stress", "10", "--report", str(tmp_path / "r"))
     assert refused.returncode == 2 and "--report" in refused.stderr
+    for price in ("0", "-1", "free"):
+        unpriced = run_cli("bench", str(ngram), "--price-per-hour", price)
+        assert unpriced.returncode == 2 and "--price-per-hour" in unpriced.stderr, unpriced.stderr
+
+
+def test_cost_per_million_tokens_is_the_hourly_price_over_an_hours_tokens():
+    from specdeploy.bench.bench_report import BenchReport, Cost
+
+    cost = Cost.at(2.0, plain_tokens_per_s=50.0, speculative_tokens_per_s=0.0)
+    assert cost.plain_usd_per_million_tokens == pytest.approx(2.0 / (50 * 3600) * 1e6)  # $11.11
+    assert cost.speculative_usd_per_million_tokens is None  # nothing decoded: no price per token
+    assert Cost.from_json({"price_per_hour": 2.0, "plain_usd_per_million_tokens": 11.1,
+                           "speculative_usd_per_million_tokens": None}).plain_usd_per_million_tokens == 11.1
+    assert "cost" in BenchReport.__dataclass_fields__
 
 
 def test_bench_rejects_bad_prompt_file(tmp_path, tiny_dt):

@@ -194,6 +194,34 @@ class Footprint:
 
 
 @dataclass
+class Cost:
+    """Dollars per million output tokens on a machine rented at `price_per_hour` (bench --price-per-hour), at the
+    run's plain and speculative decode rates: the hourly price over the tokens an hour decodes."""
+
+    price_per_hour: float
+    plain_usd_per_million_tokens: float | None  # None: no tokens were decoded
+    speculative_usd_per_million_tokens: float | None
+
+    @classmethod
+    def at(cls, price_per_hour: float, plain_tokens_per_s: float, speculative_tokens_per_s: float) -> Cost:
+        return cls(price_per_hour, usd_per_million_tokens(price_per_hour, plain_tokens_per_s),
+                   usd_per_million_tokens(price_per_hour, speculative_tokens_per_s))
+
+    @classmethod
+    def from_json(cls, data: dict) -> Cost:
+        return cls(**known_fields(cls, data))
+
+
+def usd_per_million_tokens(price_per_hour: float, tokens_per_s: float) -> float | None:
+    """price_per_hour (USD) / (tokens_per_s x 3600) x 1e6; None at no tokens/s."""
+    return price_per_hour / (tokens_per_s * 3600) * 1e6 if tokens_per_s > 0 else None
+
+
+def dollars(value: float | None) -> str:
+    return "–" if value is None else f"${value:.2f}"
+
+
+@dataclass
 class BenchReport:
     setup: Setup
     summary: Summary
@@ -206,6 +234,7 @@ class BenchReport:
     gamma_sweep: dict[int, float] | None = None  # gamma → measured speedup
     peers: dict[str, Peer] | None = None
     footprint: Footprint | None = None
+    cost: Cost | None = None
     phase_seconds: dict[str, float] = field(default_factory=dict)  # where the bench's time went
 
     @property
@@ -233,6 +262,8 @@ class BenchReport:
             data["peers"] = {name: without_none(asdict(peer)) for name, peer in self.peers.items()}
         if self.footprint is not None:
             data["footprint"] = without_none(asdict(self.footprint))
+        if self.cost is not None:
+            data["cost"] = asdict(self.cost)
         data["phase_seconds"] = self.phase_seconds
         return data
 
@@ -252,6 +283,7 @@ class BenchReport:
                        peers={name: Peer.from_json(peer) for name, peer in data["peers"].items()} if "peers" in data
                        else None,
                        footprint=Footprint.from_json(data["footprint"]) if "footprint" in data else None,
+                       cost=Cost.from_json(data["cost"]) if "cost" in data else None,
                        phase_seconds=data.get("phase_seconds", {}))
         except (KeyError, TypeError) as error:
             raise SpecdeployError(f"not a bench report ({type(error).__name__}: {error})") from None

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from specdeploy.bench.bench_report import BenchReport
+from specdeploy.bench.bench_report import BenchReport, Cost
 from specdeploy.bench.prompts import load_prompts
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
@@ -35,6 +35,7 @@ class BenchOptions:
     peers: bool = False  # in-process
     report_dir: Path | None = None
     measure_gamma_cap: bool = False  # in-process: draft_target and ngram pipelines
+    price_per_hour: float | None = None  # USD: dollars per million output tokens beside each rate
 
 
 def check_options(options: BenchOptions) -> None:
@@ -94,6 +95,10 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
         gammas = tuple(sorted(swept.union(gammas)))
     reports = run_benches(engines, prompts, options.max_tokens, options.temperature, options.seed,
                           with_transformers=options.with_transformers, with_peers=options.peers, gammas=gammas)
+    if options.price_per_hour is not None:
+        for report in reports:
+            report.cost = Cost.at(options.price_per_hour, report.summary.baseline_tokens_per_s,
+                                  report.summary.speculative_tokens_per_s)
     for report in reports:
         print_report(report)
         for name, ratio in peer_ratios(report).items():
@@ -138,7 +143,7 @@ def against_server(options: BenchOptions, engine: Engine | None, texts: list[str
     in_process_rate = (None if engine is None else
                        load_report.in_process_tokens_per_s(engine, texts, options.max_tokens))
     report = load_report.run_server_bench(options.url, texts, list(options.concurrency), options.max_tokens,
-                                          options.requests_per_level, in_process_rate)
+                                          options.requests_per_level, in_process_rate, options.price_per_hour)
     load_report.print_server_report(report)
     if options.report_dir is not None:
         from specdeploy.bench.report import write_server_report

@@ -20,7 +20,7 @@ from importlib import metadata
 from itertools import accumulate
 from pathlib import Path
 
-from specdeploy.bench.bench_report import BenchReport, MoeCurve
+from specdeploy.bench.bench_report import BenchReport, MoeCurve, dollars
 from specdeploy.bench.peers import LLAMA_CPP, peer_ratios
 from specdeploy.bench.printing import phases_text
 from specdeploy.errors import SpecdeployError
@@ -197,29 +197,43 @@ def versions() -> dict[str, str]:
     return found
 
 
-def figures_table(reports: list[BenchReport]) -> list[str]:
-    def row(name: str, form: str, values: list) -> str:
-        return f"| {name} | " + " | ".join("–" if value is None else form.format(value) for value in values) + " |"
+def figure_row(name: str, form: str, values: list) -> str:
+    """A figures-table row: each report's value in `form`, – where it has none."""
+    return f"| {name} | " + " | ".join("–" if value is None else form.format(value) for value in values) + " |"
 
+
+def figures_table(reports: list[BenchReport]) -> list[str]:
     summaries, setups = [r.summary for r in reports], [r.setup for r in reports]
     return ["| figure | " + " | ".join(r.label for r in reports) + " |", "|---|" + "---|" * len(reports),
-            row("plain decode tokens/s", "{:.1f}", [s.baseline_tokens_per_s for s in summaries]),
-            row("speculative tokens/s", "{:.1f}", [s.speculative_tokens_per_s for s in summaries]),
-            row("speedup", "{:.2f}×", [s.speedup for s in summaries]),
-            row("predicted speedup", "{:.2f}×", [s.predicted_speedup for s in summaries]),
-            row("acceptance rate", "{:.2f}", [s.acceptance_rate for s in summaries]),
-            row("mean accepted length (tokens/step)", "{:.2f}", [s.mean_accepted_length for s in summaries]),
-            row("draft cost c", "{:.3f}", [s.draft_cost_ratio for s in summaries]),
-            row("verify cost v", "{:.2f}", [s.verify_cost_ratio for s in summaries]),
-            row("gamma", "{}", [s.num_draft_tokens for s in setups]),
-            row("gamma cap (serving.policy)", "{}", [s.gamma_cap for s in setups]),
-            row("dtype", "{}", [s.dtype for s in setups]),
-            row("temperature", "{}", [s.temperature for s in setups]),
-            row("max tokens", "{}", [s.max_tokens for s in setups]),
-            row("prompts", "{}", [s.prompts for s in setups]),
-            row("greedy output equal to plain", "{}", [r.greedy and r.greedy.greedy_match for r in reports]),
-            row("transformers generate tokens/s", "{:.1f}",
-                [r.transformers and r.transformers.transformers_tokens_per_s for r in reports])]
+            figure_row("plain decode tokens/s", "{:.1f}", [s.baseline_tokens_per_s for s in summaries]),
+            figure_row("speculative tokens/s", "{:.1f}", [s.speculative_tokens_per_s for s in summaries]),
+            figure_row("speedup", "{:.2f}×", [s.speedup for s in summaries]),
+            figure_row("predicted speedup", "{:.2f}×", [s.predicted_speedup for s in summaries]),
+            figure_row("acceptance rate", "{:.2f}", [s.acceptance_rate for s in summaries]),
+            figure_row("mean accepted length (tokens/step)", "{:.2f}", [s.mean_accepted_length for s in summaries]),
+            figure_row("draft cost c", "{:.3f}", [s.draft_cost_ratio for s in summaries]),
+            figure_row("verify cost v", "{:.2f}", [s.verify_cost_ratio for s in summaries]),
+            figure_row("gamma", "{}", [s.num_draft_tokens for s in setups]),
+            figure_row("gamma cap (serving.policy)", "{}", [s.gamma_cap for s in setups]),
+            figure_row("dtype", "{}", [s.dtype for s in setups]),
+            figure_row("temperature", "{}", [s.temperature for s in setups]),
+            figure_row("max tokens", "{}", [s.max_tokens for s in setups]),
+            figure_row("prompts", "{}", [s.prompts for s in setups]),
+            figure_row("greedy output equal to plain", "{}", [r.greedy and r.greedy.greedy_match for r in reports]),
+            figure_row("transformers generate tokens/s", "{:.1f}",
+                [r.transformers and r.transformers.transformers_tokens_per_s for r in reports])] + cost_rows(reports)
+
+
+def cost_rows(reports: list[BenchReport]) -> list[str]:
+    """The figures table's cost rows (bench --price-per-hour), none when no report has a price."""
+    if all(report.cost is None for report in reports):
+        return []
+    costs = [report.cost for report in reports]
+    return [figure_row("machine price per hour", "${:.2f}", [cost and cost.price_per_hour for cost in costs]),
+            figure_row("plain decode, per million output tokens", "${:.2f}",
+                [cost and cost.plain_usd_per_million_tokens for cost in costs]),
+            figure_row("speculative, per million output tokens", "${:.2f}",
+                [cost and cost.speculative_usd_per_million_tokens for cost in costs])]
 
 
 def peer_lines(reports: list[BenchReport]) -> list[str]:
@@ -369,13 +383,19 @@ def write_server_report(server: dict, directory: Path, pipeline=None) -> Path:
     plot_concurrency(plt, server, policy, directory / "concurrency.png")
     (directory / "server.json").write_text(json.dumps(server, indent=2))
     tokens = server["max_tokens"] or "the server's default"
+    priced = server.get("price_per_hour") is not None
+    priced_header = (f" speculative $ per million tokens (at ${server['price_per_hour']:.2f}/h) | plain $ per million "
+                     f"tokens |" if priced else "")
     lines = ["# specdeploy bench over gRPC", "", f"Server {server['url']}, {tokens} tokens per request; each "
              "concurrency level runs the same requests with the served speculation and with num_draft_tokens 0.", "",
              *(f"- {package} {version}" for package, version in versions().items()), "",
-             "| streams | speculative tokens/s | plain tokens/s | speedup | acceptance | failed |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {r['concurrency']} | {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
-              f"{r['speedup']:.2f}× | {r['acceptance_rate']:.2f} | {r['failed']} |" for r in server["levels"]]
+             "| streams | speculative tokens/s | plain tokens/s | speedup | acceptance | failed |" + priced_header,
+             "|---|---|---|---|---|---|" + "---|" * 2 * priced]
+    for r in server["levels"]:
+        costs = [dollars(r[f"{mode}_usd_per_million_tokens"]) for mode in ("speculative", "plain") if priced]
+        lines.append(f"| {r['concurrency']} | {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
+                     f"{r['speedup']:.2f}× | {r['acceptance_rate']:.2f} | {r['failed']} |"
+                     + "".join(f" {cost} |" for cost in costs))
     if policy is not None:
         lines += ["", f"Policy of `{pipeline.name}`: the request's gamma up to a batch of {policy['full_up_to']}, "
                       f"reduced up to {policy['off_above']}, no drafting above."]

@@ -9,6 +9,7 @@ import time
 from rich.console import Console
 from rich.table import Table
 
+from specdeploy.bench.bench_report import Cost, dollars
 from specdeploy.bench.server_load import run_level
 from specdeploy.runtime.engine import Engine
 from specdeploy.serve.client import generate
@@ -32,9 +33,11 @@ def in_process_tokens_per_s(engine: Engine, prompts: list[str], max_tokens: int 
 
 
 def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens: int | None,
-                     requests_per_level: int | None = None, in_process: float | None = None) -> dict:
-    """Per level: aggregate tokens/s with the server's speculation and with num_draft_tokens = 0, same requests.
-    A warm-up request runs first so neither mode pays first-call costs."""
+                     requests_per_level: int | None = None, in_process: float | None = None,
+                     price_per_hour: float | None = None) -> dict:
+    """Per level: aggregate tokens/s with the server's speculation and with num_draft_tokens = 0, same requests,
+    and with price_per_hour (USD) what a million output tokens cost at each. A warm-up request runs first so
+    neither mode pays first-call costs."""
     run_level(url, prompts[:1], 1, 1, 8)
     rows = []
     for concurrency in levels:
@@ -49,10 +52,14 @@ def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens
             "acceptance_rate": sum(r.accepted for r in speculative.results) / drafted if drafted else 0.0,
             "failed": sum(r.error is not None for r in speculative.results + plain.results),
         })
+        if price_per_hour is not None:
+            cost = Cost.at(price_per_hour, plain.tokens_per_s, speculative.tokens_per_s)
+            rows[-1].update(plain_usd_per_million_tokens=cost.plain_usd_per_million_tokens,
+                            speculative_usd_per_million_tokens=cost.speculative_usd_per_million_tokens)
     single = next((row["speculative_tokens_per_s"] for row in rows if row["concurrency"] == 1), None)
     for row in rows:
         row["vs_single_stream"] = row["speculative_tokens_per_s"] / single if single else None
-    report = {"url": url, "max_tokens": max_tokens, "levels": rows}
+    report = {"url": url, "max_tokens": max_tokens, "price_per_hour": price_per_hour, "levels": rows}
     if in_process is not None and single is not None:
         report.update(in_process_tokens_per_s=in_process, single_stream_vs_in_process=single / in_process)
     return report
@@ -61,14 +68,16 @@ def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens
 def print_server_report(report: dict, console: Console | None = None) -> None:
     tokens = report["max_tokens"] or "the server's default"
     table = Table(title=f"specdeploy bench --url {report['url']} ({tokens} tokens per request)")
+    priced = report.get("price_per_hour") is not None
     for column in ("concurrency", "speculative tok/s", "plain tok/s", "speedup", "acceptance", "vs 1 stream",
-                   "failed"):
+                   "failed") + ("spec. $/M tok", "plain $/M tok") * priced:
         table.add_column(column, justify="right")
     for row in report["levels"]:
         ratio = row["vs_single_stream"]
+        costs = [dollars(row[f"{mode}_usd_per_million_tokens"]) for mode in ("speculative", "plain") if priced]
         table.add_row(str(row["concurrency"]), f"{row['speculative_tokens_per_s']:.1f}",
                       f"{row['plain_tokens_per_s']:.1f}", f"{row['speedup']:.2f}", f"{row['acceptance_rate']:.2f}",
-                      "-" if ratio is None else f"{ratio:.2f}", str(row["failed"]))
+                      "-" if ratio is None else f"{ratio:.2f}", str(row["failed"]), *costs)
     console = console or Console()
     console.print(table)
     if "in_process_tokens_per_s" in report:

@@ -134,6 +134,12 @@ def test_the_server_report_plots_concurrency_and_the_policy(tmp_path):
     assert f"up to a batch of {policy.full_up_to}, reduced up to {policy.off_above}" in text
     with Image.open(tmp_path / "concurrency.png") as image:
         assert image.format == "PNG"
+    # with --price-per-hour, each level's dollars per million tokens, speculative then plain
+    for row in rows:
+        row.update(speculative_usd_per_million_tokens=1000 / row["speculative_tokens_per_s"],
+                   plain_usd_per_million_tokens=1000 / row["plain_tokens_per_s"])
+    priced = write_server_report(server | {"price_per_hour": 3.6}, tmp_path / "priced", pipeline).read_text()
+    assert "(at $3.60/h)" in priced and "| 2 | 50.0 | 40.0 | 1.25× | 0.90 | 0 | $20.00 | $25.00 |" in priced
 
 
 def test_peers_run_on_the_same_weights_and_the_report_names_the_faster(tiny_engines, tmp_path):

@@ -344,12 +344,16 @@ def test_generate_url_and_bench_url_commands(served, tmp_path):
     assert bad.returncode == 2 and "top_p" in bad.stderr
     out = tmp_path / "server.json"
     result = run_cli("bench", "--url", server.grpc_url, "--concurrency", "1,2", "--requests", "2", "--max-tokens", "8",
-                     "--json", str(out))
+                     "--json", str(out), "--price-per-hour", "3.6")
     assert result.returncode == 0, result.stderr
     levels = json.loads(out.read_text())["levels"]
     assert [level["concurrency"] for level in levels] == [1, 2]
     assert all(level["speculative_tokens_per_s"] > 0 and level["plain_tokens_per_s"] > 0 and level["failed"] == 0
                for level in levels)
+    for level in levels:  # $3.60 an hour: a million tokens at r tokens/s cost 1000 / r dollars
+        for mode in ("speculative", "plain"):
+            assert level[f"{mode}_usd_per_million_tokens"] == pytest.approx(1000 / level[f"{mode}_tokens_per_s"])
+    assert "$/M tok" in result.stdout
     assert run_cli("bench", "--url", server.grpc_url, "--concurrency", "1,x").returncode == 2
 
 
