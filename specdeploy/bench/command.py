@@ -146,7 +146,7 @@ def against_server(options: BenchOptions, engine: Engine | None, texts: list[str
                                           options.requests_per_level, in_process_rate, options.price_per_hour)
     load_report.print_server_report(report)
     if options.report_dir is not None:
-        from specdeploy.bench.report import write_server_report
+        from specdeploy.bench.server_report import write_server_report
 
         served = None if engine is None else engine.pipeline
         print(f"wrote {write_server_report(report, options.report_dir, served)}")

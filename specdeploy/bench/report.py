@@ -20,7 +20,7 @@ from importlib import metadata
 from itertools import accumulate
 from pathlib import Path
 
-from specdeploy.bench.bench_report import BenchReport, MoeCurve, dollars
+from specdeploy.bench.bench_report import BenchReport, MoeCurve
 from specdeploy.bench.peers import LLAMA_CPP, peer_ratios
 from specdeploy.bench.printing import phases_text
 from specdeploy.errors import SpecdeployError
@@ -343,63 +343,6 @@ def write_report(reports: list[BenchReport], directory: Path, pipelines: list[st
     for report in reports:
         lines += llama_cpp_lines(report) + footprint_lines(report)
     lines += ["## Plots", ""] + [f"### {title}\n\n![{title}]({name})\n" for name, title in plots.items()]
-    path = directory / "report.md"
-    path.write_text("\n".join(lines))
-    return path
-
-
-def plot_concurrency(plt, server: dict, policy: dict | None, path: Path) -> None:
-    """Aggregate tokens/s against concurrent streams, with and without speculation; `policy` (full_up_to,
-    off_above) shades where the batch-aware policy reduces gamma and marks where it turns speculation off."""
-    rows = server["levels"]
-    levels = [row["concurrency"] for row in rows]
-    figure, axes = plt.subplots(figsize=FIGURE_SIZE)
-    axes.plot(levels, [row["speculative_tokens_per_s"] for row in rows], marker="o", label="served speculation")
-    axes.plot(levels, [row["plain_tokens_per_s"] for row in rows], marker="s", linestyle="--",
-              label="num_draft_tokens 0 (plain)")
-    if policy is not None:
-        axes.axvspan(policy["full_up_to"], policy["off_above"], color="grey", alpha=0.12,
-                     label=f"policy reduces gamma ({policy['full_up_to']} < batch ≤ {policy['off_above']})")
-        axes.axvline(policy["off_above"], color="grey", linestyle=":",
-                     label=f"policy turns speculation off above {policy['off_above']}")
-    axes.set_xscale("log", base=2)
-    axes.set_xticks(levels, [str(level) for level in levels])
-    axes.set_xlabel("concurrent gRPC streams")
-    axes.set_ylabel("aggregate tokens/s")
-    axes.set_title("Throughput against concurrency over gRPC")
-    axes.legend(fontsize=8)
-    save(plt, figure, path)
-
-
-def write_server_report(server: dict, directory: Path, pipeline=None) -> Path:
-    """DIR/report.md and DIR/concurrency.png for `bench --url` (run_server_bench's report). `pipeline`: the served
-    pipeline's spec, when given, for its policy."""
-    plt = pyplot()
-    directory = Path(directory)
-    directory.mkdir(parents=True, exist_ok=True)
-    policy = None
-    if pipeline is not None:
-        policy = {"full_up_to": pipeline.serving.policy.full_up_to, "off_above": pipeline.serving.policy.off_above}
-    plot_concurrency(plt, server, policy, directory / "concurrency.png")
-    (directory / "server.json").write_text(json.dumps(server, indent=2))
-    tokens = server["max_tokens"] or "the server's default"
-    priced = server.get("price_per_hour") is not None
-    priced_header = (f" speculative $ per million tokens (at ${server['price_per_hour']:.2f}/h) | plain $ per million "
-                     f"tokens |" if priced else "")
-    lines = ["# specdeploy bench over gRPC", "", f"Server {server['url']}, {tokens} tokens per request; each "
-             "concurrency level runs the same requests with the served speculation and with num_draft_tokens 0.", "",
-             *(f"- {package} {version}" for package, version in versions().items()), "",
-             "| streams | speculative tokens/s | plain tokens/s | speedup | acceptance | failed |" + priced_header,
-             "|---|---|---|---|---|---|" + "---|" * 2 * priced]
-    for r in server["levels"]:
-        costs = [dollars(r[f"{mode}_usd_per_million_tokens"]) for mode in ("speculative", "plain") if priced]
-        lines.append(f"| {r['concurrency']} | {r['speculative_tokens_per_s']:.1f} | {r['plain_tokens_per_s']:.1f} | "
-                     f"{r['speedup']:.2f}× | {r['acceptance_rate']:.2f} | {r['failed']} |"
-                     + "".join(f" {cost} |" for cost in costs))
-    if policy is not None:
-        lines += ["", f"Policy of `{pipeline.name}`: the request's gamma up to a batch of {policy['full_up_to']}, "
-                      f"reduced up to {policy['off_above']}, no drafting above."]
-    lines += ["", "![Throughput against concurrency](concurrency.png)", ""]
     path = directory / "report.md"
     path.write_text("\n".join(lines))
     return path

@@ -12,8 +12,11 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from specdeploy.errors import RequestError
 from specdeploy.serve.client import generate
+from specdeploy.serve.latency import RequestTiming
 
 
 @dataclass
@@ -27,6 +30,17 @@ class RequestResult:
     error: str | None = None
     cancelled: bool = False
     finished: bool = False
+    timing: RequestTiming | None = None  # each streamed response's arrival and tokens (serve/latency.py)
+
+
+PERCENTILES = (50, 90, 99)
+
+
+def percentiles(values: list[float], which: tuple[int, ...] = PERCENTILES) -> dict[str, float | None]:
+    """{"p50": ..., ...} of `values` (numpy's linear interpolation, as genai-perf reports them); None when empty."""
+    if not values:
+        return {f"p{p}": None for p in which}
+    return {f"p{p}": float(v) for p, v in zip(which, np.percentile(values, which))}
 
 
 @dataclass
@@ -40,18 +54,41 @@ class LevelResult:
     def tokens_per_s(self) -> float:
         return sum(r.generated_tokens for r in self.results if r.finished) / self.seconds if self.seconds else 0.0
 
+    def latencies(self) -> dict:
+        """Over the finished requests, in seconds: time to first token, inter-token latency (genai-perf's, per
+        request) and request latency percentiles, each request's output tokens/s, and the streamed responses: the
+        gaps between them and the tokens each carried (speculation's bursts)."""
+        timings = [r.timing for r in self.results if r.finished and r.timing is not None and r.timing.bursts]
+        bursts = [count for timing in timings for _, count in timing.bursts]
+        return {"time_to_first_token": percentiles([t.time_to_first_token for t in timings]),
+                "inter_token_latency": percentiles([t.inter_token_latency for t in timings
+                                                    if t.inter_token_latency is not None]),
+                "request_latency": percentiles([t.latency for t in timings], (50, 99)),
+                "tokens_per_s_per_request": percentiles([t.tokens / t.latency for t in timings if t.latency],
+                                                        (50,)),
+                "response_gap": percentiles([gap for t in timings for gap in t.gaps]),  # burst to burst
+                "tokens_per_response": {"mean": sum(bursts) / len(bursts) if bursts else None,
+                                        **percentiles(bursts, (50, 99))},
+                # the samples behind the distributions plotted in the report
+                "inter_token_latencies": [t.inter_token_latency for t in timings
+                                          if t.inter_token_latency is not None],
+                "response_gaps": [gap for t in timings for gap in t.gaps]}
+
 
 def one_request(url: str, prompt: str, index: int, max_tokens: int, num_draft_tokens: int | None,
                 cancel_after: int | None) -> RequestResult:
     """Stream one request; with cancel_after, drop the stream after that many responses."""
     result = RequestResult(index)
     started = time.perf_counter()
+    result.timing = RequestTiming(started)
     try:
         for count, chunk in enumerate(generate(url, prompt, max_tokens, stream=True,
                                                num_draft_tokens=num_draft_tokens), 1):
             result.text += chunk.text
             if chunk.statistics:
-                result.generated_tokens = int(chunk.statistics["generated_tokens"])
+                generated = int(chunk.statistics["generated_tokens"])  # cumulative: this response's tokens
+                result.timing.produced(generated - result.generated_tokens, time.perf_counter())
+                result.generated_tokens = generated
                 result.drafted = int(chunk.statistics["total_draft_tokens"])
                 result.accepted = int(chunk.statistics["total_accepted_draft_tokens"])
             if chunk.final:

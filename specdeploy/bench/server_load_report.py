@@ -51,6 +51,7 @@ def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens
             "speedup": speculative.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0,
             "acceptance_rate": sum(r.accepted for r in speculative.results) / drafted if drafted else 0.0,
             "failed": sum(r.error is not None for r in speculative.results + plain.results),
+            "speculative_latency": speculative.latencies(), "plain_latency": plain.latencies(),
         })
         if price_per_hour is not None:
             cost = Cost.at(price_per_hour, plain.tokens_per_s, speculative.tokens_per_s)
@@ -80,9 +81,43 @@ def print_server_report(report: dict, console: Console | None = None) -> None:
                       "-" if ratio is None else f"{ratio:.2f}", str(row["failed"]), *costs)
     console = console or Console()
     console.print(table)
+    console.print(latency_table(report))
     if "in_process_tokens_per_s" in report:
         console.print(f"one stream over gRPC is {report['single_stream_vs_in_process']:.2f} of the same pipeline "
                       f"in-process ({report['in_process_tokens_per_s']:.1f} tokens/s, prefill included)")
+
+
+def milliseconds(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.0f}"
+
+
+LATENCY_COLUMNS = ("streams", "mode", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p90", "ITL p99",
+                   "latency p50", "latency p99", "tokens/s per request p50", "tokens per response",
+                   "response gap p50", "response gap p99")
+
+
+def latency_cells(row: dict, mode: str) -> list[str]:
+    """One level's latency figures for `mode` (speculative or plain) under LATENCY_COLUMNS, times in ms."""
+    latency = row[f"{mode}_latency"]
+    ttft, itl, whole, gap = (latency[key] for key in ("time_to_first_token", "inter_token_latency",
+                                                      "request_latency", "response_gap"))
+    rate, burst = latency["tokens_per_s_per_request"]["p50"], latency["tokens_per_response"]["mean"]
+    return [str(row["concurrency"]), mode, *(milliseconds(ttft[p]) for p in ("p50", "p90", "p99")),
+            *(milliseconds(itl[p]) for p in ("p50", "p90", "p99")), milliseconds(whole["p50"]),
+            milliseconds(whole["p99"]), "-" if rate is None else f"{rate:.1f}",
+            "-" if burst is None else f"{burst:.2f}", milliseconds(gap["p50"]), milliseconds(gap["p99"])]
+
+
+def latency_table(report: dict) -> Table:
+    """Per level and mode: time to first token, inter-token latency (genai-perf's), request latency (ms) and the
+    streamed responses' tokens and gaps."""
+    table = Table(title="latency per request, ms (ITL: (latency - TTFT) / (tokens - 1), genai-perf's)")
+    for column in LATENCY_COLUMNS:
+        table.add_column(column, justify="right")
+    for row in report["levels"]:
+        for mode in ("speculative", "plain"):
+            table.add_row(*latency_cells(row, mode))
+    return table
 
 
 def run_stress(url: str, prompts: list[str], requests: int, concurrency: int, max_tokens: int | None,

@@ -5,6 +5,9 @@ Recording rules (per namespace and pod, as the adapter serves them to the HPA):
   Kubernetes tutorials.
 - `specdeploy:acceptance_rate:rate5m` = accepted / drafted tokens, and `specdeploy:mean_accepted_length:rate5m` =
   tokens per verification step = (accepted + steps) / steps, from the `specdeploy_` counters.
+- `specdeploy:time_to_first_token_seconds:p50_5m` and `:p99_5m`, and the same for
+  `specdeploy:inter_token_latency_seconds`: histogram_quantile over the model's histograms (serve/latency.py defines
+  what they observe; inter-token latency is genai-perf's per-request figure).
 Alert `SpeculationAcceptanceCollapsed`: the mean accepted length fell below the break-even length, gamma × c + v
 (c: draft cost ratio, v: verify cost over a plain decode step; the cost model in speculative/speedup.py), for 10
 minutes: speculation then costs more than it saves.
@@ -22,6 +25,8 @@ ACCEPTED, DRAFTED, STEPS = ("specdeploy_accepted_tokens_total", "specdeploy_draf
                             "specdeploy_verification_steps_total")
 ACCEPTANCE_RATE = "specdeploy:acceptance_rate:rate5m"
 MEAN_ACCEPTED_LENGTH = "specdeploy:mean_accepted_length:rate5m"
+LATENCY_HISTOGRAMS = ("specdeploy_time_to_first_token_seconds", "specdeploy_inter_token_latency_seconds")
+QUANTILES = {"p50": 0.5, "p99": 0.99}
 BY = "namespace, pod"
 WINDOW = "5m"
 
@@ -38,7 +43,16 @@ def recording_rules() -> list[dict]:
     return [{"record": QUEUE_COMPUTE_METRIC,
              "expr": f"{rate(TRITON_QUEUE, '1m')} / clamp_min({rate(TRITON_COMPUTE, '1m')}, 1)"},
             {"record": ACCEPTANCE_RATE, "expr": f"{rate(ACCEPTED)} / ({rate(DRAFTED)} > 0)"},
-            {"record": MEAN_ACCEPTED_LENGTH, "expr": f"({rate(ACCEPTED)} + {rate(STEPS)}) / ({rate(STEPS)} > 0)"}]
+            {"record": MEAN_ACCEPTED_LENGTH, "expr": f"({rate(ACCEPTED)} + {rate(STEPS)}) / ({rate(STEPS)} > 0)"},
+            *latency_rules()]
+
+
+def latency_rules() -> list[dict]:
+    """p50 and p99 of each latency histogram over WINDOW, per pod (an idle pod's quantile is NaN: no requests, no
+    latency to report)."""
+    return [{"record": f"{name.replace('specdeploy_', 'specdeploy:', 1)}:{label}_{WINDOW}",
+             "expr": f"histogram_quantile({quantile}, sum by ({BY}, le) (rate({name}_bucket[{WINDOW}])))"}
+            for name in LATENCY_HISTOGRAMS for label, quantile in QUANTILES.items()]
 
 
 def collapse_alert(break_even_length: float) -> dict:

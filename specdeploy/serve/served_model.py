@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 from typing import Protocol
 
@@ -14,6 +15,7 @@ import numpy as np
 from specdeploy.decoding.detokenizer import IncrementalDetokenizer
 from specdeploy.decoding.serving_request import ServingCounters
 from specdeploy.errors import RequestError
+from specdeploy.serve.latency import ITL_BUCKETS, TOKENS_PER_RESPONSE_BUCKETS, TTFT_BUCKETS, RequestTiming
 from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE
 from specdeploy.serve.requests import (
     SCALAR_INPUTS,
@@ -54,6 +56,15 @@ class Metrics:
         "requests": ("specdeploy_requests_total", "Finished requests by outcome"),
     }
 
+    HISTOGRAMS = {  # serve/latency.py defines what each observes
+        "ttft": ("specdeploy_time_to_first_token_seconds", "Time from a request's arrival to its first token",
+                 TTFT_BUCKETS),
+        "itl": ("specdeploy_inter_token_latency_seconds", "Per request, (last token - first token) / (tokens - 1): "
+                "genai-perf's inter-token latency", ITL_BUCKETS),
+        "tokens_per_response": ("specdeploy_tokens_per_response", "Tokens carried by each response sent (streamed: "
+                                "one response per step, 1 to gamma + 1 tokens)", TOKENS_PER_RESPONSE_BUCKETS),
+    }
+
     def __init__(self, pb_utils, labels: dict[str, str]) -> None:
         family = pb_utils.MetricFamily
         self.labels = labels
@@ -67,6 +78,10 @@ class Metrics:
         # Triton's queue time misses these: the decoupled model hands every request over at once
         self.families["waiting"] = family(name="specdeploy_waiting_requests", description="Requests accepted and "
                                           "queued for a batch row, not yet running", kind=family.GAUGE)
+        self.histograms = {}
+        for key, (name, text, buckets) in self.HISTOGRAMS.items():
+            self.families[key] = family(name=name, description=text, kind=family.HISTOGRAM)
+            self.histograms[key] = self.families[key].Metric(labels=labels, buckets=buckets)
         self.batch_size = self.families["batch_size"].Metric(labels=labels)
         self.free_kv = self.families["free_kv"].Metric(labels=labels)
         self.waiting = self.families["waiting"].Metric(labels=labels)
@@ -85,6 +100,17 @@ class Metrics:
         if delta > 0:
             self.series[series].increment(delta)
             self.pushed[series] = total
+
+    def observe(self, timing: RequestTiming) -> None:
+        """A finished request's latencies and response sizes (each observation is a round trip to the backend
+        process, so they are made once, when the request ends)."""
+        with self.lock:
+            if timing.time_to_first_token is not None:
+                self.histograms["ttft"].observe(timing.time_to_first_token)
+            if timing.inter_token_latency is not None:
+                self.histograms["itl"].observe(timing.inter_token_latency)
+            for tokens in timing.responses:
+                self.histograms["tokens_per_response"].observe(tokens)
 
     def count_invalid(self) -> None:
         with self.lock:
@@ -169,7 +195,7 @@ def submit_request(pb, request, encoder, pipeline: PipelineSpec, tokenizer, queu
     sender = request.get_response_sender()
     try:
         generation, stream, as_ids = read_request(pb, request, encoder, pipeline)
-        queue.submit(generation, Responder(pb, sender, stream, None if as_ids else tokenizer),
+        queue.submit(generation, Responder(pb, sender, stream, None if as_ids else tokenizer, metrics),
                      is_cancelled=sender.is_cancelled)
     except Exception as exc:
         if isinstance(exc, RequestError):
@@ -191,15 +217,26 @@ def stats_response(pb, stats, text: str | None = None, ids: list[int] | None = N
 
 class Responder:
     """The callback for one request's tokens: streamed, each step's tokens go out as the text they complete (never
-    broken UTF-8), or as token ids when `tokenizer` is None; otherwise everything goes out once at the end."""
+    broken UTF-8), or as token ids when `tokenizer` is None; otherwise everything goes out once at the end. With
+    `metrics`, the request's latencies are observed when it ends (serve/latency.py)."""
 
-    def __init__(self, pb, sender, stream: bool, tokenizer) -> None:
+    def __init__(self, pb, sender, stream: bool, tokenizer, metrics: Metrics | None = None) -> None:
         self.pb, self.sender, self.stream = pb, sender, stream
         self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
         self.ids: list[int] = []
         self.sent = 0
+        self.metrics = metrics
+        self.timing = RequestTiming(time.perf_counter())
 
     def __call__(self, tokens: list[int], finished: str | None, stats) -> None:
+        self.timing.produced(len(tokens), time.perf_counter())
+        try:
+            self.respond(tokens, finished, stats)
+        finally:
+            if finished is not None and self.metrics is not None:
+                self.metrics.observe(self.timing)
+
+    def respond(self, tokens: list[int], finished: str | None, stats) -> None:
         pb = self.pb
         self.ids.extend(tokens)
         if finished == "cancelled":
@@ -219,6 +256,8 @@ class Responder:
             response = stats_response(pb, stats, ids=new)
         flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
         self.sender.send(response, flags=flags)
+        if new:  # a final response may carry no token
+            self.timing.responses.append(len(new))
         self.sent = len(self.ids)
 
 

@@ -119,11 +119,24 @@ def test_the_server_report_plots_concurrency_and_the_policy(tmp_path):
     """bench --url --report: the levels' table and the throughput plot, with the served pipeline's policy."""
     from conftest import REPO
 
-    from specdeploy.bench.report import write_server_report
+    from specdeploy.bench.server_load import LevelResult, RequestResult
+    from specdeploy.bench.server_report import write_server_report
+    from specdeploy.serve.latency import RequestTiming
     from specdeploy.spec.pipeline import load_pipeline
 
+    def latencies(concurrency: int, burst: int) -> dict:
+        """A level's latency summary from requests whose tokens arrive `burst` at a time every 50 ms x streams."""
+        results = []
+        for index in range(4):
+            timing = RequestTiming(0.0)
+            for step in range(12 // burst):
+                timing.produced(burst if step else 1, 0.1 * concurrency + 0.05 * concurrency * step + 0.01 * index)
+            results.append(RequestResult(index, generated_tokens=timing.tokens, finished=True, timing=timing))
+        return LevelResult(concurrency, burst > 1, 1.0, results).latencies()
+
     rows = [{"concurrency": c, "requests": 2 * c, "speculative_tokens_per_s": s, "plain_tokens_per_s": p,
-             "speedup": s / p, "acceptance_rate": a, "failed": 0, "vs_single_stream": s / 30.0}
+             "speedup": s / p, "acceptance_rate": a, "failed": 0, "vs_single_stream": s / 30.0,
+             "speculative_latency": latencies(c, 3), "plain_latency": latencies(c, 1)}
             for c, s, p, a in ((1, 30.0, 22.0, 0.9), (2, 50.0, 40.0, 0.9), (4, 70.0, 66.0, 0.85),
                                (8, 90.0, 90.0, 0.0))]
     server = {"url": "127.0.0.1:8001", "max_tokens": 64, "levels": rows}
@@ -132,8 +145,14 @@ def test_the_server_report_plots_concurrency_and_the_policy(tmp_path):
     assert "| 2 | 50.0 | 40.0 | 1.25× | 0.90 | 0 |" in text
     policy = pipeline.serving.policy
     assert f"up to a batch of {policy.full_up_to}, reduced up to {policy.off_above}" in text
-    with Image.open(tmp_path / "concurrency.png") as image:
-        assert image.format == "PNG"
+    for name in ("concurrency.png", "latency.png", "itl_cdf.png"):
+        with Image.open(tmp_path / name) as image:
+            assert image.format == "PNG"
+    # 1 stream: first tokens at 100..130 ms; plain, 12 tokens 50 ms apart: genai-perf's ITL 550 / 11 = 50 ms;
+    # speculative, 1 token then 3 bursts of 3, 50 ms apart: ITL 150 / 9 = 17 ms, 2.5 tokens a response, gaps 50 ms
+    assert "| 1 | plain | 115 | 127 | 130 | 50 | 50 | 50 | 665 | 680 |" in text
+    assert "| 1 | speculative | 115 | 127 | 130 | 17 | 17 | 17 | 265 | 280 |" in text
+    assert "| 2.50 | 50 | 50 |" in text and "| 1.00 | 50 | 50 |" in text
     # with --price-per-hour, each level's dollars per million tokens, speculative then plain
     for row in rows:
         row.update(speculative_usd_per_million_tokens=1000 / row["speculative_tokens_per_s"],

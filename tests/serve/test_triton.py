@@ -78,7 +78,7 @@ def test_streaming_and_non_streaming_equal_plain_greedy(served, model):
     check_greedy_entry_point(server, engine, model)
 
 
-def run_concurrent_streams(server, engine, count: int) -> None:
+def run_concurrent_streams(server, engine, count: int, bursts: bool = True) -> None:
     """`count` concurrent streaming clients over the prompts: each gets plain greedy text, the drafted and accepted
     counters move by exactly what the clients' statistics say, and each request is counted as finished."""
     expected = {p: plain_text(engine, p) for p in PROMPTS}
@@ -112,6 +112,29 @@ def run_concurrent_streams(server, engine, count: int) -> None:
     finished = sum(total(after, "specdeploy_requests_total", outcome=outcome)
                    - total(before, "specdeploy_requests_total", outcome=outcome) for outcome in ("length", "stop"))
     assert finished == count
+    check_latency_histograms(before, after, labels, [stats for _, stats in results.values()], bursts)
+
+
+def check_latency_histograms(before: dict, after: dict, labels: dict, statistics: list[dict], bursts: bool) -> None:
+    """The histograms moved by the finished streams (serve/latency.py): one time to first token and one inter-token
+    latency each, every generated token in exactly one response; with `bursts`, some responses carrying several
+    tokens (speculation's accepted drafts)."""
+
+    def moved(name: str, **extra: str) -> float:
+        return total(after, name, **labels, **extra) - total(before, name, **labels, **extra)
+
+    requests, tokens = len(statistics), sum(stats["generated_tokens"] for stats in statistics)
+    for name in ("specdeploy_time_to_first_token_seconds", "specdeploy_inter_token_latency_seconds"):
+        assert moved(f"{name}_count") == requests, name
+        assert moved(f"{name}_bucket", le="+Inf") == requests and moved(f"{name}_sum") > 0, name
+    assert moved("specdeploy_tokens_per_response_sum") == tokens
+    responses = moved("specdeploy_tokens_per_response_count")
+    assert requests <= responses <= tokens
+    if bursts:
+        assert responses < tokens and moved("specdeploy_tokens_per_response_bucket", le="1") < responses
+    # a request's ITL is at most its whole decode time over its tokens after the first
+    itl = moved("specdeploy_inter_token_latency_seconds_sum") / requests
+    assert 0 < itl < 10
 
 
 def test_sixteen_concurrent_streams_are_correct_and_independent(served):
@@ -344,16 +367,27 @@ def test_generate_url_and_bench_url_commands(served, tmp_path):
     assert bad.returncode == 2 and "top_p" in bad.stderr
     out = tmp_path / "server.json"
     result = run_cli("bench", "--url", server.grpc_url, "--concurrency", "1,2", "--requests", "2", "--max-tokens", "8",
-                     "--json", str(out), "--price-per-hour", "3.6")
+                     "--json", str(out), "--price-per-hour", "3.6", "--report", str(tmp_path / "report"))
     assert result.returncode == 0, result.stderr
     levels = json.loads(out.read_text())["levels"]
     assert [level["concurrency"] for level in levels] == [1, 2]
     assert all(level["speculative_tokens_per_s"] > 0 and level["plain_tokens_per_s"] > 0 and level["failed"] == 0
                for level in levels)
+    for level in levels:  # two requests of 8 tokens per mode: a first token, then 7 more
+        for mode in ("speculative", "plain"):
+            latency = level[f"{mode}_latency"]
+            ttft, itl = latency["time_to_first_token"], latency["inter_token_latency"]
+            assert 0 < ttft["p50"] <= ttft["p99"] and 0 < itl["p50"] <= itl["p99"]
+            assert len(latency["inter_token_latencies"]) == 2
+            assert latency["request_latency"]["p50"] > ttft["p50"]
+        assert level["plain_latency"]["tokens_per_response"]["mean"] == 1.0  # plain decode: one token a step
+        assert level["speculative_latency"]["tokens_per_response"]["mean"] > 1.0  # accepted drafts: bursts
+    report_md = (tmp_path / "report" / "report.md").read_text()
+    assert "genai-perf" in result.stdout and "TTFT p99" in report_md
     for level in levels:  # $3.60 an hour: a million tokens at r tokens/s cost 1000 / r dollars
         for mode in ("speculative", "plain"):
             assert level[f"{mode}_usd_per_million_tokens"] == pytest.approx(1000 / level[f"{mode}_tokens_per_s"])
-    assert "$/M tok" in result.stdout
+            assert f" ${level[f'{mode}_usd_per_million_tokens']:.2f} |" in report_md  # report.md's level table
     assert run_cli("bench", "--url", server.grpc_url, "--concurrency", "1,x").returncode == 2
 
 
