@@ -60,19 +60,18 @@ class LevelResult:
         gaps between them and the tokens each carried (speculation's bursts)."""
         timings = [r.timing for r in self.results if r.finished and r.timing is not None and r.timing.bursts]
         bursts = [count for timing in timings for _, count in timing.bursts]
+        itls = [t.inter_token_latency for t in timings if t.inter_token_latency is not None]
+        gaps = [gap for t in timings for gap in t.gaps]  # burst to burst
         return {"time_to_first_token": percentiles([t.time_to_first_token for t in timings]),
-                "inter_token_latency": percentiles([t.inter_token_latency for t in timings
-                                                    if t.inter_token_latency is not None]),
+                "inter_token_latency": percentiles(itls),
                 "request_latency": percentiles([t.latency for t in timings], (50, 99)),
                 "tokens_per_s_per_request": percentiles([t.tokens / t.latency for t in timings if t.latency],
                                                         (50,)),
-                "response_gap": percentiles([gap for t in timings for gap in t.gaps]),  # burst to burst
+                "response_gap": percentiles(gaps),
                 "tokens_per_response": {"mean": sum(bursts) / len(bursts) if bursts else None,
                                         **percentiles(bursts, (50, 99))},
                 # the samples behind the distributions plotted in the report
-                "inter_token_latencies": [t.inter_token_latency for t in timings
-                                          if t.inter_token_latency is not None],
-                "response_gaps": [gap for t in timings for gap in t.gaps]}
+                "inter_token_latencies": itls, "response_gaps": gaps}
 
 
 def one_request(url: str, prompt: str, index: int, max_tokens: int, num_draft_tokens: int | None,

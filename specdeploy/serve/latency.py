@@ -10,6 +10,11 @@ tokens per response (the burst sizes) instead, and, client side, in the gaps bet
 - time to first token: from the request's arrival at the model (queueing included) to its first token;
 - inter-token latency: as above, one observation per request of at least two tokens;
 - tokens per response: the tokens each response carried (streamed: one per step; otherwise the whole answer).
+
+The Python backend's histograms (triton-inference-server/server, qa/python_models/custom_metrics/model.py
+@ ebec81a): MetricFamily(kind=HISTOGRAM), then family.Metric(labels=..., buckets=[...]) with buckets required and
+strictly increasing (anything else raises TritonModelException), and metric.observe(value); the server exports
+_bucket (one per bucket and +Inf), _sum and _count. tests/serve/test_triton.py reads them from a real server.
 """
 
 from __future__ import annotations
