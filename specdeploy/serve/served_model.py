@@ -230,22 +230,14 @@ class Responder:
 
     def __call__(self, tokens: list[int], finished: str | None, stats) -> None:
         self.timing.produced(len(tokens), time.perf_counter())
-        try:
-            self.respond(tokens, finished, stats)
-        finally:
-            if finished is not None and self.metrics is not None:
-                self.metrics.observe(self.timing)
-
-    def respond(self, tokens: list[int], finished: str | None, stats) -> None:
         pb = self.pb
         self.ids.extend(tokens)
         if finished == "cancelled":
-            self.sender.send(flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._send_final(None)
             return
         if finished is not None and finished.startswith(("error", "shutdown")):
             code = pb.TritonError.UNAVAILABLE if finished.startswith("shutdown") else pb.TritonError.INTERNAL
-            self.sender.send(pb.InferenceResponse(error=pb.TritonError(finished, code)),
-                             flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            self._send_final(pb.InferenceResponse(error=pb.TritonError(finished, code)))
             return
         if not self.stream and finished is None:
             return
@@ -254,11 +246,25 @@ class Responder:
             response = stats_response(pb, stats, text=self.detokenizer.add(new))
         else:
             response = stats_response(pb, stats, ids=new)
-        flags = pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL if finished is not None else 0
-        self.sender.send(response, flags=flags)
         if new:  # a final response may carry no token
             self.timing.responses.append(len(new))
         self.sent = len(self.ids)
+        if finished is None:
+            self.sender.send(response, flags=0)
+        else:
+            self._send_final(response)
+
+    def _send_final(self, response) -> None:
+        """Observe the request's latencies, then end it: a client that reads the metrics once its stream has ended
+        finds this request counted."""
+        try:
+            if self.metrics is not None:
+                self.metrics.observe(self.timing)
+        finally:
+            if response is None:
+                self.sender.send(flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            else:
+                self.sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
 class ServedModel:
