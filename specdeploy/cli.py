@@ -132,18 +132,21 @@ def echo_text(text: str) -> None:
 @click.option("--no-speculation", is_flag=True, help="Plain decode (same as --num-draft-tokens 0).")
 @click.option("--end-id", type=int, default=None, help="End on this token instead of the end-of-sequence tokens "
               "(-1: none, generate --max-tokens).")
+@click.option("--request-kind", default=None, help="The request's kind of traffic (one of the pipeline's "
+              "serving.request_kinds): labels its acceptance in the server's metrics.")
 @click.option("--compare", is_flag=True, help="Also run plain decode on the same prompt and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
 @device_option
 def generate(arguments: tuple[str, ...], url: str | None, stream: bool, engines_dir: Path, max_tokens: int | None,
              temperature: float | None, top_k: int | None, top_p: float | None,
              repetition_penalty: float | None, seed: int | None, num_draft_tokens: int | None,
-             no_speculation: bool, end_id: int | None, compare: bool, as_json: bool, device: str | None) -> None:
+             no_speculation: bool, end_id: int | None, request_kind: str | None, compare: bool, as_json: bool,
+             device: str | None) -> None:
     """Generate in-process (PIPELINE.yaml PROMPT) or over gRPC (--url HOST:PORT PROMPT), streaming the text."""
     from specdeploy.workflows import RequestOptions, generate_in_process, generate_over_grpc, load_engine
 
     options = RequestOptions(max_tokens, temperature, top_k, top_p, repetition_penalty, seed,
-                             0 if no_speculation else num_draft_tokens, end_id)
+                             0 if no_speculation else num_draft_tokens, end_id, request_kind)
     show = (lambda _: None) if as_json else echo_text
     if url is not None:
         if len(arguments) != 1:
@@ -215,13 +218,17 @@ def print_generation(report: dict, url: str | None) -> None:
 @click.option("--price-per-hour", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
               help="The machine's price per hour: adds dollars per million output tokens, plain and speculative "
                    "(in-process, and per concurrency level with --url).")
+@click.option("--context", "contexts", default=None, metavar="L1,L2,...",
+              help="In-process: pad every prompt with held-out text to about these many tokens and measure the "
+                   "speedup at each context length against the bytes model's prediction (one pipeline).")
 @device_option
 def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, concurrency: str,
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
           json_out: Path | None, no_transformers: bool, measure_gamma_cap: bool, report_dir: Path | None,
-          gammas: str | None, peers: bool, price_per_hour: float | None, device: str | None) -> None:
+          gammas: str | None, peers: bool, price_per_hour: float | None, contexts: str | None,
+          device: str | None) -> None:
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
@@ -235,8 +242,10 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
         metrics_url=metrics_url, long_stream=long_stream, prompts_path=prompts_path, max_tokens=max_tokens,
         temperature=temperature, seed=seed, json_out=json_out, with_transformers=not no_transformers,
         gammas=tuple(integers(gammas, "--gammas")) if gammas else (), peers=peers, report_dir=report_dir,
-        measure_gamma_cap=measure_gamma_cap, price_per_hour=price_per_hour)
-    run_bench_command(options, lambda path: load_engine(path, engines_dir, device=device))
+        measure_gamma_cap=measure_gamma_cap, price_per_hour=price_per_hour,
+        contexts=tuple(integers(contexts, "--context")) if contexts else ())
+    run_bench_command(options, lambda path, room: load_engine(path, engines_dir, device=device,
+                                                              max_sequence_length=room))
 
 
 @cli.command("export-hf")

@@ -40,6 +40,7 @@ class RequestOptions:
     seed: int | None = None
     num_draft_tokens: int | None = None
     end_id: int | None = None
+    kind: str | None = None  # request_kind: one of serving.request_kinds
 
     def request(self, engine: Engine, prompt_ids: list[int]) -> GenerationRequest:
         return GenerationRequest.with_defaults(engine.pipeline, prompt_ids, **dataclasses.asdict(self))
@@ -48,7 +49,7 @@ class RequestOptions:
         """The ensemble's input names (tensorrtllm_backend's) for the fields that are set."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "repetition_penalty": self.repetition_penalty, "random_seed": self.seed,
-                "num_draft_tokens": self.num_draft_tokens, "end_id": self.end_id}
+                "num_draft_tokens": self.num_draft_tokens, "end_id": self.end_id, "request_kind": self.kind}
 
 
 def load_spec(pipeline_path: str | Path, device: Device | None = None) -> PipelineSpec:
@@ -84,8 +85,10 @@ def prepare_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = F
 
 
 def load_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False,
-                device: Device | None = None) -> Engine:
-    return Engine(prepare_engine(pipeline_path, engines_dir, quiet, device).directory)
+                device: Device | None = None, max_sequence_length: int | None = None) -> Engine:
+    """The pipeline's engine, built if needed; max_sequence_length: room for longer sequences than its limits."""
+    return Engine(prepare_engine(pipeline_path, engines_dir, quiet, device).directory,
+                  max_sequence_length=max_sequence_length)
 
 
 class PackageResult(NamedTuple):

@@ -44,13 +44,14 @@ class Collector:
     def __init__(self) -> None:
         self.tokens: list[int] = []
         self.reason: str | None = None
+        self.stats = None  # the request's statistics at its end
         self.done = threading.Event()
 
     def __call__(self, tokens: list[int], finished: str | None, stats=None) -> None:
         assert not self.done.is_set(), "tokens after the final callback"
         self.tokens.extend(tokens)
         if finished is not None:
-            self.reason = finished
+            self.reason, self.stats = finished, stats
             self.done.set()
 
 

@@ -13,6 +13,7 @@ from specdeploy.bench.bench_report import BenchReport, Cost
 from specdeploy.bench.prompts import load_prompts
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
+from specdeploy.spec.pipeline import load_pipeline
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class BenchOptions:
     report_dir: Path | None = None
     measure_gamma_cap: bool = False  # in-process: draft_target and ngram pipelines
     price_per_hour: float | None = None  # USD: dollars per million output tokens beside each rate
+    contexts: tuple[int, ...] = ()  # in-process: pad every prompt to each of these lengths (bench/context_sweep.py)
 
 
 def check_options(options: BenchOptions) -> None:
@@ -52,6 +54,10 @@ def check_options(options: BenchOptions) -> None:
         raise SpecdeployError("--url compares a server with one pipeline in-process: give one PIPELINE.yaml")
     if in_process and not options.pipeline_paths:
         raise SpecdeployError("give PIPELINE.yaml (in-process) or --url HOST:PORT (a running server)")
+    if options.contexts and (not in_process or len(options.pipeline_paths) != 1):
+        raise SpecdeployError("--context measures one pipeline in-process: give one PIPELINE.yaml without --url")
+    if options.contexts and (options.gammas or options.peers or options.measure_gamma_cap):
+        raise SpecdeployError("--context runs its own sweep: leave out --gammas, --peers and --measure-gamma-cap")
     if options.long_stream is not None and not options.pipeline_paths:
         raise SpecdeployError("--long-stream compares with the pipeline in-process: give PIPELINE.yaml")
     if options.report_dir is not None:
@@ -60,13 +66,21 @@ def check_options(options: BenchOptions) -> None:
         pyplot()  # before measuring: a missing matplotlib is an error now, not after minutes of benchmarking
 
 
-def bench(options: BenchOptions, load_engine: Callable[[str], Engine]) -> None:
-    """Run what the options ask for, print it and write what they name. load_engine: a pipeline file's engine,
-    built if needed."""
+def bench(options: BenchOptions, load_engine: Callable[[str, int | None], Engine]) -> None:
+    """Run what the options ask for, print it and write what they name. load_engine(path, max_sequence_length): a
+    pipeline file's engine, built if needed, with room for sequences that long (None: its limits)."""
     prompts = load_prompts(options.prompts_path)
     check_options(options)
-    engines = [load_engine(path) for path in options.pipeline_paths]
-    if options.url is None:
+    room = None
+    if options.contexts:
+        from specdeploy.bench.context_sweep import sequence_room
+
+        answer = options.max_tokens or load_pipeline(options.pipeline_paths[0]).sampling.max_tokens
+        room = sequence_room(options.contexts, answer)
+    engines = [load_engine(path, room) for path in options.pipeline_paths]
+    if options.contexts:
+        written = context_sweep(options, engines[0], prompts)
+    elif options.url is None:
         written = in_process(options, engines, prompts)
     else:
         written = against_server(options, engines[0] if engines else None, [p["prompt"] for p in prompts])
@@ -114,6 +128,18 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
     if len(reports) == 1:
         return reports[0].to_json()
     return compared(reports)
+
+
+def context_sweep(options: BenchOptions, engine: Engine, prompts: list[dict]) -> dict:
+    from specdeploy.bench.context_report import print_context_sweep, write_context_report
+    from specdeploy.bench.context_sweep import run_context_sweep
+
+    sweep = run_context_sweep(engine, prompts, options.contexts, options.max_tokens, options.temperature,
+                              options.seed)
+    print_context_sweep(sweep)
+    if options.report_dir is not None:
+        print(f"wrote {write_context_report(sweep, options.report_dir)}")
+    return sweep.to_json()
 
 
 def compared(reports: list[BenchReport]) -> dict:

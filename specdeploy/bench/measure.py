@@ -9,6 +9,7 @@ import torch
 
 from specdeploy.bench.peers import hf_model
 from specdeploy.models.device_transfer import finish
+from specdeploy.models.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel, ragged_forward_all
 from specdeploy.models.moe import SparseMoE
 from specdeploy.runtime.engine import Engine
@@ -31,16 +32,24 @@ def measure_bandwidth(dtype: torch.dtype, device: torch.device | str = "cpu", me
     return matrix.numel() * matrix.element_size() / elapsed
 
 
-def weight_bytes_per_token(engine: Engine) -> int:
-    """Bytes of weight matrices one plain decode step reads (every projection and the vocabulary head)."""
+def weight_bytes_per_step(model: torch.nn.Module) -> int:
+    """Bytes of weight matrices one decode step of `model` reads (every projection and the vocabulary head; of an
+    MoE's experts, those a token is routed to)."""
     total = 0
-    for module in engine.target.modules():
+    for module in model.modules():
         for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
             if tensor.dim() == 2 and name in ("weight", "packed"):
                 total += tensor.numel() * tensor.element_size()
         if isinstance(module, SparseMoE):  # a token reads only the experts it is routed to
             total -= (module.num_experts - module.experts_per_token) * module.expert_bytes
     return total
+
+
+def kv_bytes_per_position(model: LlamaModel, cache: KVCache) -> int:
+    """Bytes of keys and values one position holds for `model`'s layers in `cache` (what attention reads per
+    position of context)."""
+    keys = cache.keys[0]  # [batch, kv_heads, max_length, head_dim]
+    return 2 * model.config.num_layers * keys.shape[1] * keys.shape[3] * keys.element_size()
 
 
 def transformers_decode_tokens_per_s(engine: Engine, prompt_ids: list[int], max_tokens: int) -> float:

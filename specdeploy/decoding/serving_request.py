@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.stats import RequestStats
+from specdeploy.spec.pipeline import UNSPECIFIED_KIND
 
 # on_tokens(tokens, finished, stats): new tokens of one request; finished is None or the finish reason
 # ("stop", "length", "cancelled", "error: ...", "shutdown: ..."); stats: the request's RequestStats so far.
@@ -23,6 +24,7 @@ class ServingRequest:
     sequence: Sequence
     on_tokens: TokenCallback
     is_cancelled: Callable[[], bool] = lambda: False  # the client's side: a disconnected stream
+    kind: str = UNSPECIFIED_KIND  # the request's kind of traffic: its acceptance counters' label
     reserved: int = 0  # KV slots priced at admission
     cancel_requested: bool = False  # the server's side: cancelled through the loop
     submitted: float = field(default_factory=time.perf_counter)
@@ -34,17 +36,15 @@ class ServingRequest:
 
 
 @dataclass
-class ServingCounters:
-    """Monotonic totals over finished requests, for metrics."""
+class AcceptanceTotals:
+    """Drafting and acceptance summed over finished requests (of one kind of traffic)."""
 
     drafted: int = 0
     accepted: int = 0
     steps: int = 0  # verification steps, summed over requests
     accepted_per_position: list[int] = field(default_factory=list)
-    outcomes: dict[str, int] = field(default_factory=dict)
 
-    def add(self, stats: RequestStats, finish_reason: str) -> None:
-        """Count a finished request: its statistics, and its outcome (the finish reason before any ": detail")."""
+    def add(self, stats: RequestStats) -> None:
         self.drafted += stats.drafted
         self.accepted += stats.accepted
         self.steps += stats.steps
@@ -52,8 +52,29 @@ class ServingCounters:
             if i >= len(self.accepted_per_position):
                 self.accepted_per_position.append(0)
             self.accepted_per_position[i] += count
+
+
+@dataclass
+class ServingCounters:
+    """Monotonic totals over finished requests, for metrics: acceptance by request kind, outcomes."""
+
+    by_kind: dict[str, AcceptanceTotals] = field(default_factory=dict)
+    outcomes: dict[str, int] = field(default_factory=dict)
+
+    def add(self, stats: RequestStats, finish_reason: str, kind: str) -> None:
+        """Count a finished request of `kind`: its statistics, and its outcome (the finish reason before any
+        ": detail")."""
+        self.by_kind.setdefault(kind, AcceptanceTotals()).add(stats)
         self.count_outcome(finish_reason)
 
     def count_outcome(self, finish_reason: str) -> None:
         outcome = finish_reason.split(":")[0]
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+
+    @property
+    def drafted(self) -> int:
+        return sum(totals.drafted for totals in self.by_kind.values())
+
+    @property
+    def accepted(self) -> int:
+        return sum(totals.accepted for totals in self.by_kind.values())

@@ -4,7 +4,8 @@ Recording rules (per namespace and pod, as the adapter serves them to the HPA):
 - `triton:queue_compute:ratio`: Triton's queue time over its compute time, the autoscaling signal of Triton's
   Kubernetes tutorials.
 - `specdeploy:acceptance_rate:rate5m` = accepted / drafted tokens, and `specdeploy:mean_accepted_length:rate5m` =
-  tokens per verification step = (accepted + steps) / steps, from the `specdeploy_` counters.
+  tokens per verification step = (accepted + steps) / steps, from the `specdeploy_` counters;
+  `specdeploy:acceptance_rate_by_kind:rate5m`, the same acceptance per `request_kind` (serving.request_kinds).
 - `specdeploy:time_to_first_token_seconds:p50_5m` and `:p99_5m`, and the same for
   `specdeploy:inter_token_latency_seconds`: histogram_quantile over the model's histograms (serve/latency.py defines
   what they observe; inter-token latency is genai-perf's per-request figure).
@@ -24,15 +25,17 @@ TRITON_COMPUTE = "nv_inference_compute_infer_duration_us"
 ACCEPTED, DRAFTED, STEPS = ("specdeploy_accepted_tokens_total", "specdeploy_drafted_tokens_total",
                             "specdeploy_verification_steps_total")
 ACCEPTANCE_RATE = "specdeploy:acceptance_rate:rate5m"
+ACCEPTANCE_RATE_BY_KIND = "specdeploy:acceptance_rate_by_kind:rate5m"
 MEAN_ACCEPTED_LENGTH = "specdeploy:mean_accepted_length:rate5m"
 LATENCY_HISTOGRAMS = ("specdeploy_time_to_first_token_seconds", "specdeploy_inter_token_latency_seconds")
 QUANTILES = {"p50": 0.5, "p99": 0.99}
 BY = "namespace, pod"
+KIND_BY = f"{BY}, request_kind"
 WINDOW = "5m"
 
 
-def rate(metric: str, window: str = WINDOW) -> str:
-    return f"sum by ({BY}) (rate({metric}[{window}]))"
+def rate(metric: str, window: str = WINDOW, by: str = BY) -> str:
+    return f"sum by ({by}) (rate({metric}[{window}]))"
 
 
 def recording_rules() -> list[dict]:
@@ -43,6 +46,8 @@ def recording_rules() -> list[dict]:
     return [{"record": QUEUE_COMPUTE_METRIC,
              "expr": f"{rate(TRITON_QUEUE, '1m')} / clamp_min({rate(TRITON_COMPUTE, '1m')}, 1)"},
             {"record": ACCEPTANCE_RATE, "expr": f"{rate(ACCEPTED)} / ({rate(DRAFTED)} > 0)"},
+            {"record": ACCEPTANCE_RATE_BY_KIND, "expr": f"{rate(ACCEPTED, by=KIND_BY)} / ({rate(DRAFTED, by=KIND_BY)} "
+                                                        "> 0)"},
             {"record": MEAN_ACCEPTED_LENGTH, "expr": f"({rate(ACCEPTED)} + {rate(STEPS)}) / ({rate(STEPS)} > 0)"},
             *latency_rules()]
 

@@ -72,6 +72,16 @@ def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:
                                                                          acceptance=acceptance))
 
 
+def with_sequence_length(pipeline: PipelineSpec, length: int | None) -> PipelineSpec:
+    """The pipeline with limits that admit sequences of `length` tokens (prompts up to one less), when its own are
+    shorter."""
+    limits = pipeline.limits
+    if length is None or length <= limits.max_sequence_length:
+        return pipeline
+    return dataclasses.replace(pipeline, limits=dataclasses.replace(limits, max_sequence_length=length,
+                                                                    max_input_length=length - 1))
+
+
 def check_compilable(device: str) -> None:
     """SpecdeployError unless compiled steps can run on `device` (CPU only: CUDA is not measured yet)."""
     if torch.device(device).type != "cpu":
@@ -89,16 +99,18 @@ def check_device(device: str) -> None:
 
 class Engine:
     def __init__(self, engine_dir: str | Path, device: str | None = None, method: Method | None = None,
-                 batch_size: int = 1) -> None:
+                 batch_size: int = 1, max_sequence_length: int | None = None) -> None:
         """device: "cpu", "cuda" or "cuda:N" (None: the pipeline's backend.torch.device). method: run with another
         speculation method than the one built ("ngram" and "none" need no draft). batch_size: cache rows, i.e. how
         many sequences `decoder` can step together (a server uses limits.max_batch_size; one in-process generation
-        needs one)."""
+        needs one). max_sequence_length: room for longer sequences than the pipeline's limits (bench --context);
+        the weights do not depend on it, only the cache's size and what requests may ask."""
         from transformers import AutoTokenizer
 
         self.dir = Path(engine_dir)
         pipeline = engine_pipeline(self.dir)
-        self.pipeline = pipeline if method is None else with_method(pipeline, method)
+        self.pipeline = with_sequence_length(pipeline if method is None else with_method(pipeline, method),
+                                             max_sequence_length)
         check_outputs(self.dir, components(self.speculation))
         self.device = device or self.pipeline.backend.device
         check_device(self.device)

@@ -73,7 +73,8 @@ class Scheduler:
         if self._drain_deadline is not None:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         sequence = self.engine.new_sequence(request, self.kv_capacity)
-        queued = ServingRequest(sequence, on_tokens, is_cancelled, reserved=request.kv_slots(self.engine.pipeline))
+        queued = ServingRequest(sequence, on_tokens, is_cancelled, kind=request.kind_label,
+                                reserved=request.kv_slots(self.engine.pipeline))
         with self._lock:
             self.waiting.append(queued)
             self._lock.notify()
@@ -199,7 +200,7 @@ class Scheduler:
         stats = request.sequence.stats
         stats.total_seconds = time.perf_counter() - request.submitted
         reason = request.sequence.finish_reason
-        self.counters.add(stats, reason)
+        self.counters.add(stats, reason, request.kind)
         if self.on_step is not None:
             self.on_step(self)
         request.on_tokens(tokens or [], reason, stats)

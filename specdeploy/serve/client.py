@@ -47,6 +47,9 @@ def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) ->
             allowed = ", ".join(["stop_words", *SCALAR_INPUTS])
             raise RequestError(f"{name}: not an input of the ensemble (allowed: {allowed})")
         kind = SCALAR_INPUTS[name].removeprefix("TYPE_")
+        if kind == "STRING":
+            inputs.append(make(name, "BYTES", np.array([[str(value).encode("utf-8")]], dtype=object)))
+            continue
         dtype = np.dtype(triton_to_np_dtype(kind))
         if dtype.kind in "iu" and not np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
             # numpy would wrap it silently into another, valid-looking value

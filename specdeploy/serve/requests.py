@@ -24,7 +24,7 @@ STATISTICS = [("total_draft_tokens", "TYPE_INT32", "drafted"),
 SCALAR_INPUTS = {
     "max_tokens": "TYPE_INT32", "temperature": "TYPE_FP32", "top_k": "TYPE_INT32", "top_p": "TYPE_FP32",
     "repetition_penalty": "TYPE_FP32", "random_seed": "TYPE_UINT64", "end_id": "TYPE_INT32", "stream": "TYPE_BOOL",
-    "num_draft_tokens": "TYPE_INT32",
+    "num_draft_tokens": "TYPE_INT32", "request_kind": "TYPE_STRING",
 }
 
 
@@ -123,4 +123,5 @@ def generation_request(inputs: dict[str, np.ndarray], pipeline: PipelineSpec) ->
         temperature=value("temperature", float), top_k=value("top_k", int), top_p=value("top_p", float),
         repetition_penalty=value("repetition_penalty", float), seed=value("random_seed", int),
         num_draft_tokens=value("num_draft_tokens", int), end_id=value("end_id", int),
-        stop_sequences=None if stops is None else split_stop_ids(one_row(stops, "stop_words_ids")))
+        stop_sequences=None if stops is None else split_stop_ids(one_row(stops, "stop_words_ids")),
+        kind=None if "request_kind" not in inputs else text_of(inputs["request_kind"], "request_kind"))

@@ -44,7 +44,8 @@ class RequestQueue(Protocol):
 class Metrics:
     """specdeploy_* counters and gauges through the Python backend's metric API, labelled by model and method.
 
-    Counters follow the serving loop's ServingCounters: each update pushes the difference since the last one.
+    Counters follow the serving loop's ServingCounters: each update pushes the difference since the last one. The
+    acceptance counters also carry `request_kind` (serving.request_kinds, or "unspecified"): a bounded label set.
     """
 
     COUNTERS = {
@@ -120,10 +121,11 @@ class Metrics:
     def update(self, counters: ServingCounters, batch_size: int, free_kv: int, waiting: int) -> None:
         """Bring the metrics up to the totals in `counters` and set the gauges."""
         with self.lock:
-            for key in ("drafted", "accepted", "steps"):
-                self._advance(key, getattr(counters, key))
-            for index, total in enumerate(counters.accepted_per_position):
-                self._advance("per_position", total, position=str(index + 1))
+            for kind, totals in counters.by_kind.items():
+                for key in ("drafted", "accepted", "steps"):
+                    self._advance(key, getattr(totals, key), request_kind=kind)
+                for index, total in enumerate(totals.accepted_per_position):
+                    self._advance("per_position", total, position=str(index + 1), request_kind=kind)
             for outcome, total in counters.outcomes.items():
                 self._advance("requests", total, outcome=outcome)
             self._set("batch_size", batch_size)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import reprlib
 import types
 import typing
@@ -100,6 +101,21 @@ class Problem(PipelineError):
     def __init__(self, key: str, message: str) -> None:
         super().__init__(f"{key}: {message}")
         self.key, self.message = key, message
+
+
+MAX_REQUEST_KINDS = 16
+REQUEST_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
+UNSPECIFIED_KIND = "unspecified"  # the acceptance counters' label for requests that give no request_kind
+
+
+def request_kind_problem(kind: str) -> str | None:
+    """What is wrong with `kind` as a request kind's label, or None."""
+    if not isinstance(kind, str) or not REQUEST_KIND.fullmatch(kind):
+        return (f"{quoted(kind)} is not a kind: a lowercase letter, then up to 31 lowercase letters, digits or "
+                f"underscores")
+    if kind == UNSPECIFIED_KIND:
+        return f"{quoted(kind)} is the label of requests without a kind"
+    return None
 
 
 class Section:
@@ -405,14 +421,27 @@ class PolicySpec(Section):
 @dataclass(frozen=True)
 class ServingSpec(Section):
     """How the Triton `speculative` model schedules: the speculation policy and the KV budget in tokens (None:
-    limits.max_batch_size × limits.max_sequence_length, see PipelineSpec.kv_capacity_tokens)."""
+    limits.max_batch_size × limits.max_sequence_length, see PipelineSpec.kv_capacity_tokens). request_kinds: the
+    values a request's `request_kind` input may take, each a label of the acceptance counters so that acceptance
+    shows per kind of traffic; at most MAX_REQUEST_KINDS short labels, so the series stay few (requests without a
+    kind count as UNSPECIFIED_KIND)."""
 
     policy: PolicySpec = field(default_factory=PolicySpec)
     kv_capacity_tokens: int | None = None
+    request_kinds: tuple[str, ...] = ()
 
     def check(self) -> None:
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens <= 0:
             raise Problem("kv_capacity_tokens", f"must be ≥ 1, got {self.kv_capacity_tokens}")
+        if len(self.request_kinds) > MAX_REQUEST_KINDS:
+            raise Problem("request_kinds", f"at most {MAX_REQUEST_KINDS} kinds (each is a Prometheus label value), "
+                                           f"got {len(self.request_kinds)}")
+        for kind in self.request_kinds:
+            problem = request_kind_problem(kind)
+            if problem:
+                raise Problem("request_kinds", problem)
+        if len(set(self.request_kinds)) != len(self.request_kinds):
+            raise Problem("request_kinds", f"each kind once, got {list(self.request_kinds)}")
 
 
 @dataclass(frozen=True)

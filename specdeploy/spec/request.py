@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdeploy.errors import RequestError
-from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.spec.pipeline import UNSPECIFIED_KIND, PipelineSpec, quoted, request_kind_problem
 from specdeploy.spec.sampling_params import SamplingParams
 
 NO_END_ID = -1  # end_id that disables end-of-sequence stopping: the request runs to max_tokens
@@ -20,7 +20,8 @@ class GenerationRequest:
     """prompt_ids: the prompt, already through the chat template. num_draft_tokens: None for the pipeline's gamma,
     0 for plain decode. stop_sequences: token sequences that end the request once the generated tokens end with
     one. end_id: None for the model's end-of-sequence tokens, another id to end on that token instead, or -1 for
-    no end token."""
+    no end token. kind: the request's kind of traffic (one of serving.request_kinds), which labels its acceptance in
+    the metrics; None: unspecified."""
 
     prompt_ids: list[int]
     max_tokens: int
@@ -28,18 +29,24 @@ class GenerationRequest:
     num_draft_tokens: int | None = None
     stop_sequences: list[list[int]] = field(default_factory=list)
     end_id: int | None = None
+    kind: str | None = None
 
     @classmethod
     def with_defaults(cls, pipeline: PipelineSpec, prompt_ids: list[int], max_tokens: int | None = None,
                       temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                       repetition_penalty: float | None = None, seed: int | None = None,
                       num_draft_tokens: int | None = None, stop_sequences: list[list[int]] | None = None,
-                      end_id: int | None = None) -> GenerationRequest:
+                      end_id: int | None = None, kind: str | None = None) -> GenerationRequest:
         """A request whose fields left None take the pipeline's values (its `sampling` section)."""
         sampling = pipeline.sampling
         return cls(prompt_ids, sampling.max_tokens if max_tokens is None else max_tokens,
                    sampling.params(temperature, top_k, top_p, repetition_penalty, seed), num_draft_tokens,
-                   stop_sequences or [], end_id)
+                   stop_sequences or [], end_id, kind)
+
+    @property
+    def kind_label(self) -> str:
+        """The request's kind as its acceptance counters label it."""
+        return UNSPECIFIED_KIND if self.kind is None else self.kind
 
     def gamma(self, pipeline: PipelineSpec) -> int:
         """The request's proposal length: its own, else the pipeline's, within serving.policy.gamma_cap; 0 when the
@@ -81,8 +88,25 @@ def check_request(request: GenerationRequest, pipeline: PipelineSpec, vocab_size
                            f"got {request.end_id}")
     if any(not 0 <= token < vocab_size for stop in request.stop_sequences for token in stop):
         raise RequestError(f"stop_words: token ids must be in [0, {vocab_size})")
+    if request.kind is not None:
+        check_kind(request.kind, pipeline)
     slots = request.kv_slots(pipeline)
     if slots > kv_capacity:
         raise RequestError(f"max_tokens: prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) + "
                            f"{slots - len(prompt) - request.max_tokens} reserved speculative slots need {slots} KV "
                            f"slots, over the capacity of {kv_capacity}")
+
+
+def check_kind(kind: str, pipeline: PipelineSpec) -> None:
+    """RequestError unless `kind` is one of the pipeline's serving.request_kinds."""
+    allowed = pipeline.serving.request_kinds
+    if kind in allowed:
+        return
+    problem = request_kind_problem(kind)
+    if problem:
+        raise RequestError(f"request_kind: {problem}")
+    if not allowed:
+        raise RequestError(f"request_kind: this pipeline lists no serving.request_kinds, so {quoted(kind)} is not "
+                           "one")
+    raise RequestError(f"request_kind: {quoted(kind)} is not one of serving.request_kinds "
+                       f"(allowed: {', '.join(allowed)})")

@@ -157,6 +157,10 @@ def test_sixteen_concurrent_streams_are_correct_and_independent(served):
     ({"num_draft_tokens": -1}, "num_draft_tokens: must be in [0, 16] (limits.max_draft_tokens), got -1"),
     ({"end_id": 10**6}, "end_id: must be a token id in [0, 49152) or -1 (none), got 1000000"),
     ({"end_id": -5}, "end_id: must be a token id in [0, 49152) or -1 (none), got -5"),
+    ({"kind": "poetry"}, "request_kind: 'poetry' is not one of serving.request_kinds (allowed: chat, code, summary, "
+                         "edit, extraction)"),
+    ({"kind": "Bad Kind"}, "request_kind: 'Bad Kind' is not a kind: a lowercase letter, then up to 31 lowercase "
+                           "letters, digits or underscores"),
 ], ids=lambda value: value if isinstance(value, str) else None)
 def test_bad_requests_get_one_outcome_in_process_and_over_grpc(served, fields, message):
     """The same bad request is refused with the same text in-process (the CLI's path) and over gRPC through both
@@ -178,6 +182,27 @@ def test_bad_requests_get_one_outcome_in_process_and_over_grpc(served, fields, m
         assert message in str(over_grpc.value)
     assert server.ready()
     assert "".join(c.text for c in generate(server.grpc_url, PROMPTS[1], 8)) == plain_text(engine, PROMPTS[1], 8)
+
+
+def test_acceptance_is_counted_per_request_kind(served):
+    """Requests naming a kind from serving.request_kinds move that kind's acceptance counters by exactly their own
+    drafted and accepted tokens; a request without one counts as "unspecified"."""
+    server, _ = served
+    labels = {"model": "speculative", "method": "draft_target"}
+    before = scrape(server.metrics_url)
+    sent = {"code": PROMPTS[1], "summary": PROMPTS[2], None: PROMPTS[0]}
+    statistics = {kind: list(generate(server.grpc_url, prompt, MAX_TOKENS, request_kind=kind))[-1].statistics
+                  for kind, prompt in sent.items()}
+    for kind, stats in statistics.items():
+        label = kind or "unspecified"
+        for name, key in (("specdeploy_drafted_tokens_total", "total_draft_tokens"),
+                          ("specdeploy_accepted_tokens_total", "total_accepted_draft_tokens")):
+            deadline = time.monotonic() + 10
+            while (total(scrape(server.metrics_url), name, request_kind=label, **labels)
+                   - total(before, name, request_kind=label, **labels)) != stats[key]:
+                assert time.monotonic() < deadline, (name, label)
+                time.sleep(0.2)
+    assert statistics["code"]["total_draft_tokens"] > 0
 
 
 def test_wrong_dtype_and_unknown_input_are_rejected_by_name(served):

@@ -645,3 +645,25 @@ def test_backend_torch_compile_is_off_by_default_kept_by_device_and_refused_for_
               "medusa": {"heads": "heads.safetensors", "num_heads": 2, "choices": [[0], [0, 0]]}}
     load_error(write(tmp_path, minimal(speculation=medusa, backend={"kind": "torch", "torch": {"compile": True}})),
                "backend.torch.compile", "Medusa tree")
+
+
+# --------------------------------------------------------------------------------------------- request kinds
+
+
+def test_shipped_draft_target_lists_request_kinds():
+    spec = load_pipeline(PIPELINES_DIR / "smollm2-draft-target.yaml")
+    assert spec.serving.request_kinds == ("chat", "code", "summary", "edit", "extraction")
+
+
+@pytest.mark.parametrize("kinds, fragments", [
+    ([f"kind_{i}" for i in range(17)], ["at most 16 kinds", "got 17"]),
+    (["chat", "Chat"], ["'Chat' is not a kind", "lowercase letter"]),
+    (["1st"], ["'1st' is not a kind"]),
+    (["a" * 33], ["is not a kind", "up to 31"]),
+    (["chat", "code", "chat"], ["each kind once"]),
+    (["unspecified"], ["the label of requests without a kind"]),
+    ([7], ["serving.request_kinds[0]", "expected str", "got 7"]),
+    ("chat", ["expected a list"]),
+], ids=["too-many", "upper-case", "digit-first", "too-long", "duplicate", "reserved", "not-a-string", "not-a-list"])
+def test_bad_request_kinds_are_refused(tmp_path: Path, kinds: object, fragments: list[str]):
+    load_error(write(tmp_path, minimal(serving={"request_kinds": kinds})), "serving.request_kinds", *fragments)

@@ -126,7 +126,7 @@ class Orchestrator:
         sequence = Sequence.for_request(request, proposal, self.end_ids)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
         job = Job(sequence=sequence, on_tokens=on_tokens, is_cancelled=is_cancelled,
-                  reserved=request.kv_slots(self.pipeline), seed=seed)
+                  kind=request.kind_label, reserved=request.kv_slots(self.pipeline), seed=seed)
         with self.lock:
             self.waiting.append(job)
         self._changed()  # the queued-requests gauge
@@ -299,7 +299,7 @@ class Orchestrator:
         stats.total_seconds = time.perf_counter() - job.submitted
         with self.lock:
             self.active.remove(job)
-            self.counters.add(stats, job.sequence.finish_reason)
+            self.counters.add(stats, job.sequence.finish_reason, job.kind)
         try:
             job.on_tokens(job.pending, job.sequence.finish_reason, stats)  # the client's answer comes first
         finally:
