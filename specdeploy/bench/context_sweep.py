@@ -79,9 +79,10 @@ def check_contexts(engine: Engine, contexts: tuple[int, ...], max_tokens: int) -
     if longest > positions:
         raise SpecdeployError(f"--context {max(contexts)} with {max_tokens} answer tokens needs {longest} positions; "
                               f"the target's max_position_embeddings is {positions}")
-    if longest > engine.max_length + engine.pipeline.limits.max_draft_tokens + 1:
+    room = sequence_room(contexts, max_tokens)
+    if room > engine.max_length:
         raise SpecdeployError(f"--context {max(contexts)}: the engine was loaded for sequences of "
-                              f"{engine.max_length} tokens (load it with max_sequence_length={longest})")
+                              f"{engine.max_length} tokens (load it with max_sequence_length={room})")
 
 
 def sequence_room(contexts: tuple[int, ...], max_tokens: int) -> int:
@@ -117,13 +118,13 @@ def run_context_sweep(engine: Engine, prompts: list[dict], contexts: tuple[int, 
     check_contexts(engine, contexts, answer)
     filler = filler_ids(engine.tokenizer)
     spacing = len(filler) // 2 // len(prompts)  # each prompt reads other text
-    lengths, reports = [], []
-    for context in track(sorted(contexts), description="context", disable=quiet):
+    lengths, reports, ascending = [], [], sorted(contexts)
+    for context in track(ascending, description="context", disable=quiet):
         padded = [{"prompt": pad_prompt(engine, item["prompt"], context, filler, index * spacing),
                    "kind": item["kind"]} for index, item in enumerate(prompts)]
         lengths.append(sum(len(engine.encode_prompt(p["prompt"])) for p in padded) / len(padded))
         reports.append(run_bench(engine, padded, answer, temperature, seed, with_transformers=False, quiet=True))
-    return sweep(engine, sorted(contexts), lengths, reports, answer)
+    return sweep(engine, ascending, lengths, reports, answer)
 
 
 @dataclass(frozen=True)
