@@ -134,19 +134,21 @@ def echo_text(text: str) -> None:
               "(-1: none, generate --max-tokens).")
 @click.option("--request-kind", default=None, help="The request's kind of traffic (one of the pipeline's "
               "serving.request_kinds): labels its acceptance in the server's metrics.")
+@click.option("--stop", "stop_strings", multiple=True, help="Stop where this text appears in the output (kept in "
+              "it; repeat for several).")
 @click.option("--compare", is_flag=True, help="Also run plain decode on the same prompt and report the speedup.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with the text and statistics.")
 @device_option
 def generate(arguments: tuple[str, ...], url: str | None, stream: bool, engines_dir: Path, max_tokens: int | None,
              temperature: float | None, top_k: int | None, top_p: float | None,
              repetition_penalty: float | None, seed: int | None, num_draft_tokens: int | None,
-             no_speculation: bool, end_id: int | None, request_kind: str | None, compare: bool, as_json: bool,
-             device: str | None) -> None:
+             no_speculation: bool, end_id: int | None, request_kind: str | None, stop_strings: tuple[str, ...],
+             compare: bool, as_json: bool, device: str | None) -> None:
     """Generate in-process (PIPELINE.yaml PROMPT) or over gRPC (--url HOST:PORT PROMPT), streaming the text."""
     from specdeploy.workflows import RequestOptions, generate_in_process, generate_over_grpc, load_engine
 
     options = RequestOptions(max_tokens, temperature, top_k, top_p, repetition_penalty, seed,
-                             0 if no_speculation else num_draft_tokens, end_id, request_kind)
+                             0 if no_speculation else num_draft_tokens, end_id, request_kind, stop_strings or None)
     show = (lambda _: None) if as_json else echo_text
     if url is not None:
         if len(arguments) != 1:

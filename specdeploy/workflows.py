@@ -41,15 +41,19 @@ class RequestOptions:
     num_draft_tokens: int | None = None
     end_id: int | None = None
     kind: str | None = None  # request_kind: one of serving.request_kinds
+    stop_strings: tuple[str, ...] | None = None  # the stop_words input: text that ends the output
 
     def request(self, engine: Engine, prompt_ids: list[int]) -> GenerationRequest:
-        return GenerationRequest.with_defaults(engine.pipeline, prompt_ids, **dataclasses.asdict(self))
+        fields = dataclasses.asdict(self)
+        fields["stop_strings"] = list(self.stop_strings or ())
+        return GenerationRequest.with_defaults(engine.pipeline, prompt_ids, **fields)
 
     def grpc_fields(self) -> dict:
         """The ensemble's input names (tensorrtllm_backend's) for the fields that are set."""
         return {"max_tokens": self.max_tokens, "temperature": self.temperature, "top_k": self.top_k,
                 "top_p": self.top_p, "repetition_penalty": self.repetition_penalty, "random_seed": self.seed,
-                "num_draft_tokens": self.num_draft_tokens, "end_id": self.end_id, "request_kind": self.kind}
+                "num_draft_tokens": self.num_draft_tokens, "end_id": self.end_id, "request_kind": self.kind,
+                "stop_words": None if self.stop_strings is None else list(self.stop_strings)}
 
 
 def load_spec(pipeline_path: str | Path, device: Device | None = None) -> PipelineSpec:
@@ -150,7 +154,7 @@ def generate_in_process(engine: Engine, prompt: str, options: RequestOptions, co
             engine.start(dataclasses.replace(request, max_tokens=min(4, request.max_tokens),
                                              num_draft_tokens=gamma)).run()
     generation = engine.start(request)
-    detokenizer = IncrementalDetokenizer(engine.tokenizer)
+    detokenizer = IncrementalDetokenizer(engine.tokenizer, request.stop_strings)
     for emitted in generation:
         on_text(detokenizer.add(emitted))
     on_text(detokenizer.flush())

@@ -1,4 +1,4 @@
-"""Text into token ids: a prompt in the model's chat template, stop words, and the tokens that end a generation."""
+"""Text into token ids: a prompt in the model's chat template, and the tokens that end a generation."""
 
 from __future__ import annotations
 
@@ -16,11 +16,6 @@ def encode_prompt(tokenizer, text: str) -> list[int]:
                                              add_generation_prompt=True)
         return tokenizer(text, add_special_tokens=False)["input_ids"]
     return tokenizer(text)["input_ids"]
-
-
-def encode_stop_words(tokenizer, words: list[str]) -> list[list[int]]:
-    """Each non-empty stop word as the token ids it has inside generated text."""
-    return [tokenizer(word, add_special_tokens=False)["input_ids"] for word in words if word]
 
 
 def end_of_sequence_ids(tokenizer, model_eos_ids: int | Iterable[int] | None) -> frozenset[int]:

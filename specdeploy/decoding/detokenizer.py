@@ -60,11 +60,19 @@ def stream_window(ids: list[int], shown: int) -> tuple[list[int], int]:
     return ids[start:], shown - start
 
 
-class IncrementalDetokenizer:
-    """The stateful form: feed tokens as they come, receive the text they complete."""
+def first_stop_end(text: str, stops: list[str]) -> int | None:
+    """The end of the earliest-ending stop string in `text` (None: none occurs)."""
+    ends = [found + len(stop) for stop in stops if (found := text.find(stop)) >= 0]
+    return min(ends) if ends else None
 
-    def __init__(self, tokenizer) -> None:
+
+class IncrementalDetokenizer:
+    """The stateful form: feed tokens as they come, receive the text they complete. stops: the request's stop
+    strings; the text ends with the first one (what its completing token carries past it is not shown)."""
+
+    def __init__(self, tokenizer, stops: list[str] | tuple[str, ...] = ()) -> None:
         self.tokenizer = tokenizer
+        self.stops = list(stops)
         self.tokens: list[int] = []
         self.text = ""
 
@@ -72,13 +80,19 @@ class IncrementalDetokenizer:
         shown = len(self.tokens)
         self.tokens.extend(tokens)
         window, window_shown = stream_window(self.tokens, shown)
-        new = new_text(self.tokenizer, window, window_shown)
-        self.text += new
-        return new
+        return self._shown(new_text(self.tokenizer, window, window_shown))
 
     def flush(self) -> str:
         """At the end: whatever is still held back (an incomplete final character comes out as U+FFFD)."""
         full = decode(self.tokenizer, self.tokens)
-        new = full[len(self.text):] if full.startswith(self.text) else ""
+        return self._shown(full[len(self.text):] if full.startswith(self.text) else "")
+
+    def _shown(self, new: str) -> str:
+        """Append `new` to the text, cut after the first stop string; returns what of it is shown."""
         self.text += new
-        return new
+        end = first_stop_end(self.text, self.stops) if self.stops else None
+        if end is None or end >= len(self.text):
+            return new
+        cut = len(self.text) - end
+        self.text = self.text[:end]
+        return new[:max(len(new) - cut, 0)]

@@ -20,6 +20,7 @@ from specdeploy.models.device_transfer import from_host
 from specdeploy.models.kv_cache import KVCache, write_entries
 from specdeploy.models.machine import onednn_bf16
 from specdeploy.models.quantize import Int4Linear, Int8Linear, RescoredHead
+from specdeploy.models.row_invariance import attend_rows
 
 
 def packs_for_cpu(weight: torch.Tensor) -> bool:
@@ -32,6 +33,7 @@ class DenseLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor) -> None:
         super().__init__()
+        self.in_features = weight.shape[1]
         self.weight: nn.Parameter | None = nn.Parameter(weight, requires_grad=False)
         self.register_buffer("packed", None)
 
@@ -136,11 +138,13 @@ class DecoderLayer(nn.Module):
         self.feed_forward = feed_forward
 
     def forward(self, x: torch.Tensor, rotation: torch.Tensor, keys_cache: torch.Tensor, values_cache: torch.Tensor,
-                slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int) -> torch.Tensor:
+                slots: torch.Tensor, mask: torch.Tensor | None, kv_len: int,
+                spans: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """x: [B, T, hidden] → [B, T, hidden]; writes this layer's keys and values at `slots` [B, T] of
         keys_cache/values_cache [B, kv_heads, max_length, D] and attends to their first kv_len slots.
         rotation: [2, B, T, 1, D], rotary_table's rows at each position (LlamaModel.rotation_at).
-        mask: [B, 1, G*T, S] bool or None, G = query heads per kv head (queries are grouped by kv head)."""
+        mask: [B, 1, G*T, S] bool or None, G = query heads per kv head (queries are grouped by kv head).
+        spans: attend row by row, row r's first t queries within its first s slots (spans[r] = (t, s))."""
         batch, length, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
         # Submodules are called through .forward: nn.Module.__call__'s hook checks cost ~2 µs a call, 120 calls a
@@ -153,7 +157,10 @@ class DecoderLayer(nn.Module):
         keys, values = keys_cache[:, :, :kv_len], values_cache[:, :, :kv_len]
         # Group query heads by their kv head, so the cache is attended without being repeated per query head.
         q = qk[:, :, :heads].transpose(1, 2).reshape(batch, kv_heads, (heads // kv_heads) * length, dim)
-        attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        if spans is None:
+            attended = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
+        else:
+            attended = attend_rows(q, keys, values, mask, spans, heads // kv_heads)
         attended = attended.view(batch, kv_heads, heads // kv_heads, length, dim).permute(0, 3, 1, 2, 4)
         x = x + self.out.forward(attended.reshape(batch, length, heads * dim))
         return x + self.feed_forward(self.post_attention_norm.forward(x))
@@ -163,6 +170,10 @@ class LlamaModel(nn.Module):
     """Decoder stack + final norm + vocabulary projection, built from canonical weights. A family that differs
     only in its feed-forward block (models/moe.py) overrides make_feed_forward. prepack: pack bf16 CPU weights
     for oneDNN (DenseLinear.prepack), the eager engine's fast path; False for a model that will be compiled."""
+
+    # Batch invariance (models/row_invariance.py): attention runs row by row over each row's own keys, so a row's
+    # hidden states do not depend on the rows beside it. Set by `make_batch_invariant`.
+    row_invariant = False
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  prepack: bool = True) -> None:
@@ -203,14 +214,21 @@ class LlamaModel(nn.Module):
                        self.embed.device)
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None) -> torch.Tensor:
+                attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None,
+                row_lengths: list[int] | None = None) -> torch.Tensor:
         """Hidden states after the final norm.
 
         tokens, positions: [B, T] long. attention_mask: [B, T, S] bool (True = may attend) over the first S cache
         slots; by default causal by position over the cache rows' committed lengths plus T. cache_slots: [B, T]
-        where this call's keys/values are written (default: the positions). Returns [B, T, hidden].
+        where this call's keys/values are written (default: the positions; a row's slots follow its committed
+        length). row_lengths: a decode step's real tokens per row (the rest is padding at its end), which a
+        row-invariant model attends with (models/row_invariance.py); None for a call of one row's own tokens (a
+        prefill), which no other row changes. Returns [B, T, hidden].
         """
         length = tokens.shape[1]
+        spans = None
+        if self.row_invariant and row_lengths is not None:  # a step's rows (a one-row prefill gives none)
+            spans = [(t, committed + t) for t, committed in zip(row_lengths, kv_cache.lengths)]
         if attention_mask is None:
             kv_len = max(kv_cache.lengths) + length
             if tokens.shape[0] == 1 and length == 1 and kv_cache.lengths[0] + 1 == kv_len:
@@ -221,6 +239,8 @@ class LlamaModel(nn.Module):
         else:
             kv_len = attention_mask.shape[-1]
             mask = attention_mask
+        if spans is not None and attention_mask is None:
+            mask = None  # causal rows: attend_rows gives each query exactly the keys it sees
         if mask is not None:  # [B, T, S] → [B, 1, G*T, S], the grouped query layout of DecoderLayer
             group = self.config.num_heads // self.config.num_kv_heads
             mask = mask[:, None].expand(-1, group, -1, -1).reshape(mask.shape[0], 1, -1, kv_len)
@@ -228,7 +248,7 @@ class LlamaModel(nn.Module):
         rotation = self.rotation_at(positions)
         x = self.embed[tokens]
         for index, layer in enumerate(self.layers):
-            x = layer.forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len)  # no hooks: skip __call__
+            x = layer.forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len, spans)  # skip __call__
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -242,35 +262,37 @@ def pad_rows(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
     return from_host([row + [0] * (width - len(row)) for row in rows], device, torch.long)
 
 
-def ragged_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int]) -> torch.Tensor:
+def ragged_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],
+                       lengths: list[int] | None = None) -> torch.Tensor:
     """One forward over rows fed at different positions: row r feeds tokens[r] [B, W] at positions starts[r]..
     into cache row r, attending causally to the row's first starts[r] entries and to itself.
 
-    A row with fewer real tokens than W carries padding at its end; the padding is written past the row's real
-    tokens, where the next write overwrites it before anything attends to it (the cache has headroom for it).
-    Returns every position's hidden state: [B, W, hidden] (padding positions included).
+    A row with fewer real tokens than W (lengths[r]; None: all W) carries padding at its end; the padding is written
+    past the row's real tokens, where the next write overwrites it before anything attends to it (the cache has
+    headroom for it). Returns every position's hidden state: [B, W, hidden] (padding positions included).
     """
     width = tokens.shape[1]
     positions = from_host(starts, tokens.device)[:, None] + torch.arange(width, device=tokens.device)
     cache.lengths = list(starts)
-    return model(tokens, positions, cache)
+    return model(tokens, positions, cache, row_lengths=lengths)
 
 
 def ragged_forward(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],
                    lengths: list[int]) -> torch.Tensor:
     """As ragged_forward_all, returning the hidden state of each row's last real token (row r has lengths[r]):
     [B, hidden]."""
-    hidden = ragged_forward_all(model, cache, tokens, starts)
+    hidden = ragged_forward_all(model, cache, tokens, starts, lengths)
     last = from_host([length - 1 for length in lengths], hidden.device)
     return hidden[torch.arange(len(lengths), device=hidden.device), last]
 
 
 def tree_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int], depths: list[int],
-                     ancestry: torch.Tensor) -> torch.Tensor:
+                     ancestry: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
     """One forward over a token tree per row: row r feeds tokens[r] [B, W] (the pending token, then the tree's nodes)
     into cache slots starts[r].. in order, at positions starts[r] + depth; each attends to the row's first starts[r]
     entries and to its own ancestors in the tree and itself (ancestry [W, W], entry [i, j]: j is i or an ancestor).
-    A row with fewer real nodes than W-1 pads at its end, as in `ragged_forward_all`. Returns [B, W, hidden]."""
+    A row with fewer real nodes than W-1 pads at its end, as in `ragged_forward_all` (lengths[r]: row r's real
+    tokens, the pending one included). Returns [B, W, hidden]."""
     batch, width = tokens.shape
     device = tokens.device
     start = from_host(starts, device)[:, None]  # [B, 1]
@@ -281,4 +303,4 @@ def tree_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, st
     tree_part = ancestry[:width, :width][:, relative.clamp(0, width - 1)].permute(1, 0, 2)  # [B, W, S]
     mask = (relative < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)
     cache.lengths = list(starts)
-    return model(tokens, positions, cache, attention_mask=mask, cache_slots=slots)
+    return model(tokens, positions, cache, attention_mask=mask, cache_slots=slots, row_lengths=lengths)

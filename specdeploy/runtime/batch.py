@@ -113,14 +113,14 @@ class BatchDecoder:
         self.clock = PhaseClock(self.device)
 
     def new_sequence(self, request: GenerationRequest, gamma: int, schedule: Schedule,
-                     end_ids: frozenset[int]) -> Sequence:
+                     end_ids: frozenset[int], tokenizer=None) -> Sequence:
         """A sequence for a checked request, ready for prefill. end_ids: the model's end tokens (the request's
-        end_id replaces them)."""
+        end_id replaces them). tokenizer: for the request's stop strings."""
         params = request.sampling
         seen = (seen_mask(from_host(request.prompt_ids, self.device, torch.long), self.vocab_size)
                 if params.repetition_penalty != 1.0 else None)
         return Sequence.for_request(request, ProposalLength(schedule, gamma), end_ids,
-                                    generator=request_generator(params, self.device), seen=seen)
+                                    generator=request_generator(params, self.device), seen=seen, tokenizer=tokenizer)
 
     def prefill(self, sequence: Sequence, row: int) -> list[int]:
         """Run the prompt into cache row `row` and commit the first token. Returns the emitted tokens."""
@@ -172,7 +172,8 @@ class BatchDecoder:
         it), then speculative sampling's rule. Row r keeps its first len(tokens[r]) positions."""
         tokens = self._step_tokens(sequences, proposal)  # [B, W]
         hidden = ragged_forward_all(self.target, self.cache.rows(0, len(sequences)), tokens,
-                                    [s.cache_length for s in sequences])  # [B, W, H]
+                                    [s.cache_length for s in sequences],
+                                    [count + 1 for count in proposal.counts])  # [B, W, H]
         scores = self._scores(sequences, proposal, hidden, None)
         num_drafted = from_host(proposal.counts, self.device)
         greedy, sampled = self._rows(sequences)
@@ -199,7 +200,8 @@ class BatchDecoder:
         width = tokens.shape[1]
         ancestry = from_host(tree.ancestry, self.device)[:width, :width]
         hidden = tree_forward_all(self.target, self.cache.rows(0, len(sequences)), tokens,
-                                  [s.cache_length for s in sequences], tree.depths(), ancestry)  # [B, W, H]
+                                  [s.cache_length for s in sequences], tree.depths(), ancestry,
+                                  [count + 1 for count in proposal.counts])  # [B, W, H]
         scores = self._scores(sequences, proposal, hidden, ancestry)
         num_drafted = from_host(proposal.counts, self.device)
         greedy, sampled = self._rows(sequences)

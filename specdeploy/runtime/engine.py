@@ -20,12 +20,13 @@ from specdeploy.decoding import chat_template, detokenizer
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
+from specdeploy.models.batch_invariant import make_batch_invariant
 from specdeploy.models.compiled import compile_steps, use_cache_of, warm_up
 from specdeploy.models.registry import load_component
 from specdeploy.runtime.batch import BatchDecoder
 from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.manifest import check_outputs
-from specdeploy.spec.pipeline import METHODS, Method, PipelineSpec, SpeculationSpec
+from specdeploy.spec.pipeline import METHODS, Determinism, Method, PipelineSpec, SpeculationSpec
 from specdeploy.spec.request import GenerationRequest, check_request
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.proposer import EngineParts
@@ -82,6 +83,15 @@ def with_sequence_length(pipeline: PipelineSpec, length: int | None) -> Pipeline
                                                                     max_input_length=length - 1))
 
 
+def with_determinism(pipeline: PipelineSpec, determinism: Determinism | None) -> PipelineSpec:
+    """The pipeline served with `determinism` (None: its own), checked as the pipeline file would be."""
+    if determinism is None or determinism == pipeline.serving.determinism:
+        return pipeline
+    changed = dataclasses.replace(pipeline, serving=dataclasses.replace(pipeline.serving, determinism=determinism))
+    changed.check()
+    return changed
+
+
 def check_compilable(device: str) -> None:
     """SpecdeployError unless compiled steps can run on `device` (CPU only: CUDA is not measured yet)."""
     if torch.device(device).type != "cpu":
@@ -99,18 +109,20 @@ def check_device(device: str) -> None:
 
 class Engine:
     def __init__(self, engine_dir: str | Path, device: str | None = None, method: Method | None = None,
-                 batch_size: int = 1, max_sequence_length: int | None = None) -> None:
+                 batch_size: int = 1, max_sequence_length: int | None = None,
+                 determinism: Determinism | None = None) -> None:
         """device: "cpu", "cuda" or "cuda:N" (None: the pipeline's backend.torch.device). method: run with another
         speculation method than the one built ("ngram" and "none" need no draft). batch_size: cache rows, i.e. how
         many sequences `decoder` can step together (a server uses limits.max_batch_size; one in-process generation
         needs one). max_sequence_length: room for longer sequences than the pipeline's limits (bench --context);
-        the weights do not depend on it, only the cache's size and what requests may ask."""
+        the weights do not depend on it, only the cache's size and what requests may ask. determinism: instead of
+        the pipeline's serving.determinism (bench compares both)."""
         from transformers import AutoTokenizer
 
         self.dir = Path(engine_dir)
         pipeline = engine_pipeline(self.dir)
-        self.pipeline = with_sequence_length(pipeline if method is None else with_method(pipeline, method),
-                                             max_sequence_length)
+        self.pipeline = with_determinism(with_sequence_length(
+            pipeline if method is None else with_method(pipeline, method), max_sequence_length), determinism)
         check_outputs(self.dir, components(self.speculation))
         self.device = device or self.pipeline.backend.device
         check_device(self.device)
@@ -130,6 +142,9 @@ class Engine:
         self.proposer = create_proposer(self.method, EngineParts(self.dir, self.pipeline, self.target, self.cache,
                                                                  self.device))
         self.end_ids = chat_template.end_of_sequence_ids(self.tokenizer, self.target.config.eos_token_ids)
+        # layers computed in blocks of fewer rows (name → rows) because this machine's kernels change a row with
+        # its company above that many
+        self.row_blocks = self._make_batch_invariant(batch_size) if self.batch_invariant else {}
         self.decoder = BatchDecoder(self.target, self.cache, self.proposer, limits.max_sequence_length,
                                     self.pipeline.speculation.acceptance)
         # seconds compiling (or loading from the engine's cache) its steps took at load: None when not compiled
@@ -143,6 +158,17 @@ class Engine:
             compile_steps(model, width)
             warm_up(model, cache, width)
         return time.perf_counter() - started
+
+    @property
+    def batch_invariant(self) -> bool:
+        return self.pipeline.serving.determinism == "batch_invariant"
+
+    def _make_batch_invariant(self, batch_size: int) -> dict[str, int]:
+        """Every model a step runs (the target, a draft model) computes each row as it would alone."""
+        max_rows = batch_size * (self.pipeline.limits.max_draft_tokens + 1)
+        models = [("target", self.target), *(("draft", model) for model, _ in self.proposer.stepped_models())]
+        return {f"{label}.{name}": rows for label, model in models
+                for name, rows in make_batch_invariant(model, max_rows).items()}
 
     @property
     def method(self) -> Method:
@@ -184,7 +210,7 @@ class Engine:
         """A checked request, ready for `decoder.prefill`."""
         self.check(request, kv_capacity)
         return self.decoder.new_sequence(request, request.gamma(self.pipeline), self.pipeline.speculation.schedule,
-                                         self.end_ids)
+                                         self.end_ids, self.tokenizer)
 
     def start(self, request: GenerationRequest) -> Generation:
         """Start generating one request alone (cache row 0)."""

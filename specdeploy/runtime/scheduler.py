@@ -32,7 +32,8 @@ class Scheduler:
         torch's OpenMP, a thread other than the one whose parallel regions came first runs them about 2x slower
         here (measured: a bf16 mat-vec 64 µs vs 155 µs), so a server whose main thread loads the weights must not
         decode on another thread. serving: the speculation policy and KV budget, when not the engine pipeline's
-        own. on_step: called after each step (metrics)."""
+        own. on_step: called after each step and whenever requests join, queue or leave (metrics: the gauges
+        follow the batch as it changes, not a step behind); a request queued calls it on the submitting thread."""
         self.on_step = on_step
         self.waiting: deque[ServingRequest] = deque()
         self.active: list[ServingRequest] = []
@@ -78,6 +79,8 @@ class Scheduler:
         with self._lock:
             self.waiting.append(queued)
             self._lock.notify()
+        if self.on_step is not None:
+            self.on_step(self)  # the queued-requests gauge
         return queued
 
     def drain(self, deadline: float) -> None:
@@ -117,6 +120,8 @@ class Scheduler:
                 if self._drain_deadline is not None:
                     self._end_for_shutdown()
                 joining = self._admit()
+            if joining and self.on_step is not None:
+                self.on_step(self)  # the batch and queue gauges, before the joining requests' prefills
             try:
                 self._drop_cancelled()
                 for request in joining:

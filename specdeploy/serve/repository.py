@@ -107,7 +107,6 @@ def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict
     preprocessing = python_model("preprocessing", pipeline, **{TOKENIZER_PARAMETER: TOKENIZER_FOLDER})
     add_request_inputs(preprocessing.input)
     add_tensor(preprocessing.output, "input_ids", "TYPE_INT32", [-1])
-    add_tensor(preprocessing.output, "stop_words_ids", "TYPE_INT32", [-1])
 
     ensemble = pb.ModelConfig(name="ensemble", platform="ensemble", max_batch_size=pipeline.limits.max_batch_size)
     add_request_inputs(ensemble.input)
@@ -118,9 +117,9 @@ def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict
     steps.add(model_name="preprocessing", model_version=-1,
               input_map={"text_input": "text_input", "stop_words": "stop_words",
                          **{name: name for name in SCALAR_INPUTS}},
-              output_map={"input_ids": "_input_ids", "stop_words_ids": "_stop_words_ids"})
+              output_map={"input_ids": "_input_ids"})
     steps.add(model_name="speculative", model_version=-1,
-              input_map={"input_ids": "_input_ids", "stop_words_ids": "_stop_words_ids",
+              input_map={"input_ids": "_input_ids", "stop_words": "stop_words",
                          **{name: name for name in SCALAR_INPUTS}},
               output_map=outputs)
 

@@ -8,7 +8,7 @@ import traceback
 
 import numpy as np
 
-from specdeploy.decoding.chat_template import encode_prompt, encode_stop_words
+from specdeploy.decoding.chat_template import encode_prompt
 from specdeploy.errors import RequestError, ShuttingDown
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.spec.request import GenerationRequest
@@ -65,25 +65,21 @@ def text_of(value: np.ndarray, name: str) -> str:
         raise RequestError(f"{name}: not valid UTF-8") from None
 
 
-def words_of(value: np.ndarray | None) -> list[str]:
-    """stop_words [1, N] bytes → the words."""
-    if value is None:
-        return []
-    return [w.decode("utf-8", errors="replace") if isinstance(w, bytes) else str(w)
-            for w in one_row(value, "stop_words")]
+def words_of(value: np.ndarray) -> list[str]:
+    """stop_words [1, N] bytes → the words (RequestError for none, or one that is not UTF-8)."""
+    words = one_row(value, "stop_words")
+    if not words:
+        raise RequestError("stop_words: no words given (leave the input out for none)")
+    try:
+        return [w.decode("utf-8", errors="strict") if isinstance(w, bytes) else str(w) for w in words]
+    except UnicodeDecodeError:
+        raise RequestError("stop_words: not valid UTF-8") from None
 
 
-def encode_request(tokenizer, text_input: np.ndarray | None,
-                   stop_words: np.ndarray | None) -> tuple[list[int], list[int]]:
-    """The preprocessing model: text_input → prompt ids (chat template included), stop_words → their ids joined
-    by -1. RequestError names the bad field."""
-    prompt = encode_prompt(tokenizer, text_of(required(text_input, "text_input"), "text_input"))
-    return prompt, join_stop_ids(encode_stop_words(tokenizer, words_of(stop_words)))
-
-
-def join_stop_ids(words: list[list[int]]) -> list[int]:
-    """[[a, b], [c]] → [a, b, -1, c, -1]: several token sequences in one tensor."""
-    return [token for word in words for token in [*word, -1]]
+def encode_request(tokenizer, text_input: np.ndarray | None) -> list[int]:
+    """The preprocessing model: text_input → prompt ids (chat template included). RequestError names the bad
+    field."""
+    return encode_prompt(tokenizer, text_of(required(text_input, "text_input"), "text_input"))
 
 
 def split_stop_ids(flat: list[int]) -> list[list[int]]:
@@ -110,7 +106,8 @@ def scalar(inputs: dict[str, np.ndarray], name: str):
 
 
 def generation_request(inputs: dict[str, np.ndarray], pipeline: PipelineSpec) -> GenerationRequest:
-    """A GenerationRequest from the speculative model's input tensors; unset fields take the pipeline's values."""
+    """A GenerationRequest from the speculative model's input tensors; unset fields take the pipeline's values.
+    stop_words (text, matched on the output) and stop_words_ids (token sequences) may both be given."""
 
     def value(name: str, kind: type):
         item = scalar(inputs, name)
@@ -124,4 +121,5 @@ def generation_request(inputs: dict[str, np.ndarray], pipeline: PipelineSpec) ->
         repetition_penalty=value("repetition_penalty", float), seed=value("random_seed", int),
         num_draft_tokens=value("num_draft_tokens", int), end_id=value("end_id", int),
         stop_sequences=None if stops is None else split_stop_ids(one_row(stops, "stop_words_ids")),
-        kind=None if "request_kind" not in inputs else text_of(inputs["request_kind"], "request_kind"))
+        kind=None if "request_kind" not in inputs else text_of(inputs["request_kind"], "request_kind"),
+        stop_strings=None if "stop_words" not in inputs else words_of(inputs["stop_words"]))

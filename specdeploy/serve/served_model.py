@@ -121,12 +121,12 @@ class Metrics:
     def update(self, counters: ServingCounters, batch_size: int, free_kv: int, waiting: int) -> None:
         """Bring the metrics up to the totals in `counters` and set the gauges."""
         with self.lock:
-            for kind, totals in counters.by_kind.items():
+            for kind, totals in list(counters.by_kind.items()):  # a submitting thread may update, too
                 for key in ("drafted", "accepted", "steps"):
                     self._advance(key, getattr(totals, key), request_kind=kind)
                 for index, total in enumerate(totals.accepted_per_position):
                     self._advance("per_position", total, position=str(index + 1), request_kind=kind)
-            for outcome, total in counters.outcomes.items():
+            for outcome, total in list(counters.outcomes.items()):
                 self._advance("requests", total, outcome=outcome)
             self._set("batch_size", batch_size)
             self._set("free_kv", free_kv)
@@ -171,21 +171,16 @@ class DrainWatcher:
 def read_request(pb, request, encoder, pipeline: PipelineSpec) -> tuple[GenerationRequest, bool, bool]:
     """One Triton request as (GenerationRequest, stream, as_ids): token ids (from the ensemble's preprocessing) or
     text (a client calling the speculative model directly), answered in text, or in ids when it asks for output_ids
-    and not text_output. RequestError names a bad field."""
+    and not text_output; stop_words with either. RequestError names a bad field."""
     inputs = {name: tensor.as_numpy() for name in INPUTS
               if (tensor := pb.get_input_tensor_by_name(request, name)) is not None}
-    text_input, stop_words = inputs.pop("text_input", None), inputs.pop("stop_words", None)
+    text_input = inputs.pop("text_input", None)
     if text_input is not None:
-        if "input_ids" in inputs or "stop_words_ids" in inputs:
-            raise RequestError("text_input: give text_input (and stop_words) or input_ids (and "
-                               "stop_words_ids), not both")
-        prompt, stops = encode_request(encoder, text_input, stop_words)
-        inputs.update(input_ids=np.array([prompt], dtype=np.int32),
-                      stop_words_ids=np.array([stops], dtype=np.int32))
+        if "input_ids" in inputs:
+            raise RequestError("text_input: give text_input or input_ids, not both")
+        inputs["input_ids"] = np.array([encode_request(encoder, text_input)], dtype=np.int32)
     elif "input_ids" not in inputs:
         raise RequestError("text_input: required input is missing (or input_ids, as the ensemble sends)")
-    elif stop_words is not None:
-        raise RequestError("stop_words: only with text_input (with input_ids, send stop_words_ids)")
     wanted = set(request.requested_output_names())
     as_ids = "output_ids" in wanted and "text_output" not in wanted
     return generation_request(inputs, pipeline), bool(scalar(inputs, "stream")), as_ids
@@ -197,7 +192,8 @@ def submit_request(pb, request, encoder, pipeline: PipelineSpec, tokenizer, queu
     sender = request.get_response_sender()
     try:
         generation, stream, as_ids = read_request(pb, request, encoder, pipeline)
-        queue.submit(generation, Responder(pb, sender, stream, None if as_ids else tokenizer, metrics),
+        queue.submit(generation, Responder(pb, sender, stream, None if as_ids else tokenizer, metrics,
+                                           generation.stop_strings),
                      is_cancelled=sender.is_cancelled)
     except Exception as exc:
         if isinstance(exc, RequestError):
@@ -219,12 +215,14 @@ def stats_response(pb, stats, text: str | None = None, ids: list[int] | None = N
 
 class Responder:
     """The callback for one request's tokens: streamed, each step's tokens go out as the text they complete (never
-    broken UTF-8), or as token ids when `tokenizer` is None; otherwise everything goes out once at the end. With
-    `metrics`, the request's latencies are observed when it ends (serve/latency.py)."""
+    broken UTF-8, and ending with the first of `stops`), or as token ids when `tokenizer` is None; otherwise
+    everything goes out once at the end. With `metrics`, the request's latencies are observed when it ends
+    (serve/latency.py)."""
 
-    def __init__(self, pb, sender, stream: bool, tokenizer, metrics: Metrics | None = None) -> None:
+    def __init__(self, pb, sender, stream: bool, tokenizer, metrics: Metrics | None = None,
+                 stops: list[str] | None = None) -> None:
         self.pb, self.sender, self.stream = pb, sender, stream
-        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer)
+        self.detokenizer = None if tokenizer is None else IncrementalDetokenizer(tokenizer, stops or ())
         self.ids: list[int] = []
         self.sent = 0
         self.metrics = metrics

@@ -103,6 +103,7 @@ class Problem(PipelineError):
         self.key, self.message = key, message
 
 
+Determinism = Literal["batch_invariant", "batch_dependent"]
 MAX_REQUEST_KINDS = 16
 REQUEST_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
 UNSPECIFIED_KIND = "unspecified"  # the acceptance counters' label for requests that give no request_kind
@@ -424,11 +425,16 @@ class ServingSpec(Section):
     limits.max_batch_size × limits.max_sequence_length, see PipelineSpec.kv_capacity_tokens). request_kinds: the
     values a request's `request_kind` input may take, each a label of the acceptance counters so that acceptance
     shows per kind of traffic; at most MAX_REQUEST_KINDS short labels, so the series stay few (requests without a
-    kind count as UNSPECIFIED_KIND)."""
+    kind count as UNSPECIFIED_KIND). determinism: "batch_invariant" computes each request's positions as a lone
+    plain decode step would (models/row_invariance.py), so its greedy text depends neither on the batch nor on
+    speculation; "batch_dependent" runs each step's rows through the kernels together, which is faster."""
 
     policy: PolicySpec = field(default_factory=PolicySpec)
     kv_capacity_tokens: int | None = None
     request_kinds: tuple[str, ...] = ()
+    # Off by default: measured on a 2-core EPYC it costs a quarter of plain decode's tokens/s at a batch of 8 and
+    # more while speculating (docs/serving.md, "What a seed guarantees").
+    determinism: Determinism = "batch_dependent"
 
     def check(self) -> None:
         if self.kv_capacity_tokens is not None and self.kv_capacity_tokens <= 0:
@@ -560,6 +566,9 @@ class PipelineSpec(Section):
                                                       f"{self.target.weight_only} would be no cheaper than the "
                                                       f"target: use ngram, or a smaller draft checkpoint "
                                                       f"(derive: none)")
+        if self.backend.compiles and self.serving.determinism == "batch_invariant":
+            raise Problem("serving.determinism", "batch_invariant attends row by row, which compiled steps do not "
+                                                 "(set batch_dependent with backend.torch.compile)")
         if self.backend.compiles and self.speculation.drafts_tree:
             raise Problem("backend.torch.compile", "compiled steps run chains of drafts; a Medusa tree's masked "
                                                    "verify runs eagerly (leave compile off for method medusa)")

@@ -19,7 +19,9 @@ NO_END_ID = -1  # end_id that disables end-of-sequence stopping: the request run
 class GenerationRequest:
     """prompt_ids: the prompt, already through the chat template. num_draft_tokens: None for the pipeline's gamma,
     0 for plain decode. stop_sequences: token sequences that end the request once the generated tokens end with
-    one. end_id: None for the model's end-of-sequence tokens, another id to end on that token instead, or -1 for
+    one (token-level, as tensorrtllm_backend's stop_words_ids). stop_strings: text that ends the request where it
+    appears in the generated text (the `stop_words` input; decoding/stop_strings.py). end_id: None for the model's
+    end-of-sequence tokens, another id to end on that token instead, or -1 for
     no end token. kind: the request's kind of traffic (one of serving.request_kinds), which labels its acceptance in
     the metrics; None: unspecified."""
 
@@ -30,18 +32,20 @@ class GenerationRequest:
     stop_sequences: list[list[int]] = field(default_factory=list)
     end_id: int | None = None
     kind: str | None = None
+    stop_strings: list[str] = field(default_factory=list)
 
     @classmethod
     def with_defaults(cls, pipeline: PipelineSpec, prompt_ids: list[int], max_tokens: int | None = None,
                       temperature: float | None = None, top_k: int | None = None, top_p: float | None = None,
                       repetition_penalty: float | None = None, seed: int | None = None,
                       num_draft_tokens: int | None = None, stop_sequences: list[list[int]] | None = None,
-                      end_id: int | None = None, kind: str | None = None) -> GenerationRequest:
+                      end_id: int | None = None, kind: str | None = None,
+                      stop_strings: list[str] | None = None) -> GenerationRequest:
         """A request whose fields left None take the pipeline's values (its `sampling` section)."""
         sampling = pipeline.sampling
         return cls(prompt_ids, sampling.max_tokens if max_tokens is None else max_tokens,
                    sampling.params(temperature, top_k, top_p, repetition_penalty, seed), num_draft_tokens,
-                   stop_sequences or [], end_id, kind)
+                   stop_sequences or [], end_id, kind, stop_strings or [])
 
     @property
     def kind_label(self) -> str:
@@ -88,6 +92,7 @@ def check_request(request: GenerationRequest, pipeline: PipelineSpec, vocab_size
                            f"got {request.end_id}")
     if any(not 0 <= token < vocab_size for stop in request.stop_sequences for token in stop):
         raise RequestError(f"stop_words: token ids must be in [0, {vocab_size})")
+    check_stop_strings(request.stop_strings)
     if request.kind is not None:
         check_kind(request.kind, pipeline)
     slots = request.kv_slots(pipeline)
@@ -95,6 +100,24 @@ def check_request(request: GenerationRequest, pipeline: PipelineSpec, vocab_size
         raise RequestError(f"max_tokens: prompt ({len(prompt)}) + max_tokens ({request.max_tokens}) + "
                            f"{slots - len(prompt) - request.max_tokens} reserved speculative slots need {slots} KV "
                            f"slots, over the capacity of {kv_capacity}")
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_LENGTH = 256
+
+
+def check_stop_strings(stops: list[str]) -> None:
+    """RequestError naming `stop_words` for a stop string that is empty or only spaces and tabs (it would match
+    anywhere, or at the first space; a line break is allowed), or too many or too long ones."""
+    if len(stops) > MAX_STOP_STRINGS:
+        raise RequestError(f"stop_words: at most {MAX_STOP_STRINGS} stop words, got {len(stops)}")
+    for index, stop in enumerate(stops):
+        if not stop.strip() and "\n" not in stop:  # a line break is a stop people use: "end of the line"
+            raise RequestError(f"stop_words: word {index} is {'empty' if not stop else 'only whitespace'} "
+                               f"({stop!r}); give text that ends the output, or leave it out")
+        if len(stop) > MAX_STOP_STRING_LENGTH:
+            raise RequestError(f"stop_words: word {index} has {len(stop)} characters, over "
+                               f"{MAX_STOP_STRING_LENGTH}")
 
 
 def check_kind(kind: str, pipeline: PipelineSpec) -> None:

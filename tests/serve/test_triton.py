@@ -159,6 +159,9 @@ def test_sixteen_concurrent_streams_are_correct_and_independent(served):
     ({"end_id": -5}, "end_id: must be a token id in [0, 49152) or -1 (none), got -5"),
     ({"kind": "poetry"}, "request_kind: 'poetry' is not one of serving.request_kinds (allowed: chat, code, summary, "
                          "edit, extraction)"),
+    ({"stop_strings": ("",)}, "stop_words: word 0 is empty (''); give text that ends the output, or leave it out"),
+    ({"stop_strings": (" ", "x")}, "stop_words: word 0 is only whitespace (' '); give text that ends the output, "
+                                   "or leave it out"),
     ({"kind": "Bad Kind"}, "request_kind: 'Bad Kind' is not a kind: a lowercase letter, then up to 31 lowercase "
                            "letters, digits or underscores"),
 ], ids=lambda value: value if isinstance(value, str) else None)
@@ -507,3 +510,16 @@ def test_admin_endpoints_need_the_key_and_the_data_plane_does_not(served):
     metadata = {"triton-grpc-protocol-specdeploy-admin-key": server.admin_key}
     assert "log_verbose_level" in client.get_log_settings(headers=metadata, as_json=True)["settings"]
     assert client.is_server_ready()
+
+
+@pytest.mark.parametrize("model", ["speculative", "ensemble"])
+def test_stop_words_stop_where_their_text_appears(served, model):
+    """Over gRPC: " Paris" and "Paris" (different token ids alone) both end the answer with the stop string,
+    which stays in the text; a stop string ending inside a token cuts the rest of that token's text."""
+    server, engine = served
+    prompt = "What is the capital of France?"
+    full = plain_text(engine, prompt, 32)
+    assert " Paris" in full
+    for stop in (" Paris", "Paris", "Pari"):
+        text = "".join(c.text for c in generate(server.grpc_url, prompt, 32, model=model, stop_words=[stop]))
+        assert text == full[:full.index(stop) + len(stop)]

@@ -97,10 +97,12 @@ class Job(ServingRequest):
 
 class Orchestrator:
     def __init__(self, pipeline: PipelineSpec, calls: EngineCalls, vocab_size: int, end_ids: frozenset[int],
-                 on_change: Callable[[Orchestrator], None] | None = None) -> None:
+                 on_change: Callable[[Orchestrator], None] | None = None, tokenizer=None) -> None:
         """pipeline: the served pipeline (limits, sampling defaults, speculation, policy). end_ids: the model's
-        end-of-sequence tokens. on_change: called when a request joins or leaves (metrics)."""
+        end-of-sequence tokens. on_change: called when a request joins or leaves (metrics). tokenizer: the
+        target's, for requests' stop strings (the executor matches token ids only: this loop matches the text)."""
         self.pipeline, self.calls, self.vocab_size, self.end_ids = pipeline, calls, vocab_size, end_ids
+        self.tokenizer = tokenizer
         self.on_change = on_change
         self.policy = pipeline.serving.policy
         self.kv_capacity = pipeline.kv_capacity_tokens
@@ -123,7 +125,7 @@ class Orchestrator:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
         proposal = ProposalLength(self.pipeline.speculation.schedule, request.gamma(self.pipeline))
-        sequence = Sequence.for_request(request, proposal, self.end_ids)
+        sequence = Sequence.for_request(request, proposal, self.end_ids, tokenizer=self.tokenizer)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
         job = Job(sequence=sequence, on_tokens=on_tokens, is_cancelled=is_cancelled,
                   kind=request.kind_label, reserved=request.kv_slots(self.pipeline), seed=seed)

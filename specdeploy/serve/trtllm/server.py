@@ -28,7 +28,7 @@ class TrtllmServer:
         self.metrics = Metrics(pb_utils, {"model": model_name, "method": method})
         self.orchestrator = Orchestrator(self.pipeline, BlsCalls(pb_utils, target_model, draft_model),
                                          config.vocab_size, end_of_sequence_ids(self.tokenizer, config.eos_token_id),
-                                         on_change=self._on_change)
+                                         on_change=self._on_change, tokenizer=self.tokenizer)
         self._on_change(self.orchestrator)  # the gauges start at their idle values, not at 0
         self.watcher = DrainWatcher(self.orchestrator)
         pb_utils.Logger.log_info(f"specdeploy: orchestrating {target_model}" + (f" and {draft_model}" if draft_model

@@ -1,4 +1,4 @@
-"""Triton Python model: text_input (+ stop_words) → token ids, with the chat template. Thin: logic in specdeploy."""
+"""Triton Python model: text_input → token ids, with the chat template. Thin: logic in specdeploy."""
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
@@ -16,13 +16,9 @@ class TritonPythonModel:
         for request in requests:
             try:
                 text = pb_utils.get_input_tensor_by_name(request, "text_input")
-                stop = pb_utils.get_input_tensor_by_name(request, "stop_words")
-                ids, stop_ids = encode_request(self.tokenizer, None if text is None else text.as_numpy(),
-                                               None if stop is None else stop.as_numpy())
+                ids = encode_request(self.tokenizer, None if text is None else text.as_numpy())
                 responses.append(pb_utils.InferenceResponse([
-                    pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32)),
-                    pb_utils.Tensor("stop_words_ids", np.array([stop_ids], dtype=np.int32)),
-                ]))
+                    pb_utils.Tensor("input_ids", np.array([ids], dtype=np.int32))]))
             except Exception as exc:  # one error response per bad request, never a traceback
                 responses.append(error_response(pb_utils, exc))
         return responses
