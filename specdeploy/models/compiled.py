@@ -45,8 +45,10 @@ class CompiledSteps:
         self.max_width = max_width
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
-                 attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None,
+                 row_lengths: list[int] | None = None) -> torch.Tensor:
+        """row_lengths is not passed on: only a batch-invariant model reads it, and a compiled one never is (the
+        pipeline check refuses serving.determinism batch_invariant with compile)."""
         step = self.compiled if tokens.shape[1] <= self.max_width else self.eager
         return step(tokens, positions, kv_cache, attention_mask, cache_slots)
 
