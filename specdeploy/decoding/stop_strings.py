@@ -5,10 +5,13 @@ string can span tokens or end inside one, so matching the ids the stop words enc
 generated tokens are detokenised as they are committed (the streaming detokeniser's rules, so an incomplete UTF-8
 character is not text yet) and the request ends at the first token whose text completes a stop string.
 
-The stop string stays in the output, as with tensorrtllm_backend's `stop_words` (its preprocessing encodes each
-word alone and its executor keeps the stop word's tokens in the output ids, which postprocessing decodes). Text
-the completing token carries past the stop string's end is not shown (IncrementalDetokenizer with the request's
-stops). Token ids are not cut: output_ids end with the completing token.
+The stop string stays in the output. tensorrtllm_backend's preprocessing encodes each stop word alone
+(`_to_word_list_format`: `tokenizer.encode(word, add_special_tokens=False)`, words that encode to nothing skipped
+silently; all_models/inflight_batcher_llm/preprocessing/1/model.py @ e1bc742) and its postprocessing decodes the
+output ids, so a matched word's tokens are in the text unless the executor drops them; that the executor keeps them
+is our reading, not checked against its C++ source. Here an empty or blank stop word is refused instead of skipped.
+Text the completing token carries past the stop string's end is not shown (IncrementalDetokenizer with the
+request's stops). Token ids are not cut: output_ids end with the completing token.
 """
 
 from __future__ import annotations

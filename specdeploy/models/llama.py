@@ -231,16 +231,16 @@ class LlamaModel(nn.Module):
             spans = [(t, committed + t) for t, committed in zip(row_lengths, kv_cache.lengths)]
         if attention_mask is None:
             kv_len = max(kv_cache.lengths) + length
-            if tokens.shape[0] == 1 and length == 1 and kv_cache.lengths[0] + 1 == kv_len:
-                mask = None  # one new token attends to every committed slot: no mask needed
+            if spans is not None or (tokens.shape[0] == 1 and length == 1 and kv_cache.lengths[0] + 1 == kv_len):
+                # causal rows of a row-invariant step (attend_rows gives each query exactly the keys it sees), or
+                # one new token that attends to every committed slot: no mask needed
+                mask = None
             else:
                 key_positions = torch.arange(kv_len, device=tokens.device)
                 mask = key_positions <= positions[..., None]
         else:
             kv_len = attention_mask.shape[-1]
             mask = attention_mask
-        if spans is not None and attention_mask is None:
-            mask = None  # causal rows: attend_rows gives each query exactly the keys it sees
         if mask is not None:  # [B, T, S] → [B, 1, G*T, S], the grouped query layout of DecoderLayer
             group = self.config.num_heads // self.config.num_kv_heads
             mask = mask[:, None].expand(-1, group, -1, -1).reshape(mask.shape[0], 1, -1, kv_len)
