@@ -3,6 +3,7 @@ embedded SmolLM2 engine (fp32) built once per session."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import string
 import threading
@@ -14,6 +15,14 @@ import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 REPO = Path(__file__).resolve().parents[1]
+
+
+def load_script(name: str):
+    """scripts/NAME.py imported by path (scripts/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 TINY = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,

@@ -5,14 +5,13 @@ equal samples and fails different ones, and a summary whose exit status says whe
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO
+from conftest import REPO, load_script
 
 from specdeploy.build.trtllm.engine_build import plan
 from specdeploy.spec.pipeline import load_pipeline
@@ -41,10 +40,7 @@ def configs_read_once():
 
 
 def helper():
-    spec = importlib.util.spec_from_file_location("trtllm_check", REPO / "scripts" / "trtllm_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("trtllm_check")
 
 
 def test_the_script_parses_and_its_dry_run_prints_every_step_and_runs_none(tmp_path):

@@ -4,14 +4,13 @@ as it is (no export, never loaded whole by us), a derived MoE is written layer b
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 import torch
 import yaml
-from conftest import REPO
+from conftest import REPO, load_script
 from test_trtllm import flags, trtllm_pipeline
 
 from specdeploy.build.checkpoints import load_checkpoint
@@ -29,9 +28,7 @@ from specdeploy.deploy.build_memory import (
 )
 from specdeploy.spec.pipeline import MoESpec, load_pipeline
 
-spec = importlib.util.spec_from_file_location("measure_build_memory", REPO / "scripts" / "measure_build_memory.py")
-measuring = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(measuring)
+measuring = load_script("measure_build_memory")
 
 
 def converter_inputs(steps) -> dict[str, Path]:

