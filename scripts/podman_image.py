@@ -44,7 +44,7 @@ CA_BUNDLE_IN_BUILD = "/run/host-ca-bundle.crt"  # the host's CA bundle, mounted 
 TRTLLM_STANDIN = "localhost/specdeploy-trtllm-standin:26.04"
 GPU_LAYER_IMAGE = "localhost/specdeploy-gpu:0.1.0-standin"
 # What the image test proves: when none of these changed since its last passing run (the digest in TESTED), .ci/run
-# skips it; otherwise it builds the image and runs the test (about 15 minutes).
+# skips it; otherwise it builds the image and runs the test (about 10 minutes).
 IMAGE_INPUTS = ["build", "scripts/podman_image.py", "k8s/base", "k8s/overlays/cpu", "specdeploy/serve",
                 "specdeploy/deploy", "setup.cfg", "pyproject.toml", "pipelines/smollm2-draft-target.yaml",
                 "tests/deploy/test_image_runs.py", "tests/deploy/rendered_overlays.py"]

