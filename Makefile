@@ -77,9 +77,12 @@ image-gpu-layer:
 
 # The CPU image run as the CPU overlay runs it, and the GPU layer's checks (tests/deploy/test_image_runs.py); on
 # success the inputs' digest is recorded, so that .ci/run skips the image test until they change.
-image-test: venv image image-gpu-layer
-	SPECDEPLOY_IMAGE_TEST=1 $(VENV)/bin/pytest -q tests/deploy/test_image_runs.py
-	python3 scripts/podman_image.py stamp
+# The digest is taken before the builds, so an edit made while they run is not recorded as tested.
+image-test: venv
+	digest=$$(python3 scripts/podman_image.py digest) \
+	 && python3 scripts/podman_image.py cpu && python3 scripts/podman_image.py gpu-layer \
+	 && SPECDEPLOY_IMAGE_TEST=1 $(VENV)/bin/pytest -q tests/deploy/test_image_runs.py \
+	 && echo "$$digest" > build/podman/image-test.sha256
 
 clean-engines:
 	rm -rf engines/*/ engines/.*.partial-* engines/.*.old-* engines/.*.lock

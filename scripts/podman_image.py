@@ -19,6 +19,7 @@ Stdlib only: tests/deploy/test_image_runs.py imports it to run the image the sam
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import os
 import shutil
@@ -37,18 +38,28 @@ CPU_IMAGE = "localhost/specdeploy-cpu:0.1.0"  # the CPU overlay's image (specdep
 # What the public python:3.11-slim-bookworm offers that the image uses: `python` (bookworm names the interpreter
 # python3 unless python-is-python3 is installed), venv, CA certificates, and the shared libpython3.11.so.1.0 that
 # tritonserver's Python backend stub links against (without it every Python model fails to load).
-BASE_IMAGE = "localhost/specdeploy-base:bookworm"
 BASE_PACKAGES = ["python3", "python3-venv", "python-is-python3", "libpython3.11", "ca-certificates"]
 CA_BUNDLE_IN_BUILD = "/run/host-ca-bundle.crt"  # the host's CA bundle, mounted for the build's RUN steps only
 # build/Dockerfile.gpu's base cannot be pulled or run here: its layer is built on a stand-in (see that Dockerfile)
-TRTLLM_STANDIN = "localhost/specdeploy-trtllm-standin:26.04"
+STANDIN_DOCKERFILE = "build/podman/Dockerfile.trtllm-standin"
 GPU_LAYER_IMAGE = "localhost/specdeploy-gpu:0.1.0-standin"
-# What the image test proves: when none of these changed since its last passing run (the digest in TESTED), .ci/run
-# skips it; otherwise it builds the image and runs the test (about 10 minutes).
-IMAGE_INPUTS = ["build", "scripts/podman_image.py", "k8s/base", "k8s/overlays/cpu", "specdeploy/serve",
-                "specdeploy/deploy", "setup.cfg", "pyproject.toml", "pipelines/smollm2-draft-target.yaml",
+# What the image test proves: when none of these changed since its last passing run (the digest in TESTED, which
+# `make image-test` writes and whoever ran it commits), .ci/run skips it; otherwise it builds the images and runs
+# the test (about 10 minutes). Everything the images copy (.dockerignore, specdeploy/, pipelines/), every overlay
+# the test reads, and the test's own code.
+IMAGE_INPUTS = [".dockerignore", "build", "scripts/podman_image.py", "k8s/base", "k8s/overlays", "specdeploy",
+                "pipelines", "setup.cfg", "pyproject.toml", "Makefile", "tests/conftest.py",
                 "tests/deploy/test_image_runs.py", "tests/deploy/rendered_overlays.py"]
 TESTED = REPO / "build" / "podman" / "image-test.sha256"
+
+
+def short_digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+# The local bases are tagged by their definitions, so a changed definition builds a new one instead of reusing it.
+BASE_IMAGE = f"localhost/specdeploy-base:bookworm-{short_digest(' '.join(BASE_PACKAGES))}"
+TRTLLM_STANDIN = f"localhost/specdeploy-trtllm-standin:26.04-{short_digest((REPO / STANDIN_DOCKERFILE).read_text())}"
 
 
 def podman_environment() -> dict[str, str]:
@@ -95,16 +106,26 @@ def ensure_base() -> None:
         podman("import", str(tarball), BASE_IMAGE, stdout=subprocess.DEVNULL)
 
 
+PIP_SCOPES = (":env:", "install", "global")  # the sections `pip install` reads, the first that sets a key winning
+
+
 def host_pip_settings() -> dict[str, str]:
-    """The host pip's effective settings (`pip config list`), environment variables over configuration files."""
+    """The settings `pip install` takes from the host's configuration."""
     listed = subprocess.run([sys.executable, "-m", "pip", "config", "list"], capture_output=True, text=True,
                             check=True).stdout
-    files, environment = {}, {}
+    return pip_settings(listed)
+
+
+def pip_settings(listed: str) -> dict[str, str]:
+    """`pip config list`'s lines (scope.key=a Python literal) as one value per key: environment variables over the
+    install section over the global one; a value of several lines becomes one of several words."""
+    found: dict[tuple[int, str], str] = {}
     for line in listed.splitlines():
         key, _, value = line.partition("=")
         scope, _, name = key.partition(".")
-        (environment if scope == ":env:" else files)[name] = value.strip().strip("'\"")
-    return files | environment
+        if scope in PIP_SCOPES:
+            found[PIP_SCOPES.index(scope), name] = " ".join(str(ast.literal_eval(value)).split())
+    return {name: value for (_, name), value in sorted(found.items(), reverse=True)}
 
 
 def local_folder(location: str) -> str | None:
@@ -140,23 +161,23 @@ def build(dockerfile: str, tag: str, base_argument: str, base: str) -> None:
     print(f"built {tag}: {size / 1e9:.2f} GB in {(time.monotonic() - started) / 60:.1f} min", flush=True)
 
 
-def inputs_digest() -> str:
-    """sha256 over the tracked files under IMAGE_INPUTS (paths and contents, as the working tree has them)."""
-    listed = subprocess.run(["git", "ls-files", "-z", "--", *IMAGE_INPUTS], cwd=REPO, capture_output=True,
+def inputs_digest(root: Path = REPO, inputs: list[str] = IMAGE_INPUTS) -> str:
+    """sha256 over the tracked files under the inputs (paths and contents, as the working tree has them)."""
+    listed = subprocess.run(["git", "ls-files", "-z", "--", *inputs], cwd=root, capture_output=True,
                             check=True).stdout.decode().split("\0")
     digest = hashlib.sha256()
-    for name in sorted(n for n in listed if n and REPO / n != TESTED):
-        digest.update(name.encode() + b"\0" + (REPO / name).read_bytes() + b"\0")
+    for name in sorted(n for n in listed if n and root / n != TESTED):
+        digest.update(name.encode() + b"\0" + (root / name).read_bytes() + b"\0")
     return digest.hexdigest()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("what", choices=["cpu", "gpu-layer", "podman", "stamp", "tested"])
+    parser.add_argument("what", choices=["cpu", "gpu-layer", "podman", "digest", "tested"])
     parser.add_argument("arguments", nargs=argparse.REMAINDER)
     options = parser.parse_args()
-    if options.what == "stamp":  # after a passing image test: its inputs as they were
-        TESTED.write_text(inputs_digest() + "\n")
+    if options.what == "digest":  # make image-test records it, taken before the test, once the test passed
+        print(inputs_digest())
         return
     if options.what == "tested":  # exit status 0 when the image test passed on these very inputs
         recorded = TESTED.read_text().strip() if TESTED.is_file() else ""
@@ -169,7 +190,7 @@ def main() -> None:
         build("build/Dockerfile.cpu", CPU_IMAGE, "PYTHON_IMAGE", BASE_IMAGE)
     else:
         if not image_exists(TRTLLM_STANDIN):
-            build("build/podman/Dockerfile.trtllm-standin", TRTLLM_STANDIN, "PYTHON_IMAGE", BASE_IMAGE)
+            build(STANDIN_DOCKERFILE, TRTLLM_STANDIN, "PYTHON_IMAGE", BASE_IMAGE)
         build("build/Dockerfile.gpu", GPU_LAYER_IMAGE, "TRITON_IMAGE", TRTLLM_STANDIN)
 
 

@@ -50,6 +50,22 @@ def one(documents: list[dict], kind: str) -> dict:
     return found[0]
 
 
+def server_templates(documents: list[dict]) -> list[dict]:
+    """The serving pods' templates: the Deployment's, or the LeaderWorkerSet's leader and worker."""
+    for deployment in objects(documents, "Deployment"):
+        return [deployment["spec"]["template"]]
+    group = one(documents, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
+    return [group["leaderTemplate"], group["workerTemplate"]]
+
+
+def all_templates(documents: list[dict]) -> list[dict]:
+    return [*server_templates(documents), *(job["spec"]["template"] for job in objects(documents, "Job"))]
+
+
+def containers(template: dict) -> list[dict]:
+    return [*template["spec"].get("initContainers", []), *template["spec"]["containers"]]
+
+
 def serving_container(template: dict) -> dict:
     return next(c for c in template["spec"]["containers"] if c["name"] == "triton")
 

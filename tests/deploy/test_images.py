@@ -115,17 +115,26 @@ def test_both_dockerfiles_take_the_pip_settings_make_image_passes(path):
     assert {"PIP_INDEX_URL", "PIP_EXTRA_INDEX_URL", "PIP_FIND_LINKS", "PIP_CERT"} <= declared
 
 
-def test_the_image_tests_digest_covers_its_inputs_and_follows_them():
-    """.ci/run skips the image test only while the digest recorded by its last passing run matches; every input
-    named exists, and the digest changes with a file's contents."""
+def test_the_image_tests_digest_covers_its_inputs_and_follows_them(tmp_path):
+    """.ci/run skips the image test only while the digest recorded by its last passing run matches: every input
+    named exists, and the digest follows a tracked file's contents and ignores untracked files and the record."""
     for name in podman_image.IMAGE_INPUTS:
         assert (REPO / name).exists(), name
-    before = podman_image.inputs_digest()
-    assert before == podman_image.inputs_digest() and len(before) == 64
-    dockerfile = DOCKERFILES["cpu"]
-    original = dockerfile.read_bytes()
-    try:
-        dockerfile.write_bytes(original + b"# changed\n")
-        assert podman_image.inputs_digest() != before
-    finally:
-        dockerfile.write_bytes(original)
+    assert len(podman_image.inputs_digest()) == 64
+    subprocess.run(["git", "init", "-q", str(tmp_path)], check=True)
+    (tmp_path / "build").mkdir()
+    (tmp_path / "build" / "Dockerfile").write_text("FROM base\n")
+    subprocess.run(["git", "-C", str(tmp_path), "add", "build/Dockerfile"], check=True)
+    before = podman_image.inputs_digest(tmp_path, ["build"])
+    (tmp_path / "build" / "untracked").write_text("x")
+    assert podman_image.inputs_digest(tmp_path, ["build"]) == before
+    (tmp_path / "build" / "Dockerfile").write_text("FROM base\n# changed\n")
+    assert podman_image.inputs_digest(tmp_path, ["build"]) != before
+
+
+def test_the_hosts_pip_settings_are_read_as_pip_install_reads_them():
+    listed = "\n".join(["global.cert='/etc/ssl/a.crt'", "global.find-links='/opt/wheels'",
+                        "install.find-links='/opt/install-wheels'", "global.extra-index-url='file:///a/simple\\nhttps://b'",
+                        ":env:.cert='/env.crt'", "wheel.find-links='/not-for-install'"])
+    assert podman_image.pip_settings(listed) == {"cert": "/env.crt", "find-links": "/opt/install-wheels",
+                                                 "extra-index-url": "file:///a/simple https://b"}

@@ -27,13 +27,16 @@ from rendered_overlays import (
     H100,
     K8S,
     OVERLAYS,
+    all_templates,
     check_serving_pod,
     container_variables,
+    containers,
     expand,
     kustomize,
     objects,
     one,
     rule_metric_names,
+    server_templates,
     serving_container,
     wait_until_ready,
 )
@@ -59,22 +62,6 @@ CHECKOV_SKIPS = {
 @pytest.fixture(scope="module")
 def rendered() -> dict[str, list[dict]]:
     return {name: kustomize(K8S / "overlays" / name) for name in OVERLAYS}
-
-
-def server_templates(documents: list[dict]) -> list[dict]:
-    """The serving pods' templates: the Deployment's, or the LeaderWorkerSet's leader and worker."""
-    for deployment in objects(documents, "Deployment"):
-        return [deployment["spec"]["template"]]
-    group = one(documents, "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]
-    return [group["leaderTemplate"], group["workerTemplate"]]
-
-
-def all_templates(documents: list[dict]) -> list[dict]:
-    return [*server_templates(documents), *(job["spec"]["template"] for job in objects(documents, "Job"))]
-
-
-def containers(template: dict) -> list[dict]:
-    return [*template["spec"].get("initContainers", []), *template["spec"]["containers"]]
 
 
 # --- the overlays are what the generator writes ---------------------------------------------------------------
