@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdeploy.decoding.finish import Finish
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.decoding.stop_strings import StopStrings
 from specdeploy.spec.request import NO_END_ID, GenerationRequest
@@ -36,7 +37,8 @@ class Sequence:
     stop_strings: StopStrings | None = None
     generator: torch.Generator | None = None
     seen: torch.Tensor | None = None  # [V] bool, for the repetition penalty
-    finish_reason: str | None = None
+    finish_reason: Finish | None = None
+    finish_detail: str = ""  # what failed, or why the server ended it (ERROR, SHUTDOWN)
 
     @classmethod
     def for_request(cls, request: GenerationRequest, proposal: ProposalLength, end_ids: frozenset[int],
@@ -76,11 +78,16 @@ class Sequence:
             self.committed.append(token)
             completes_stop = self.stop_strings is not None and self.stop_strings.completes(token)
             if token in self.end_ids or self._ends_with_stop_sequence() or completes_stop:
-                self.finish_reason = "stop"
+                self.end(Finish.STOP)
                 break
         if self.finish_reason is None and self.remaining <= 0:
-            self.finish_reason = "length"
+            self.end(Finish.LENGTH)
         return emitted
+
+    def end(self, reason: Finish, detail: str = "") -> None:
+        """Mark the request finished, in its statistics too."""
+        self.finish_reason, self.finish_detail = reason, detail
+        self.stats.finish_reason, self.stats.finish_detail = reason, detail
 
     def _ends_with_stop_sequence(self) -> bool:
         """Only generated tokens count: a stop sequence that begins in the prompt never matches."""

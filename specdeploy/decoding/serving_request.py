@@ -10,13 +10,14 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from specdeploy.decoding.finish import Finish
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.spec.pipeline import UNSPECIFIED_KIND
 
-# on_tokens(tokens, finished, stats): new tokens of one request; finished is None or the finish reason
-# ("stop", "length", "cancelled", "error: ...", "shutdown: ..."); stats: the request's RequestStats so far.
-TokenCallback = Callable[[list[int], str | None, RequestStats], None]
+# on_tokens(tokens, finished, stats): new tokens of one request; finished is None until its last call, then how it
+# ended; stats: the request's RequestStats so far (at the end, with the finish's detail).
+TokenCallback = Callable[[list[int], Finish | None, RequestStats], None]
 
 
 @dataclass(eq=False)  # a request is itself: rows and queues find it by identity
@@ -61,15 +62,13 @@ class ServingCounters:
     by_kind: dict[str, AcceptanceTotals] = field(default_factory=dict)
     outcomes: dict[str, int] = field(default_factory=dict)
 
-    def add(self, stats: RequestStats, finish_reason: str, kind: str) -> None:
-        """Count a finished request of `kind`: its statistics, and its outcome (the finish reason before any
-        ": detail")."""
+    def add(self, stats: RequestStats, finish: Finish, kind: str) -> None:
+        """Count a finished request of `kind`: its statistics, and its outcome."""
         self.by_kind.setdefault(kind, AcceptanceTotals()).add(stats)
-        self.count_outcome(finish_reason)
+        self.count_outcome(finish)
 
-    def count_outcome(self, finish_reason: str) -> None:
-        outcome = finish_reason.split(":")[0]
-        self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+    def count_outcome(self, finish: Finish) -> None:
+        self.outcomes[finish.value] = self.outcomes.get(finish.value, 0) + 1
 
     @property
     def drafted(self) -> int:

@@ -20,7 +20,8 @@ class RequestStats:
     draft_seconds: float = 0.0
     verify_seconds: float = 0.0  # target forwards after prefill + acceptance
     total_seconds: float = 0.0
-    finish_reason: str = ""
+    finish_reason: str = ""  # a Finish value once the request has ended
+    finish_detail: str = ""
 
     def record_step(self, drafted: int, accepted: int, positions: int | None = None) -> None:
         """drafted tokens (a tree's nodes), accepted ones, and how many successive positions were proposed

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdeploy.decoding.draft_length import ProposalLength
+from specdeploy.decoding.draft_length import ProposalLength, step_gamma
 from specdeploy.decoding.repetition_penalty import penalised, seen_after_drafts, seen_mask
 from specdeploy.decoding.sampling import RowStreams, request_generator, sample, sampling_distribution
 from specdeploy.decoding.sequence import Sequence
@@ -25,7 +25,7 @@ from specdeploy.models.device_transfer import PhaseClock, from_host
 from specdeploy.models.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel, ragged_forward_all, tree_forward_all
 from specdeploy.models.reductions import argmax
-from specdeploy.spec.pipeline import Acceptance, Schedule
+from specdeploy.spec.pipeline import Acceptance, PolicySpec
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_greedy
 from specdeploy.speculative.proposer import Proposal, Proposer
@@ -112,14 +112,14 @@ class BatchDecoder:
         self.device = target.embed.device
         self.clock = PhaseClock(self.device)
 
-    def new_sequence(self, request: GenerationRequest, gamma: int, schedule: Schedule,
-                     end_ids: frozenset[int], tokenizer=None) -> Sequence:
+    def new_sequence(self, request: GenerationRequest, proposal: ProposalLength, end_ids: frozenset[int],
+                     tokenizer=None) -> Sequence:
         """A sequence for a checked request, ready for prefill. end_ids: the model's end tokens (the request's
         end_id replaces them). tokenizer: for the request's stop strings."""
         params = request.sampling
         seen = (seen_mask(from_host(request.prompt_ids, self.device, torch.long), self.vocab_size)
                 if params.repetition_penalty != 1.0 else None)
-        return Sequence.for_request(request, ProposalLength(schedule, gamma), end_ids,
+        return Sequence.for_request(request, proposal, end_ids,
                                     generator=request_generator(params, self.device), seen=seen, tokenizer=tokenizer)
 
     def prefill(self, sequence: Sequence, row: int) -> list[int]:
@@ -141,10 +141,11 @@ class BatchDecoder:
         sequence.stats.prefill_seconds = time.perf_counter() - started
         return emitted
 
-    def step(self, sequences: list[Sequence], caps: list[int] | None = None) -> list[list[int]]:
-        """One decode step for rows 0..B-1. caps[r] caps row r's proposal (default: its schedule's length).
-        Returns the tokens each row emitted."""
-        gammas = [self._gamma(s, None if caps is None else caps[r]) for r, s in enumerate(sequences)]
+    def step(self, sequences: list[Sequence], policy: PolicySpec | None = None) -> list[list[int]]:
+        """One decode step for rows 0..B-1, each drafting what `step_gamma` allows under the batch policy `policy`
+        (None: no policy). Returns the tokens each row emitted."""
+        gammas = [step_gamma(s.proposal, policy, len(sequences), s.remaining, self.max_length - len(s.committed))
+                  for s in sequences]
         self.clock.start()
         with torch.inference_mode():
             proposal = (self.proposer.propose(sequences, gammas) if max(gammas) > 0
@@ -321,10 +322,6 @@ class BatchDecoder:
         self.cache.move_row(source, destination)
         self.proposer.move_row(source, destination)
 
-    def _gamma(self, sequence: Sequence, cap: int | None) -> int:
-        gamma = sequence.proposal.current if cap is None else min(cap, sequence.proposal.current)
-        return max(0, min(gamma, sequence.remaining - 1, self.max_length - len(sequence.committed)))
-
     def _append(self, sequence: Sequence, row: int, tokens: list[int]) -> list[int]:
         """Commit tokens and keep the target's cache at the committed prefix. Returns what was emitted."""
         emitted = sequence.append(tokens)
@@ -333,6 +330,4 @@ class BatchDecoder:
         self.cache.rewind(row, sequence.cache_length)
         stats = sequence.stats
         stats.generated_tokens = sequence.generated
-        if sequence.finish_reason:
-            stats.finish_reason = sequence.finish_reason
         return emitted

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from specdeploy.decoding import chat_template, detokenizer
+from specdeploy.decoding.draft_length import ProposalLength
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
@@ -209,8 +210,8 @@ class Engine:
     def new_sequence(self, request: GenerationRequest, kv_capacity: int | None = None) -> Sequence:
         """A checked request, ready for `decoder.prefill`."""
         self.check(request, kv_capacity)
-        return self.decoder.new_sequence(request, request.gamma(self.pipeline), self.pipeline.speculation.schedule,
-                                         self.end_ids, self.tokenizer)
+        return self.decoder.new_sequence(request, ProposalLength.for_request(request, self.pipeline), self.end_ids,
+                                         self.tokenizer)
 
     def start(self, request: GenerationRequest) -> Generation:
         """Start generating one request alone (cache row 0)."""

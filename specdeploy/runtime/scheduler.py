@@ -17,6 +17,7 @@ import traceback
 from collections import deque
 from collections.abc import Callable
 
+from specdeploy.decoding.finish import Finish
 from specdeploy.decoding.serving_request import ServingCounters, ServingRequest, TokenCallback
 from specdeploy.errors import ShuttingDown
 from specdeploy.runtime.engine import Engine
@@ -85,7 +86,7 @@ class Scheduler:
 
     def drain(self, deadline: float) -> None:
         """Take no new requests, end the queued ones now and the running ones at `deadline` (time.time()) if they
-        have not finished by then; each ends with finish reason "shutdown: ..."."""
+        have not finished by then; each ends with Finish.SHUTDOWN."""
         with self._lock:
             self._drain_deadline = deadline
             self._lock.notify()
@@ -134,25 +135,25 @@ class Scheduler:
             except Exception as exc:  # a failed step fails its requests, never the server
                 traceback.print_exc()
                 for request in list(self.active):
-                    request.sequence.finish_reason = f"error: {type(exc).__name__}: {exc}"
+                    request.sequence.end(Finish.ERROR, f"{type(exc).__name__}: {exc}")
                     self._finish(request)
             if self.on_step is not None:
                 self.on_step(self)
         for request in list(self.active) + list(self.waiting):
-            request.sequence.finish_reason = "cancelled"
-            request.on_tokens([], "cancelled", request.sequence.stats)
+            request.sequence.end(Finish.CANCELLED)
+            request.on_tokens([], Finish.CANCELLED, request.sequence.stats)
 
     def _end_for_shutdown(self) -> None:
         """While draining: queued requests end now, running ones once the deadline has passed."""
         while self.waiting:
             request = self.waiting.popleft()
-            request.sequence.finish_reason = "shutdown: the server is shutting down before this request started"
-            self.counters.count_outcome("shutdown")
+            request.sequence.end(Finish.SHUTDOWN, "the server is shutting down before this request started")
+            self.counters.count_outcome(Finish.SHUTDOWN)
             request.on_tokens([], request.sequence.finish_reason, request.sequence.stats)
         if time.time() >= self._drain_deadline:
             for request in list(self.active):
-                request.sequence.finish_reason = ("shutdown: the server is shutting down and this request did not "
-                                                  "finish within the drain timeout")
+                request.sequence.end(Finish.SHUTDOWN, "the server is shutting down and this request did not finish "
+                                                      "within the drain timeout")
                 self._finish(request)
 
     def _admit(self) -> list[ServingRequest]:
@@ -162,9 +163,9 @@ class Scheduler:
             request = self.waiting[0]
             if request.cancelled:
                 self.waiting.popleft()
-                request.sequence.finish_reason = "cancelled"
-                self.counters.count_outcome("cancelled")
-                request.on_tokens([], "cancelled", request.sequence.stats)
+                request.sequence.end(Finish.CANCELLED)
+                self.counters.count_outcome(Finish.CANCELLED)
+                request.on_tokens([], Finish.CANCELLED, request.sequence.stats)
                 continue
             if self.reserved_kv + request.reserved > self.kv_capacity:
                 break
@@ -176,14 +177,11 @@ class Scheduler:
     def _drop_cancelled(self) -> None:
         for request in list(self.active):
             if request.cancelled:
-                request.sequence.finish_reason = "cancelled"
+                request.sequence.end(Finish.CANCELLED)
                 self._finish(request)
 
     def _step(self) -> None:
-        sequences = [r.sequence for r in self.active]
-        # Each request's own gamma (a per-request num_draft_tokens may exceed the pipeline's) scaled by the policy.
-        caps = [self.policy.gamma(s.proposal.gamma, len(sequences)) for s in sequences]
-        emitted = self.engine.decoder.step(sequences, caps)
+        emitted = self.engine.decoder.step([r.sequence for r in self.active], self.policy)
         for request, tokens in zip(list(self.active), emitted):
             self._deliver(request, tokens)
 

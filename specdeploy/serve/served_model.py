@@ -13,7 +13,9 @@ from typing import Protocol
 import numpy as np
 
 from specdeploy.decoding.detokenizer import IncrementalDetokenizer
+from specdeploy.decoding.finish import Finish, finish_message
 from specdeploy.decoding.serving_request import ServingCounters
+from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import RequestError
 from specdeploy.serve.latency import ITL_BUCKETS, TOKENS_PER_RESPONSE_BUCKETS, TTFT_BUCKETS, RequestTiming
 from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE
@@ -228,16 +230,17 @@ class Responder:
         self.metrics = metrics
         self.timing = RequestTiming(time.perf_counter())
 
-    def __call__(self, tokens: list[int], finished: str | None, stats) -> None:
+    def __call__(self, tokens: list[int], finished: Finish | None, stats: RequestStats) -> None:
         self.timing.produced(len(tokens), time.perf_counter())
         pb = self.pb
         self.ids.extend(tokens)
-        if finished == "cancelled":
+        if finished is Finish.CANCELLED:
             self._send_final(None)
             return
-        if finished is not None and finished.startswith(("error", "shutdown")):
-            code = pb.TritonError.UNAVAILABLE if finished.startswith("shutdown") else pb.TritonError.INTERNAL
-            self._send_final(pb.InferenceResponse(error=pb.TritonError(finished, code)))
+        if finished is not None and finished.is_failure:
+            code = pb.TritonError.UNAVAILABLE if finished is Finish.SHUTDOWN else pb.TritonError.INTERNAL
+            message = finish_message(finished, stats.finish_detail)
+            self._send_final(pb.InferenceResponse(error=pb.TritonError(message, code)))
             return
         if not self.stream and finished is None:
             return

@@ -21,6 +21,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 from safetensors.torch import load_file, save_file
 
+from specdeploy.decoding.finish import Finish, finish_message
+from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
@@ -70,13 +72,14 @@ def generate_answers(engine_dir: Path, prompts: list[str], max_tokens: int, path
 
 
 def answer_collector(index: int, finished: queue.Queue):
-    """A scheduler callback that puts (index, the answer's ids) on `finished`, or (index, reason) on an error."""
+    """A scheduler callback that puts (index, the answer's ids) on `finished`, or (index, what failed) when the
+    request failed."""
     tokens: list[int] = []
 
-    def on_tokens(new: list[int], reason: str | None, stats=None) -> None:
+    def on_tokens(new: list[int], reason: Finish | None, stats: RequestStats) -> None:
         tokens.extend(new)
         if reason is not None:
-            finished.put((index, reason if reason.startswith(("error", "shutdown")) else tokens))
+            finished.put((index, finish_message(reason, stats.finish_detail) if reason.is_failure else tokens))
     return on_tokens
 
 

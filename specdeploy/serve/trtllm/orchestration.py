@@ -31,7 +31,8 @@ from typing import Protocol
 
 import numpy as np
 
-from specdeploy.decoding.draft_length import ProposalLength
+from specdeploy.decoding.draft_length import ProposalLength, step_gamma
+from specdeploy.decoding.finish import Finish
 from specdeploy.decoding.prompt_lookup import common_prefix_length, prompt_lookup
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.serving_request import ServingCounters, ServingRequest, TokenCallback
@@ -124,8 +125,8 @@ class Orchestrator:
         if self.drain_deadline is not None:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
-        proposal = ProposalLength(self.pipeline.speculation.schedule, request.gamma(self.pipeline))
-        sequence = Sequence.for_request(request, proposal, self.end_ids, tokenizer=self.tokenizer)
+        sequence = Sequence.for_request(request, ProposalLength.for_request(request, self.pipeline), self.end_ids,
+                                        tokenizer=self.tokenizer)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
         job = Job(sequence=sequence, on_tokens=on_tokens, is_cancelled=is_cancelled,
                   kind=request.kind_label, reserved=request.kv_slots(self.pipeline), seed=seed)
@@ -136,14 +137,14 @@ class Orchestrator:
 
     def drain(self, deadline: float) -> None:
         """Take no new requests, end the queued ones now and the running ones at `deadline` (time.time()) if they
-        have not finished by then, each with finish reason "shutdown: ..." (as the torch flavour's scheduler)."""
+        have not finished by then, each with Finish.SHUTDOWN (as the torch flavour's scheduler)."""
         self.drain_deadline = deadline
         with self.lock:
             queued = list(self.waiting)
             self.waiting.clear()
             for job in queued:
-                job.sequence.finish_reason = "shutdown: the server is shutting down before this request started"
-                self.counters.count_outcome(job.sequence.finish_reason)
+                job.sequence.end(Finish.SHUTDOWN, "the server is shutting down before this request started")
+                self.counters.count_outcome(Finish.SHUTDOWN)
         for job in queued:
             job.on_tokens([], job.sequence.finish_reason, job.sequence.stats)
 
@@ -178,7 +179,7 @@ class Orchestrator:
                     self._speculate(job, gamma)
         except Exception as exc:  # an engine error ends this request only
             if sequence.finish_reason is None:
-                sequence.finish_reason = f"error: {exc}"
+                sequence.end(Finish.ERROR, str(exc))
             else:  # finished, then failed sending: its outcome stands
                 traceback.print_exc()
         self._finish(job)
@@ -186,19 +187,18 @@ class Orchestrator:
     def _interrupted(self, job: Job) -> bool:
         sequence = job.sequence
         if job.cancelled:
-            sequence.finish_reason = "cancelled"
+            sequence.end(Finish.CANCELLED)
         elif self.drain_deadline is not None and time.time() >= self.drain_deadline:
-            sequence.finish_reason = "shutdown: the server stopped before the request finished"
+            sequence.end(Finish.SHUTDOWN, "the server stopped before the request finished")
         return sequence.finish_reason is not None
 
     def _gamma(self, job: Job) -> int:
-        """This step's proposal length: the request's (adaptive under the heuristic schedule), within the policy's
-        cap for the current number of running requests, and leaving room for the target's own token."""
+        """This step's proposal length (`step_gamma`), the batch being the requests running now."""
         sequence = job.sequence
         with self.lock:
             running = len(self.active)
-        cap = self.policy.gamma(sequence.proposal.gamma, running)
-        return max(0, min(sequence.proposal.current, cap, sequence.remaining - 1))
+        return step_gamma(sequence.proposal, self.policy, running, sequence.remaining,
+                          self.pipeline.limits.max_sequence_length - len(sequence.committed))
 
     def _target(self, job: Job, count: int, draft_ids: list[int] | None = None,
                 draft_logits: np.ndarray | None = None) -> list[int]:
@@ -226,7 +226,7 @@ class Orchestrator:
             self._send(job, kept)
             ended = sequence.finish_reason is not None or self._interrupted(job)
         if not ended and received < count:
-            sequence.finish_reason = "stop"
+            sequence.end(Finish.STOP)
         sequence.stats.verify_seconds += time.perf_counter() - started
 
     def _plain(self, job: Job) -> None:

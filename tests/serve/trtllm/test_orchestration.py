@@ -19,6 +19,7 @@ from conftest import REPO, Collector
 from scipy import stats
 from test_acceptance_distribution import P_VALUE_THRESHOLD
 
+from specdeploy.decoding.finish import Finish
 from specdeploy.serve.trtllm.engine_calls import BlsCalls
 from specdeploy.serve.trtllm.orchestration import STREAM_CHUNK, Orchestrator
 from specdeploy.spec.request import GenerationRequest
@@ -232,7 +233,7 @@ def test_an_engine_error_ends_only_its_request(tiny_engines, tmp_path):
     target.poison = bad[0]
     assert good[0] != bad[0]
     failed = run(orch, GenerationRequest(bad, 20, SamplingParams(), end_id=-1))
-    assert failed.reason.startswith("error:") and "engine failure" in failed.reason
+    assert failed.reason == Finish.ERROR and "engine failure" in failed.stats.finish_detail
     assert run(orch, GenerationRequest(good, 20, SamplingParams(), end_id=-1)).tokens == plain(engine, good, 20)
     assert orch.counters.outcomes == {"error": 1, "length": 1}
     orch.stop()
@@ -460,7 +461,7 @@ def test_a_drain_refuses_new_requests_and_ends_running_ones_at_the_deadline(tiny
     with pytest.raises(ShuttingDown):
         orch.submit(GenerationRequest(engine.encode_prompt(PROMPTS[1]), 8, SamplingParams()), Collector())
     assert collector.done.wait(30)
-    assert collector.reason.startswith("shutdown") and len(collector.tokens) < 200
+    assert collector.reason == Finish.SHUTDOWN and len(collector.tokens) < 200
     assert orch.counters.outcomes == {"shutdown": 1}
     orch.stop()
 
@@ -493,7 +494,7 @@ def test_queued_requests_end_at_once_on_a_drain_or_cancel_without_an_engine_call
     assert started.wait(30)  # running, not queued
     orch.submit(GenerationRequest(prompt, 8, SamplingParams(), end_id=-1), queued)
     orch.drain(time.time() + 60)
-    assert queued.done.wait(5) and queued.reason.startswith("shutdown") and queued.tokens == []
+    assert queued.done.wait(5) and queued.reason == Finish.SHUTDOWN and queued.tokens == []
     assert running.done.wait(60) and running.reason == "length" and len(running.tokens) == 60
     assert orch.counters.outcomes == {"length": 2, "cancelled": 1, "shutdown": 1}
     orch.stop()
