@@ -45,7 +45,7 @@ def orchestrator_arguments(gpus: int) -> list[str]:
 
 
 def engine_models(pipeline: PipelineSpec) -> list[str]:
-    from specdeploy.serve.repository import trtllm_engines
+    from specdeploy.package.repository import trtllm_engines
 
     return list(trtllm_engines(pipeline))
 
