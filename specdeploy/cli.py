@@ -1,4 +1,5 @@
-"""The `specdeploy` command: one thin command per verb over the library (specdeploy.workflows, bench, triton).
+"""The `specdeploy` command: one thin command per verb over the library (specdeploy.workflows; bench, serve and
+deploy for their own verbs).
 
 Options that a pipeline also sets default to "the pipeline's value" (None here), so every default has one home.
 """

@@ -108,8 +108,8 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
     write it anyway). served_at: where a trtllm repository will be mounted on the server, which its engine paths
     name (default: where it is written); trtllm_source: a TensorRT-LLM checkout (the llm_api line's model code)."""
     from specdeploy.build.trtllm import engine_build as trtllm
-    from specdeploy.serve.package_stamp import is_current, package_stamp, write_stamp
-    from specdeploy.serve.repository import write_repository
+    from specdeploy.package.package_stamp import is_current, package_stamp, write_stamp
+    from specdeploy.package.repository import write_repository
 
     pipeline = load_spec(pipeline_path, device)
     builder = trtllm.build if pipeline.backend.kind == "trtllm" else build_torch_engine

@@ -4,12 +4,17 @@
   checked for its verb alone;
 - every relative link points to a file (and heading) that exists;
 - every repository path in inline code exists (a moved file, or a path of the old layout, fails).
+The package's own comments and docstrings get the path check too: a module path (`build/trtllm/plan.py`,
+`spec/pipeline.load_pipeline`) or a dotted module name (`specdeploy.serve.client`) there must exist.
 Every problem is reported at once, as file:line."""
 
 from __future__ import annotations
 
+import ast
 import functools
+import io
 import re
+import tokenize
 from pathlib import Path
 
 from click.testing import CliRunner
@@ -18,6 +23,8 @@ from conftest import REPO
 from specdeploy.cli import cli
 
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+PACKAGE = REPO / "specdeploy"
+MODULES = sorted(PACKAGE.rglob("*.py"))
 GPU_ONLY = "# GPU only"
 
 # `specdeploy` as the first word of a shell command (optionally as a path such as .venv/bin/specdeploy), then its verb
@@ -29,8 +36,15 @@ FENCE = re.compile(r"^\s*(```|~~~)")
 # A path in inline code: from the repository root, or inside the package (`runtime/batch.py`; also the folder names
 # of the old layout, so that a stale one fails). Placeholders (`engines/<name>/`, `pipelines/gpu/*.yaml`) are skipped.
 ROOT_PATH = re.compile(r"(?:specdeploy|tests|scripts|pipelines|k8s)/[^\s<>*…{}]*$")  # no placeholder characters
-PACKAGE_PATH = re.compile(r"(?:spec|models|decoding|speculative|runtime|build|training|serve|deploy|bench|builders|"
-                          r"triton)/[\w/]+\.py$")
+STAGES = sorted(path.parent.name for path in PACKAGE.glob("*/__init__.py"))
+OLD_LAYOUT = ["builders", "triton"]
+PACKAGE_PATH = re.compile(rf"(?:{'|'.join(STAGES + OLD_LAYOUT)})/[\w/]+\.py$")
+# In the package's comments and docstrings, which name modules without backticks: a stage's module as a path, with an
+# attribute after it or not (`build/trtllm/plan.py`, `builders/trtllm_plan.hf_dirs`; every part an identifier, so
+# that a repository's `speculative/1/model.py` is no module), and a dotted name under specdeploy.
+MODULE_PATH = re.compile(rf"(?:{'|'.join(STAGES + OLD_LAYOUT)})(?:/[A-Za-z_]\w*)+(?:\.\w+)+$")
+DOTTED_NAME = re.compile(r"specdeploy(?:\.\w+)+$")
+WORD_END = re.compile(r"(?:'s|:\d+(?:-\d+)?)?[`'\",;:.)\]]*$")  # punctuation, a possessive, a line number
 
 
 @functools.cache
@@ -188,6 +202,55 @@ def problems_in(paths: list[Path]) -> list[str]:
     return problems
 
 
+def code_prose(source: str) -> list[tuple[int, str]]:
+    """A Python module's comments and docstrings, as (first line number, text) pairs."""
+    prose = [(token.start[0], token.string) for token in tokenize.generate_tokens(io.StringIO(source).readline)
+             if token.type == tokenize.COMMENT]
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+            docstring = ast.get_docstring(node, clean=False)
+            if docstring is not None:
+                prose.append((node.body[0].lineno, docstring))
+    return sorted(prose)
+
+
+def module_path_exists(word: str) -> bool:
+    """`stage/module.py`, `stage/module.attribute` or `stage/folder/file.ext`, inside the package or at the root."""
+    path, _, suffix = word.partition(".")
+    extension = "." + suffix.split(".")[0]
+    return any((base / path).with_suffix(".py").is_file() or (base / path).with_suffix(extension).exists()
+               for base in (PACKAGE, REPO))
+
+
+def dotted_name_exists(word: str) -> bool:
+    """`specdeploy.stage.module[.attribute…]`: folders down to a module (a name right after a folder may be its
+    __init__'s), any attributes after it."""
+    folder = REPO
+    for part in word.split("."):
+        if (folder / part).is_dir():
+            folder = folder / part
+        else:
+            init = folder / "__init__.py"
+            return (folder / f"{part}.py").is_file() or (init.is_file() and part in init.read_text())
+    return True
+
+
+def code_path_problems(path: Path) -> list[str]:
+    """One line per module path or dotted name in a module's comments and docstrings that does not exist."""
+    problems = []
+    for first_line, text in code_prose(path.read_text()):
+        for offset, line_text in enumerate(text.splitlines()):
+            for word in line_text.split():
+                word = WORD_END.sub("", word.lstrip("`'\"(["))
+                if ROOT_PATH.match(word) and not (REPO / word).exists():
+                    problems.append(f"{path}:{first_line + offset}: no such path: {word}")
+                elif MODULE_PATH.match(word) and not module_path_exists(word):
+                    problems.append(f"{path}:{first_line + offset}: no such module: {word}")
+                elif DOTTED_NAME.match(word) and not dotted_name_exists(word):
+                    problems.append(f"{path}:{first_line + offset}: no such module: {word}")
+    return problems
+
+
 def test_the_readme_is_short_and_the_rest_is_in_docs():
     readme = (REPO / "README.md").read_text()
     assert len(readme.splitlines()) <= 200, "a newcomer reads the README in five minutes: move details to docs/"
@@ -198,6 +261,11 @@ def test_the_readme_is_short_and_the_rest_is_in_docs():
 
 def test_every_documented_command_link_and_path_exists():
     problems = problems_in(DOCS)
+    assert not problems, "\n" + "\n".join(problems)
+
+
+def test_every_path_the_package_comments_name_exists():
+    problems = [problem for module in MODULES for problem in code_path_problems(module)]
     assert not problems, "\n" + "\n".join(problems)
 
 
@@ -239,4 +307,27 @@ Paths: `runtime/batch.py`, `specdeploy/runtime/batch.py`, `engines/<name>/`, `pi
         f"{doc}:21: no such path: specdeploy/triton/server.py",
         f"{doc}:21: no such path: builders/torch.py",
         f"{doc}:21: no such path: tests/test_nothing.py",
+    ]
+
+
+def test_the_package_check_reports_every_stale_name(tmp_path):
+    """The same check on a module with known stale names finds each of them, and nothing else."""
+    module = tmp_path / "module.py"
+    module.write_text('''"""Fine: build/trtllm/plan.py's hf_dirs, (spec/pipeline.load_pipeline), specdeploy.__version__,
+specdeploy.serve.client.generate, serve/model_repo/README.md, a repository's speculative/1/model.py, upstream's
+tensorrt_llm/models/x.py. Moved or gone: serve/repository.py, builders/trtllm_plan.hf_dirs."""
+
+VALUE = 1  # stale: deploy/nothing.py:9, specdeploy.serve.repository.write_repository, tests/test_nothing.py)
+
+
+def function():
+    """specdeploy.triton."""
+''')
+    assert code_path_problems(module) == [
+        f"{module}:3: no such module: serve/repository.py",
+        f"{module}:3: no such module: builders/trtllm_plan.hf_dirs",
+        f"{module}:5: no such module: deploy/nothing.py",
+        f"{module}:5: no such module: specdeploy.serve.repository.write_repository",
+        f"{module}:5: no such path: tests/test_nothing.py",
+        f"{module}:9: no such module: specdeploy.triton",
     ]

@@ -75,7 +75,7 @@ def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
     """The whole model in fp32, through transformers: about twice a bf16 checkpoint's size, held at once (a GGUF is
     dequantized whole by transformers, so nothing smaller is possible for one). Fine for the torch backend's CPU
     models; the trtllm builder calls it only for GGUF and packaged sources, and reads a Hugging Face checkpoint where
-    it is (trtllm_plan.hf_dirs) or a layer at a time (hf_tensors.HFTensors)."""
+    it is (build/trtllm/plan.hf_dirs) or a layer at a time (hf_tensors.HFTensors)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = locate(spec, pipeline)

@@ -6,7 +6,7 @@ Our steps take one of four paths (our_path; build/trtllm/plan.py decides which e
 - torch: the torch backend loads the target whole in fp32 (transformers dequantizes a GGUF whole) and writes the
   engine's copies;
 - whole: on trtllm, a GGUF or packaged source (the small CPU models) is loaded the same way, then exported through a
-  transformers model (builders/hf_export.export_model), or, for a derived MoE, derived and written a layer at a time;
+  transformers model (build/hf_export.export_model), or, for a derived MoE, derived and written a layer at a time;
 - streamed: on trtllm, an MoE derived from a Hugging Face checkpoint, read and written a layer at a time; its peak
   follows one layer (at most weights / FEWEST_LAYERS) and the calibration activations, not the model;
 - read: on trtllm, Hugging Face checkpoints that need no derivation are read where they are by TensorRT-LLM's
@@ -36,17 +36,18 @@ set the torch runtime: 1.655 GiB at 0.391).
 TensorRT-LLM's steps (NVIDIA/TensorRT-LLM of the 1.1/1.2 era, the copies docs/tensorrt-llm.md reads; an estimate,
 nothing here runs them):
 - the converter (build/trtllm/convert.py, one rank after another): `from_hugging_face` reads each tensor's share
-  for the rank through safe_open (models/model_weights_loader.py: `load_tensor` slices, `fill` assigns), and
-  `save_checkpoint` hands them to safetensors' save_file (models/modeling_utils.py), whose releases before 0.6 copy
-  every tensor to bytes first: CONVERT_COPIES of a rank's share, plus its runtime.
+  for the rank through safe_open (tensorrt_llm/models/model_weights_loader.py: `load_tensor` slices, `fill`
+  assigns), and `save_checkpoint` hands them to safetensors' save_file (tensorrt_llm/models/modeling_utils.py), whose
+  releases before 0.6 copy every tensor to bytes first: CONVERT_COPIES of a rank's share, plus its runtime.
 - the Medusa converter (examples/medusa/convert_checkpoint.py) loads the base model with transformers
   `from_pretrained(dtype="auto", device_map="auto")`: on the GPU where it sees one, on the host at worst, so the
   model once more.
-- trtllm-build --workers N (commands/build.py `parallel_build`: a ProcessPoolExecutor of N spawned processes) builds
-  N ranks at once; each loads its rank file whole (`from_checkpoint`: safetensors load_file), builds the network on
-  those weights and serialises an engine that embeds them (builder.py), then saves it: two copies of the rank's
-  share, and a third allowed for TensorRT's own copies while it builds (ENGINE_COPIES), plus a runtime per worker.
-  With N = tp x pp (trtllm_plan.build_workers) that is about 3 x the component's weights at once.
+- trtllm-build --workers N (tensorrt_llm/commands/build.py `parallel_build`: a ProcessPoolExecutor of N spawned
+  processes) builds N ranks at once; each loads its rank file whole (`from_checkpoint`: safetensors load_file), builds
+  the network on those weights and serialises an engine that embeds them (builder.py), then saves it: two copies of
+  the rank's share, and a third allowed for TensorRT's own copies while it builds (ENGINE_COPIES), plus a runtime per
+  worker.
+  With N = tp x pp (build/trtllm/plan.build_workers) that is about 3 x the component's weights at once.
 Page cache of the files read and written is charged to the Job too, but the kernel reclaims it before it kills.
 """
 

@@ -24,12 +24,13 @@ import specdeploy
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy import k8s_placement as placement
 from specdeploy.deploy.build_memory import build_memory_gib
-from specdeploy.deploy.k8s_commands import EXIT_MARGIN, engine_models, server_command, under_launcher
+from specdeploy.deploy.k8s_commands import engine_models, server_command, under_launcher
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
 from specdeploy.deploy.k8s_multinode import group_disruption_budget, leader_worker_set
 from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.sizing import PodSize, pod_size
 from specdeploy.errors import SpecdeployError
+from specdeploy.serve.tritonserver import EXIT_MARGIN, KILL_MARGIN
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 from specdeploy.speculative.speedup import break_even_tokens_per_step
 
@@ -186,7 +187,7 @@ def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, opt
     if pipeline.backend.kind == "trtllm":  # loading engines of tens of GB: up to 30 minutes
         container["startupProbe"] = base.probe("/v2/health/ready", 15, 120)
     return {"metadata": {"annotations": {"specdeploy.dev/pipeline": pipeline_hash}},
-            "spec": {"terminationGracePeriodSeconds": base.PRESTOP_SECONDS + drain + EXIT_MARGIN + 5
+            "spec": {"terminationGracePeriodSeconds": base.PRESTOP_SECONDS + drain + EXIT_MARGIN + KILL_MARGIN
                      + (STOP_GRACE_S if under_launcher(command) else 0),
                      "initContainers": [{"name": "wait-for-repository",
                                          "env": base.journal_environment(repository)}],

@@ -8,7 +8,7 @@ need one file system), the pipeline ConfigMap is mounted at PIPELINE_DIR.
 
 from __future__ import annotations
 
-from specdeploy.serve.package_stamp import STAMP_FILE
+from specdeploy.package.package_stamp import STAMP_FILE
 
 APP = "specdeploy"
 # Object names; each overlay prefixes them with its pipeline's name, so several pipelines share a namespace

@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.sizing import PodSize
+from specdeploy.serve.tritonserver import EXIT_MARGIN
 from specdeploy.spec.pipeline import PipelineSpec
 
-EXIT_MARGIN = 10  # seconds tritonserver's exit timeout exceeds the drain (serve/tritonserver.py's margin)
 GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"  # on every pod of a LeaderWorkerSet group
 GROUP_WAIT_SECONDS = 1200  # workers scheduled and their (large) image pulled
 LAUNCHER = ["python3", "-m", "specdeploy.deploy.launch"]
@@ -45,7 +45,7 @@ def orchestrator_arguments(gpus: int) -> list[str]:
 
 
 def engine_models(pipeline: PipelineSpec) -> list[str]:
-    from specdeploy.serve.repository import trtllm_engines
+    from specdeploy.package.repository import trtllm_engines
 
     return list(trtllm_engines(pipeline))
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.k8s_commands import GROUP_WAIT_SECONDS, LAUNCHER
 from specdeploy.deploy.sizing import PodSize
-from specdeploy.serve.package_stamp import STAMP_FILE
+from specdeploy.package.package_stamp import STAMP_FILE
 
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 WORKER_PROBE_KEYS = ("startupProbe", "livenessProbe", "readinessProbe", "ports", "lifecycle")

@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+# The Triton Python models' code, which `specdeploy package` copies into each repository it writes.
+MODEL_CODE = Path(__file__).resolve().parent / "model_repo"
 DRAIN_FILE_VARIABLE = "SPECDEPLOY_DRAIN_FILE"  # set by the launcher: where a shutdown's deadline is written
 ENGINE_PARAMETER = "engine_dir"
 TOKENIZER_PARAMETER = "tokenizer_dir"

@@ -32,6 +32,7 @@ from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE
 
 DRAIN_TIMEOUT = 30.0  # seconds running requests get to finish after a shutdown begins
 EXIT_MARGIN = 10  # seconds Triton's exit timeout exceeds the drain: enough to unload the models after it
+KILL_MARGIN = 5  # seconds a server past its exit timeout still gets to exit before it is killed
 ADMIN_KEY_NAME = "specdeploy-admin-key"
 ADMIN_APIS = ("logging", "shared-memory", "model-repository", "trace")  # what only the admin key may call
 PR_SET_PDEATHSIG = 1
@@ -230,7 +231,7 @@ class TritonServer:
         if self.process is not None and self.process.poll() is None:
             self.drain()
             try:
-                self.process.wait(self.drain_timeout + EXIT_MARGIN + 5)
+                self.process.wait(self.drain_timeout + EXIT_MARGIN + KILL_MARGIN)
             except subprocess.TimeoutExpired:
                 os.killpg(self.process.pid, signal.SIGKILL)
                 self.process.wait()

@@ -581,7 +581,7 @@ class PipelineSpec(Section):
 
     def check_trtllm(self) -> None:
         """The combinations TensorRT-LLM cannot serve (facts in docs/tensorrt-llm.md). The checks that need the
-        model's head and expert counts run at build (builders/trtllm_plan.check_model_fits)."""
+        model's head and expert counts run at build (build/trtllm/plan.check_model_fits)."""
         settings, speculation, method = self.backend.settings, self.speculation, self.speculation.method
         if speculation.uses_heads and self.target.moe is not None:
             raise Problem("speculation.method", "medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "

@@ -2,7 +2,7 @@
 `specdeploy build` or `package` runs): they take turns through build_lock, the second finds the first's output
 up to date, and neither deletes the other's work.
 
-The writers are forked processes going through the real layout functions, with a slow step inside the staging
+The writers are forked processes going through the real engine_paths functions, with a slow step inside the staging
 directory. The variant `pid-named` is the staging before this fix (`.<name>.partial-<pid>`, rmtree'd first, no lock)
 with both processes given the pid 1 that every Kubernetes container has: the same tests must fail for it (xfail
 strict), which shows they can tell a broken staging from a working one.

@@ -124,7 +124,7 @@ def test_greedy_text_is_the_same_with_and_without_speculation(bf16_engine_dir):
 def test_served_bf16_text_is_the_same_alone_and_in_a_full_batch(bf16_engine_dir, tmp_path):
     """Over gRPC through the ensemble: eight streams at once (the batch full) answer each greedy speculative
     request and each seeded plain request with the bytes it gets alone."""
-    from specdeploy.serve.repository import write_repository
+    from specdeploy.package.repository import write_repository
     from specdeploy.serve.tritonserver import TritonServer
 
     requests = [(prompt, {"temperature": 0.0}) for prompt in PROMPTS[:4]]

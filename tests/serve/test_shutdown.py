@@ -17,8 +17,8 @@ import pytest
 from conftest import REPO
 
 from specdeploy.errors import RequestError
+from specdeploy.package.repository import write_repository
 from specdeploy.serve.client import generate
-from specdeploy.serve.repository import write_repository
 from specdeploy.serve.tritonserver import TritonServer, backend_shared_memory, free_port, is_ready
 
 pytestmark = pytest.mark.smollm2

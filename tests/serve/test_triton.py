@@ -11,9 +11,9 @@ import pytest
 from conftest import REPO
 
 from specdeploy.errors import RequestError
+from specdeploy.package.repository import model_configs, write_repository
 from specdeploy.serve.client import generate
 from specdeploy.serve.metrics_scrape import scrape, total
-from specdeploy.serve.repository import model_configs, write_repository
 from specdeploy.serve.tritonserver import TritonServer
 from specdeploy.spec.sampling_params import SamplingParams
 

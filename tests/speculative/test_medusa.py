@@ -220,9 +220,9 @@ def test_medusa_serves_through_triton_with_per_head_metrics(tmp_path):
     import yaml
     from conftest import REPO
 
+    from specdeploy.package.repository import write_repository
     from specdeploy.serve.client import generate
     from specdeploy.serve.metrics_scrape import scrape, total
-    from specdeploy.serve.repository import write_repository
     from specdeploy.serve.tritonserver import TritonServer
 
     spec = yaml.safe_load((REPO / "pipelines" / "smollm2-medusa.yaml").read_text())

@@ -87,7 +87,7 @@ def format_plan(pipeline: PipelineSpec, steps: list[Step], notes: list[str]) -> 
 class Sources:
     """The pipeline's models, each loaded whole once when an export first needs it: only sources TensorRT-LLM cannot
     read as they are (GGUF and packaged files, which transformers dequantizes whole; the small CPU models), since a
-    Hugging Face checkpoint is read where it is or streamed (trtllm_plan.hf_dirs)."""
+    Hugging Face checkpoint is read where it is or streamed (build/trtllm/plan.hf_dirs)."""
 
     def __init__(self, pipeline: PipelineSpec) -> None:
         self.pipeline = pipeline

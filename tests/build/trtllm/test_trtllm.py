@@ -33,8 +33,8 @@ from specdeploy.build.trtllm.upstream import (
     TRTLLM_BUILD_FLAGS,
 )
 from specdeploy.errors import BuildError, PipelineError
-from specdeploy.serve.repository import model_configs
-from specdeploy.serve.trtllm.model_configs import tensorrtllm_model
+from specdeploy.package.repository import model_configs
+from specdeploy.package.trtllm_models import tensorrtllm_model
 from specdeploy.spec.pipeline import load_pipeline
 
 GPU_EXAMPLES = sorted((REPO / "pipelines" / "gpu").glob("*.yaml"))

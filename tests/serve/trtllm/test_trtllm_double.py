@@ -18,7 +18,7 @@ from scipy import stats
 
 from specdeploy.build.trtllm.upstream import TENSORRTLLM_REQUIRED_PARAMETERS
 from specdeploy.decoding.sampling import sampling_distribution
-from specdeploy.serve.trtllm.model_configs import tensorrtllm_model
+from specdeploy.package.trtllm_models import tensorrtllm_model
 from specdeploy.serve.trtllm.sampling import draft_logits, executor_distribution, point_mass_logits
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.spec.sampling_params import SamplingParams

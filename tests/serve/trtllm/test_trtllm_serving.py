@@ -35,9 +35,9 @@ from specdeploy.build.trtllm.upstream import (
     TENSORRTLLM_REQUIRED_PARAMETERS,
 )
 from specdeploy.errors import RequestError
+from specdeploy.package.repository import DRAFT_MODEL, TARGET_MODEL, model_configs, write_repository
 from specdeploy.serve.client import generate
 from specdeploy.serve.metrics_scrape import scrape, total
-from specdeploy.serve.repository import DRAFT_MODEL, TARGET_MODEL, model_configs, write_repository
 from specdeploy.serve.tritonserver import TritonServer
 from specdeploy.spec.pipeline import load_pipeline
 

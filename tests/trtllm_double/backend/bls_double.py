@@ -13,8 +13,8 @@ import numpy as np
 from tensorrtllm_double import DoubleError, TensorrtllmDouble, responses
 
 from specdeploy.build.trtllm.plan import build_plan
-from specdeploy.serve.repository import DRAFT_MODEL, trtllm_engines
-from specdeploy.serve.trtllm.model_configs import tensorrtllm_model
+from specdeploy.package.repository import DRAFT_MODEL, trtllm_engines
+from specdeploy.package.trtllm_models import tensorrtllm_model
 from specdeploy.spec.pipeline import PipelineSpec
 
 

@@ -1,7 +1,7 @@
 """`specdeploy package` on the llm_api line (backend.trtllm.line: llm_api): a repository holding Triton's LLM-API
 model, `tensorrt_llm` (Python backend, TensorRT-LLM's PyTorch backend inside, speculation by its
 speculative_config). Its config.pbtxt is built as a ModelConfig with the upstream template's tensors
-(build/trtllm/upstream.py), its 1/model.yaml from the pipeline (builders/trtllm_plan.llm_api_config) naming the
+(build/trtllm/upstream.py), its 1/model.yaml from the pipeline (build/trtllm/plan.py's llm_api_config) naming the
 checkpoints copied into 1/hf/ where the server will see them, and its code (1/model.py, 1/helpers.py) is
 upstream's, copied from a TensorRT-LLM checkout at the served release's tag (we do not ship NVIDIA's code).
 

@@ -2,12 +2,13 @@
 
 ensemble (tensorrtllm_backend's request/response names) = preprocessing → speculative (decoupled, Python backend,
 owns draft + target, detokenises). Each model carries its files in its version directory, named by paths relative
-to it (model_files.py): the engine in `speculative/1/engine/` (its weights hard-linked to the built engine's where
-the file system allows, everything else copied), the tokenizer in `preprocessing/1/tokenizer/`. The repository
-therefore serves from wherever it is copied or mounted. Every config.pbtxt is built as Triton's ModelConfig
-protobuf message and written with protobuf's text format; the Python model files come from model_repo/ beside this
-module (thin wrappers importing specdeploy): `speculative/1/model.py` is model_repo/speculative_torch/model.py or
-model_repo/speculative_trtllm/model.py, by the pipeline's backend.
+to it (serve/model_files.py): the engine in `speculative/1/engine/` (its weights hard-linked to the built engine's
+where the file system allows, everything else copied), the tokenizer in `preprocessing/1/tokenizer/`. The
+repository therefore serves from wherever it is copied or mounted. Every config.pbtxt is built as Triton's
+ModelConfig protobuf message and written with protobuf's text format; the Python model files come from
+serve/model_repo/ (thin wrappers importing specdeploy): `speculative/1/model.py` is
+serve/model_repo/speculative_torch/model.py or serve/model_repo/speculative_trtllm/model.py, by the pipeline's
+backend.
 """
 
 from __future__ import annotations
@@ -20,9 +21,12 @@ from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.build.trtllm.plan import hf_dirs
 from specdeploy.errors import SpecdeployError
+from specdeploy.package.llmapi_repository import MODEL_YAML, write_llmapi_repository
+from specdeploy.package.trtllm_models import tensorrtllm_model
 from specdeploy.serve.model_files import (
     DRAFT_MODEL_PARAMETER,
     ENGINE_PARAMETER,
+    MODEL_CODE,
     PIPELINE_PARAMETER,
     TARGET_MODEL_PARAMETER,
     TOKENIZER_PARAMETER,
@@ -31,12 +35,9 @@ from specdeploy.serve.model_files import (
     link_or_copy,
 )
 from specdeploy.serve.requests import SCALAR_INPUTS, STATISTICS
-from specdeploy.serve.trtllm.llmapi_repository import MODEL_YAML, write_llmapi_repository
-from specdeploy.serve.trtllm.model_configs import tensorrtllm_model
 from specdeploy.spec.engine_paths import PIPELINE_FILE, engine_pipeline, staging_dir
 from specdeploy.spec.pipeline import PipelineSpec
 
-MODEL_CODE = Path(__file__).resolve().parent / "model_repo"
 # The model_repo/ folder of the `speculative` model's code, by backend kind: one per flavour, one model to clients.
 SPECULATIVE_CODE = {"torch": "speculative_torch", "trtllm": "speculative_trtllm"}
 VERSION = "1"

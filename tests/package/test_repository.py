@@ -7,7 +7,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2
 
 from specdeploy.errors import SpecdeployError
-from specdeploy.serve.repository import write_repository
+from specdeploy.package.repository import write_repository
 
 
 def test_a_rewrite_replaces_the_whole_repository(tiny_engines, tmp_path):

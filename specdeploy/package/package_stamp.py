@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 
 import specdeploy
-from specdeploy.serve.repository import MODEL_CODE
+from specdeploy.serve.model_files import MODEL_CODE
 from specdeploy.spec.engine_paths import MANIFEST_FILE, MEASURED_POLICY_FILE, PIPELINE_FILE, write_json
 
 STAMP_FILE = ".specdeploy-package.json"  # Triton reads only directories at a repository's top level
