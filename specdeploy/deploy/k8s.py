@@ -15,7 +15,6 @@ import hashlib
 import math
 import re
 import shutil
-from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
@@ -28,6 +27,7 @@ from specdeploy.deploy.k8s_commands import EXIT_MARGIN, engine_models, server_co
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
 from specdeploy.deploy.k8s_multinode import group_disruption_budget, leader_worker_set
 from specdeploy.deploy.launch import STOP_GRACE_S
+from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.deploy.sizing import PodSize, pod_size
 from specdeploy.errors import SpecdeployError
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
@@ -40,24 +40,6 @@ INSTANCE_LABEL = "app.kubernetes.io/instance"
 LONGEST_NAME = f"{base.BUILD_JOB}-0123456789"  # the build Job, named after the pipeline's hash
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 MONITORING_KINDS = ("PodMonitor", "HorizontalPodAutoscaler")  # base objects left out by --no-monitoring
-
-
-@dataclass(frozen=True)
-class OverlayOptions:
-    name: str | None = None  # the overlay's folder (default: the pipeline's name)
-    image: str | None = None  # repository[:tag] (default: specdeploy-cpu / -gpu at this version)
-    namespace: str = "specdeploy"
-    weights_gib: float | None = None  # the model's weights, when its checkpoint is not readable here
-    gpus_per_node: int = 8
-    longest_generation_s: int = 120  # the drain: running requests get this long after SIGTERM
-    draft_cost_ratio: float | None = None  # c (default: 0.1 for a draft model, 0 for heads and n-grams)
-    verify_cost_ratio: float = 1.1  # v
-    gpu_product: str | None = None  # the nvidia.com/gpu.product label value engines are built and served on
-    storage_class: str | None = None  # the data volume's class (default: the cluster's default class)
-    access_mode: str | None = None  # ReadWriteOnce / ReadWriteMany (default: by how many nodes a group spans)
-    monitoring: bool = True  # PodMonitor, PrometheusRule and the HPA (need prometheus-operator's CRDs)
-    prometheus_release: str = "prometheus"  # kube-prometheus-stack's Helm release, which selects by `release`
-    prometheus_namespace: str = "monitoring"  # where that Prometheus runs (the adapter's URL)
 
 
 class PlainDumper(yaml.SafeDumper):
