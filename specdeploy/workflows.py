@@ -1,5 +1,6 @@
-"""The CLI's verbs as library functions. Each one builds what it needs, runs, and returns a report (a dict) for
-the CLI to print; generated text arrives through an `on_text` callback, so a caller can stream it.
+"""The CLI's verbs as library functions. Each one builds what it needs, runs, and returns what the CLI prints (a
+result or a report); generated text arrives through an `on_text` callback, so a caller can stream it. The choices
+a verb makes from the pipeline (which backend builds the engine) are made here, so the CLI only parses and prints.
 
 Request fields a user leaves unset (None) take the pipeline's values: in-process the engine's pipeline, over gRPC
 the served pipeline (the field is simply not sent).
@@ -18,12 +19,14 @@ from typing import NamedTuple
 
 from specdeploy.build.torch_engine import BuildResult, build
 from specdeploy.decoding.detokenizer import IncrementalDetokenizer
+from specdeploy.decoding.stats import decode_tokens, mean_accepted_length
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.compile_engine import compile_engine, is_compiled
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock, measured_gamma_cap
 from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
+from specdeploy.training.medusa_options import MedusaTrainingOptions
 
 TextCallback = Callable[[str], None]
 
@@ -82,6 +85,26 @@ def build_torch_engine(pipeline: PipelineSpec, engines_dir: Path, force: bool = 
     return result
 
 
+def build_engine(pipeline: PipelineSpec, engines_dir: Path, force: bool = False, quiet: bool = False) -> BuildResult:
+    """The pipeline's engine, built by its backend (TensorRT-LLM's conversions and engine builds for trtllm, this
+    process for torch) if it is missing or stale (force: rebuilt anyway)."""
+    if pipeline.backend.kind == "trtllm":
+        from specdeploy.build.trtllm import engine_build as trtllm
+
+        return trtllm.build(pipeline, engines_dir, force=force, quiet=quiet)
+    return build_torch_engine(pipeline, engines_dir, force=force, quiet=quiet)
+
+
+def build_plan(pipeline: PipelineSpec, engines_dir: Path) -> str | None:
+    """Every step a trtllm build would run, with its arguments and paths (it needs no TensorRT-LLM); None for a
+    torch build, which runs in-process and has no steps to show."""
+    if pipeline.backend.kind != "trtllm":
+        return None
+    from specdeploy.build.trtllm import engine_build as trtllm
+
+    return trtllm.format_plan(pipeline, *trtllm.plan(pipeline, engines_dir))
+
+
 def prepare_engine(pipeline_path: str | Path, engines_dir: Path, quiet: bool = False,
                    device: Device | None = None) -> BuildResult:
     """Build the pipeline's engine if it is missing or stale."""
@@ -107,13 +130,11 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
     repository (default model_repository/<name>), unless it was packaged from the same inputs already (force:
     write it anyway). served_at: where a trtllm repository will be mounted on the server, which its engine paths
     name (default: where it is written); trtllm_source: a TensorRT-LLM checkout (the llm_api line's model code)."""
-    from specdeploy.build.trtllm import engine_build as trtllm
     from specdeploy.package.package_stamp import is_current, package_stamp, write_stamp
     from specdeploy.package.repository import write_repository
 
     pipeline = load_spec(pipeline_path, device)
-    builder = trtllm.build if pipeline.backend.kind == "trtllm" else build_torch_engine
-    engine_dir = builder(pipeline, engines_dir).directory
+    engine_dir = build_engine(pipeline, engines_dir).directory
     output = Path(output or MODEL_REPOSITORIES_DIR / pipeline.name)
     stamp = package_stamp(pipeline_path, engine_dir, served_at or output.resolve(), trtllm_source)
     with build_lock(output):  # checked under the lock: a package run that held it before us may have just written it
@@ -142,8 +163,37 @@ def export_component(pipeline_path: str | Path, engines_dir: Path, component: st
     return export_hf(source, output, DTYPES[dtype])
 
 
+@dataclass(frozen=True)
+class GenerationReport:
+    """One generation's text and statistics, the same type from either path, so the CLI prints one thing.
+
+    The counts mean the same on both paths; the rate does not. In-process it is the decode phase's (the prefill,
+    which speculation never touches, left out); over gRPC it is the whole request as the client saw it, `seconds`
+    long. `details` is what --json writes beside the text, under the names each path has always used: every
+    RequestStats field with the method and gamma in-process, the response's statistics over gRPC."""
+
+    text: str
+    label: str  # what ran it: "<method>, gamma <n>" in-process, the server's HOST:PORT over gRPC
+    generated_tokens: int
+    acceptance_rate: float  # as the engine or the server computed it
+    mean_accepted_length: float  # decoding/stats.py's, from the generated tokens and the target steps
+    tokens_per_s: float
+    details: dict
+    seconds: float | None = None  # over gRPC: the request end to end
+    plain_tokens_per_s: float | None = None  # the same request in plain decode (compare)
+
+    @property
+    def speedup(self) -> float | None:
+        return None if self.plain_tokens_per_s is None else self.tokens_per_s / self.plain_tokens_per_s
+
+    def to_json(self) -> dict:
+        compared = {} if self.plain_tokens_per_s is None else {"plain_tokens_per_s": self.plain_tokens_per_s,
+                                                               "speedup": self.speedup}
+        return {"text": self.text, **self.details, **compared}
+
+
 def generate_in_process(engine: Engine, prompt: str, options: RequestOptions, compare: bool,
-                        on_text: TextCallback) -> dict:
+                        on_text: TextCallback) -> GenerationReport:
     """One request through the engine, streamed to on_text; with compare, the same request in plain decode
     afterwards (both paths warmed up first, so neither pays first-call costs)."""
     prompt_ids = engine.encode_prompt(prompt)
@@ -158,22 +208,24 @@ def generate_in_process(engine: Engine, prompt: str, options: RequestOptions, co
     for emitted in generation:
         on_text(detokenizer.add(emitted))
     on_text(detokenizer.flush())
-    stats = generation.stats
-    report = {"text": detokenizer.text, "tokens": generation.tokens, "method": engine.method,
-              "num_draft_tokens": request.gamma(engine.pipeline), **stats.to_dict()}
+    stats, gamma = generation.stats, request.gamma(engine.pipeline)
+    plain_rate = None
     if compare:
         plain = engine.start(dataclasses.replace(request, num_draft_tokens=0))
         plain.run()
-        report.update(plain_tokens_per_s=plain.stats.decode_tokens_per_s,
-                      speedup=stats.decode_tokens_per_s / plain.stats.decode_tokens_per_s)
-    return report
+        plain_rate = plain.stats.decode_tokens_per_s
+    details = {"tokens": generation.tokens, "method": engine.method, "num_draft_tokens": gamma, **stats.to_dict()}
+    return GenerationReport(detokenizer.text, f"{engine.method}, gamma {gamma}", stats.generated_tokens,
+                            stats.acceptance_rate, stats.mean_accepted_length, stats.decode_tokens_per_s, details,
+                            plain_tokens_per_s=plain_rate)
 
 
 def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: bool, compare: bool,
-                       on_text: TextCallback) -> dict:
+                       on_text: TextCallback) -> GenerationReport:
     """One request through a running server's ensemble; with compare, the same request with num_draft_tokens 0
     afterwards. Speeds are end to end, as the client sees them."""
     from specdeploy.serve.client import generate
+    from specdeploy.serve.requests import STATISTICS
 
     def run(fields: dict, show: TextCallback | None) -> tuple[str, dict, float]:
         started, text, statistics = time.perf_counter(), "", {}
@@ -185,20 +237,25 @@ def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: b
                 show(chunk.text)
         return text, statistics, time.perf_counter() - started
 
+    def counted(statistics: dict) -> dict:
+        """Every statistic, 0 where the server sent none (a request answered with no output at all)."""
+        return {**{name: 0 for name, *_ in STATISTICS}, **statistics}
+
     text, statistics, seconds = run(options.grpc_fields(), on_text)
-    steps = statistics.get("verification_steps", 0)
-    report = {"text": text, **statistics, "seconds": seconds,
-              "tokens_per_s": statistics.get("generated_tokens", 0) / seconds,
-              "mean_accepted_length": (statistics.get("generated_tokens", 1) - 1) / steps if steps else 0.0}
+    counts = counted(statistics)
+    generated, rate = counts["generated_tokens"], counts["generated_tokens"] / seconds
+    mean_length = mean_accepted_length(decode_tokens(generated), counts["verification_steps"])
+    plain_rate = None
     if compare:
         _, plain, plain_seconds = run({**options.grpc_fields(), "num_draft_tokens": 0}, None)
-        report["plain_tokens_per_s"] = plain.get("generated_tokens", 0) / plain_seconds
-        report["speedup"] = report["tokens_per_s"] / report["plain_tokens_per_s"]
-    return report
+        plain_rate = counted(plain)["generated_tokens"] / plain_seconds
+    details = {**statistics, "seconds": seconds, "tokens_per_s": rate, "mean_accepted_length": mean_length}
+    return GenerationReport(text, url, generated, counts["acceptance_rate"], mean_length, rate, details,
+                            seconds=seconds, plain_tokens_per_s=plain_rate)
 
 
-def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, work_dir: Path, prompts: int = 1000,
-                 max_tokens: int = 128, epochs: int = 4, console=None) -> dict:
+def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path,
+                 options: MedusaTrainingOptions = MedusaTrainingOptions(), console=None) -> dict:
     """Self-distil the pipeline's Medusa heads (speculation.medusa: num_heads, num_layers) on its frozen target and
     write them to `output`, with a report of each head's held-out accuracy beside it (<output>.json)."""
     from rich.console import Console
@@ -218,9 +275,10 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     # The target alone, under its own name: the heads do not exist yet, so the Medusa engine cannot be built.
     target_only = dataclasses.replace(pipeline, name=f"{pipeline.name}-target", speculation=SpeculationSpec())
     engine_dir = build(target_only, engines_dir).directory
+    work_dir = options.work_dir
     work_dir.mkdir(parents=True, exist_ok=True)
-    train_prompts, held_out = training_prompts(prompts, exclude=[p["prompt"] for p in load_prompts()])
-    answers = training.generate_answers(engine_dir, train_prompts + held_out, max_tokens,
+    train_prompts, held_out = training_prompts(options.prompts, exclude=[p["prompt"] for p in load_prompts()])
+    answers = training.generate_answers(engine_dir, train_prompts + held_out, options.max_tokens,
                                         work_dir / "answers.jsonl", pipeline.limits.max_batch_size, console)
     generated = time.perf_counter()
     engine = Engine(engine_dir, method="none")
@@ -228,7 +286,7 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     held_data = training.features(engine, {p: answers[p] for p in held_out}, spec.num_heads, console)
     lm_head = load_projection(engine_dir / "target")
     heads = MedusaHeads(train_data.hidden.shape[1], spec.num_heads, spec.num_layers)
-    heads = training.train(heads, train_data, lm_head, epochs, work_dir, console=console)
+    heads = training.train(heads, train_data, lm_head, options.epochs, work_dir, console=console)
     report = accuracies(heads, held_data, lm_head)
     training.print_accuracies(report, console)
     output.parent.mkdir(parents=True, exist_ok=True)
@@ -236,7 +294,7 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path, wor
     summary = {"heads": str(output), "num_heads": spec.num_heads, "num_layers": spec.num_layers,
                "prompts": {"train": len(train_prompts), "held_out": len(held_out)},
                "positions": {"train": len(train_data.hidden), "held_out": len(held_data.hidden)},
-               "max_tokens": max_tokens, "epochs": epochs, "held_out_accuracy": report,
+               "max_tokens": options.max_tokens, "epochs": options.epochs, "held_out_accuracy": report,
                # the written prompts quote the standard library, which changes between Python versions
                "python": platform.python_version(),
                "seconds": {"answers": round(generated - started), "total": round(time.perf_counter() - started)}}

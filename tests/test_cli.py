@@ -174,6 +174,33 @@ def test_generate_json_and_bad_requests(tmp_path, tiny_dt):
         assert fragment in bad.stderr and "Traceback" not in bad.stderr
 
 
+def test_generate_over_grpc_prints_the_servers_statistics(monkeypatch):
+    """The gRPC path's report, without a server: the last response's statistics, the rates end to end."""
+    from specdeploy.serve import client
+
+    def responses(url, prompt, max_tokens, stream=True, **fields):
+        plain = fields.get("num_draft_tokens") == 0
+        statistics = {"total_draft_tokens": 0 if plain else 9, "total_accepted_draft_tokens": 0 if plain else 6,
+                      "acceptance_rate": 0.0 if plain else 0.75, "generated_tokens": 9,
+                      "verification_steps": 8 if plain else 3}
+        yield client.Chunk("hello ", {**statistics, "generated_tokens": 4}, False)
+        yield client.Chunk("world", statistics, False)
+        yield client.Chunk("", {}, True)
+
+    monkeypatch.setattr(client, "generate", responses)
+    shown = run_cli("generate", "--url", "host:1", "hi", "--compare")
+    assert shown.returncode == 0, shown.stderr
+    assert shown.stdout.startswith("hello world\n[host:1] 9 tokens in ")
+    assert "tokens/s end to end); acceptance 0.75, mean accepted length 2.67\n" in shown.stdout
+    assert "plain decode over the same server: " in shown.stdout
+    report = json.loads(run_cli("generate", "--url", "host:1", "hi", "--json", "--compare").stdout)
+    assert list(report) == ["text", "total_draft_tokens", "total_accepted_draft_tokens", "acceptance_rate",
+                            "generated_tokens", "verification_steps", "seconds", "tokens_per_s",
+                            "mean_accepted_length", "plain_tokens_per_s", "speedup"]
+    assert report["text"] == "hello world" and report["mean_accepted_length"] == pytest.approx(8 / 3)
+    assert report["speedup"] == pytest.approx(report["tokens_per_s"] / report["plain_tokens_per_s"])
+
+
 def test_bench_reports_every_key(tmp_path, tiny_checkpoints):
     path = tiny_pipeline(tmp_path, "tiny-bench", tiny_checkpoints["target"], method="ngram")
     prompts = tmp_path / "prompts.jsonl"

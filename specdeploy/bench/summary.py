@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdeploy.bench.bench_report import KindSpeeds, Summary
-from specdeploy.decoding.stats import RequestStats, decode_rate
+from specdeploy.decoding.stats import RequestStats, decode_rate, mean_accepted_length
 from specdeploy.runtime.engine import Engine
 from specdeploy.speculative.speedup import predicted_speedup
 
@@ -70,7 +70,7 @@ def summarize(engine: Engine, runs: list[PromptRun]) -> Summary:
         speculative_tokens_per_s=speculative,
         speedup=speculative / baseline if baseline else 0.0,
         acceptance_rate=alpha,
-        mean_accepted_length=emitted / steps if steps else 0.0,
+        mean_accepted_length=mean_accepted_length(emitted, steps),
         draft_cost_ratio=draft_cost,
         verify_cost_ratio=verify_cost,
         predicted_speedup=predicted_speedup(alpha, formula_gamma, draft_cost, verify_cost),

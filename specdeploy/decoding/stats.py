@@ -45,8 +45,7 @@ class RequestStats:
 
     @property
     def decode_tokens(self) -> int:
-        """Tokens committed after prefill (the first token comes from prefill, which speculation never touches)."""
-        return max(self.generated_tokens - 1, 0)
+        return decode_tokens(self.generated_tokens)
 
     @property
     def decode_seconds(self) -> float:
@@ -54,8 +53,7 @@ class RequestStats:
 
     @property
     def mean_accepted_length(self) -> float:
-        """Tokens emitted per target step after prefill, bonus/recovered token included (≥ 1)."""
-        return self.decode_tokens / self.steps if self.steps else 0.0
+        return mean_accepted_length(self.decode_tokens, self.steps)
 
     @property
     def per_position_acceptance(self) -> list[float]:
@@ -71,6 +69,17 @@ class RequestStats:
                     per_position_acceptance=self.per_position_acceptance,
                     decode_tokens_per_s=self.decode_tokens_per_s)
         return data
+
+
+def decode_tokens(generated_tokens: int) -> int:
+    """Tokens committed after prefill (the first token comes from prefill, which speculation never touches)."""
+    return max(generated_tokens - 1, 0)
+
+
+def mean_accepted_length(decoded: int, steps: int) -> float:
+    """Tokens emitted per target step after prefill, bonus/recovered token included (≥ 1): `decoded` tokens
+    committed after prefill over `steps` target steps, of one request or summed over several."""
+    return decoded / steps if steps else 0.0
 
 
 def decode_rate(stats: list[RequestStats]) -> float:

@@ -7,6 +7,9 @@ the image, the build Job's and the server's commands (deploy/k8s_commands.py), r
 (deploy/k8s_placement.py), and the PrometheusRule with the pipeline's break-even acceptance. Every object's name is
 prefixed with the pipeline's name and every selector includes its instance label, so several pipelines share a
 namespace. A model wider than one node is a LeaderWorkerSet (deploy/k8s_multinode.py).
+
+`checked_overlay` refuses what the cluster could not run, `overlay_files` turns the checked overlay into every file
+as data (so tests compare documents without writing), and `write_overlay` writes them.
 """
 
 from __future__ import annotations
@@ -24,11 +27,12 @@ import specdeploy
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy import k8s_placement as placement
 from specdeploy.deploy.build_memory import build_memory_gib
-from specdeploy.deploy.k8s_commands import engine_models, server_command, under_launcher
+from specdeploy.deploy.k8s_commands import server_command, under_launcher
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
 from specdeploy.deploy.k8s_multinode import group_disruption_budget, leader_worker_set
 from specdeploy.deploy.launch import STOP_GRACE_S
-from specdeploy.deploy.sizing import PodSize, pod_size
+from specdeploy.deploy.overlay_options import OverlayOptions
+from specdeploy.deploy.sizing import PodSize, check_node_span, pod_size
 from specdeploy.errors import SpecdeployError
 from specdeploy.serve.tritonserver import EXIT_MARGIN, KILL_MARGIN
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
@@ -43,24 +47,6 @@ DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
 MONITORING_KINDS = ("PodMonitor", "HorizontalPodAutoscaler")  # base objects left out by --no-monitoring
 
 
-@dataclass(frozen=True)
-class OverlayOptions:
-    name: str | None = None  # the overlay's folder (default: the pipeline's name)
-    image: str | None = None  # repository[:tag] (default: specdeploy-cpu / -gpu at this version)
-    namespace: str = "specdeploy"
-    weights_gib: float | None = None  # the model's weights, when its checkpoint is not readable here
-    gpus_per_node: int = 8
-    longest_generation_s: int = 120  # the drain: running requests get this long after SIGTERM
-    draft_cost_ratio: float | None = None  # c (default: 0.1 for a draft model, 0 for heads and n-grams)
-    verify_cost_ratio: float = 1.1  # v
-    gpu_product: str | None = None  # the nvidia.com/gpu.product label value engines are built and served on
-    storage_class: str | None = None  # the data volume's class (default: the cluster's default class)
-    access_mode: str | None = None  # ReadWriteOnce / ReadWriteMany (default: by how many nodes a group spans)
-    monitoring: bool = True  # PodMonitor, PrometheusRule and the HPA (need prometheus-operator's CRDs)
-    prometheus_release: str = "prometheus"  # kube-prometheus-stack's Helm release, which selects by `release`
-    prometheus_namespace: str = "monitoring"  # where that Prometheus runs (the adapter's URL)
-
-
 class PlainDumper(yaml.SafeDumper):
     """Writes a value shared between two places twice, never as a YAML anchor and alias."""
 
@@ -68,20 +54,36 @@ class PlainDumper(yaml.SafeDumper):
         return True
 
 
-def dump(path: Path, documents: dict | list[dict], comment: str = "") -> None:
-    documents = documents if isinstance(documents, list) else [documents]
-    header = "".join(f"# {line}\n" for line in comment.splitlines())
-    path.write_text(header + "---\n".join(yaml.dump(d, Dumper=PlainDumper, sort_keys=False, width=120)
-                                          for d in documents))
+@dataclass(frozen=True)
+class Manifest:
+    """One YAML file of the output: its documents, and the comment above them."""
+
+    documents: dict | list[dict]
+    comment: str = ""
+
+    def text(self) -> str:
+        documents = self.documents if isinstance(self.documents, list) else [self.documents]
+        header = "".join(f"# {line}\n" for line in self.comment.splitlines())
+        return header + "---\n".join(yaml.dump(d, Dumper=PlainDumper, sort_keys=False, width=120)
+                                      for d in documents)
 
 
-def write_base(directory: Path) -> None:
-    directory.mkdir(parents=True, exist_ok=True)
+def base_files() -> dict[str, Manifest]:
+    """The shared base, by file name."""
     objects = base.base_objects()
-    for file, document in objects.items():
-        dump(directory / file, document)
-    dump(directory / "kustomization.yaml", {**KUSTOMIZATION, "resources": list(objects)},
-         "The shared base (written by `specdeploy k8s`; overlays patch it by name).")
+    files = {file: Manifest(document) for file, document in objects.items()}
+    files["kustomization.yaml"] = Manifest({**KUSTOMIZATION, "resources": list(objects)},
+                                           "The shared base (written by `specdeploy k8s`; overlays patch it by name).")
+    return files
+
+
+def adapter_files(options: OverlayOptions) -> dict[str, Manifest]:
+    """The monitoring folder: the Prometheus adapter's Helm values, by file name."""
+    return {"prometheus-adapter-values.yaml": Manifest(
+        adapter_values(options.prometheus_namespace),
+        "helm install prometheus-adapter prometheus-community/prometheus-adapter -n monitoring "
+        "-f prometheus-adapter-values.yaml\nServes the triton:queue_compute:ratio recording rule and the scheduler's "
+        "waiting requests to the HPA as pods metrics.")}
 
 
 def volume_files(pipeline: PipelineSpec) -> dict[str, str]:
@@ -240,94 +242,150 @@ def json_patch(kind: str, name: str, operations: list[dict]) -> dict:
     return {"target": {"kind": kind, "name": name}, "patch": yaml.safe_dump(operations)}
 
 
-def write_overlay(pipeline_path: Path, output: Path, options: OverlayOptions = OverlayOptions()) -> Path:
-    """Write DIR/base, DIR/monitoring and DIR/overlays/<name> for the pipeline. Returns the overlay directory."""
-    pipeline_path, output = Path(pipeline_path), Path(output)
+@dataclass(frozen=True)
+class Overlay:
+    """A pipeline's overlay before it is files: the checked pipeline and what its files are written from."""
+
+    path: Path  # the pipeline file as the user named it
+    pipeline: PipelineSpec
+    options: OverlayOptions
+    size: PodSize
+    prefix: str  # every object's name prefix
+    image: dict  # kustomize's `images` entry
+    pipeline_hash: str  # of the pipeline file and the image: a change rolls the servers and names a new build Job
+    gpu_product: str | None  # the GPU nodes' product label the pods are pinned to
+    access_mode: str  # the data volume's
+    build_memory_gib: int
+
+    @property
+    def repository(self) -> str:
+        return f"{base.MODELS_DIR}/{self.pipeline.name}"
+
+    @property
+    def instance(self) -> dict[str, str]:
+        return {INSTANCE_LABEL: self.pipeline.name}
+
+    @property
+    def folder(self) -> str:
+        """The overlay's folder under the output folder."""
+        return f"overlays/{self.options.name or self.pipeline.name}"
+
+    @property
+    def placement(self) -> dict:
+        """The pods' scheduling fields. A ReadWriteOnce volume attaches to one node: every pod of this pipeline
+        goes to that node."""
+        colocate = self.instance if self.access_mode == placement.READ_WRITE_ONCE else None
+        return placement.scheduling(self.size, self.gpu_product, colocate)
+
+
+def checked_overlay(pipeline_path: Path, options: OverlayOptions) -> Overlay:
+    """The overlay of the pipeline at `pipeline_path`, refused (SpecdeployError) where the cluster could not run it."""
     pipeline = checked_pipeline(pipeline_path)
     size = pod_size(pipeline, target_dimensions(pipeline, options.weights_gib), options.weights_gib,
                     options.gpus_per_node)
-    if size.nodes > 1:
-        settings = pipeline.backend.settings
-        if (settings.tp_size * settings.pp_size) % options.gpus_per_node:
-            raise SpecdeployError(f"{pipeline_path}: tp_size × pp_size = {settings.tp_size * settings.pp_size} "
-                                  f"spans nodes but is not a multiple of --gpus-per-node {options.gpus_per_node}")
-        if len(engine_models(pipeline)) > 1:
-            raise SpecdeployError(f"{pipeline_path}: a draft-target pipeline on TensorRT-LLM runs its two engines "
-                                  f"in orchestrator mode, which is single-node; tp_size × pp_size = "
-                                  f"{settings.tp_size * settings.pp_size} exceeds --gpus-per-node "
-                                  f"{options.gpus_per_node} (use Medusa or n-gram speculation across nodes)")
+    check_node_span(pipeline, size, options.gpus_per_node, pipeline_path)
     prefix = checked_prefix(pipeline, pipeline_path)
     gpu_product = placement.checked_gpu_product(pipeline, options.gpu_product)
     mode = placement.access_mode(size, options.access_mode)
     image = image_reference(pipeline, options.image)
     text = pipeline_path.read_text()
     pipeline_hash = hashlib.sha256(f"{text}\n{image_text(image)}".encode()).hexdigest()[:10]
-    repository = f"{base.MODELS_DIR}/{pipeline.name}"
-    instance = {INSTANCE_LABEL: pipeline.name}
-    overlay = output / "overlays" / (options.name or pipeline.name)
-    write_base(output / "base")
-    monitoring = output / "monitoring"
-    monitoring.mkdir(parents=True, exist_ok=True)
-    dump(monitoring / "prometheus-adapter-values.yaml", adapter_values(options.prometheus_namespace),
-         "helm install prometheus-adapter prometheus-community/prometheus-adapter -n monitoring "
-         "-f prometheus-adapter-values.yaml\nServes the triton:queue_compute:ratio recording rule and the scheduler's "
-         "waiting requests to the HPA as pods metrics.")
-    if overlay.exists():
-        shutil.rmtree(overlay)
-    overlay.mkdir(parents=True)
-    shutil.copy2(pipeline_path, overlay / base.PIPELINE_KEY)
-    # A ReadWriteOnce volume attaches to one node: every pod of this pipeline goes to that node
-    placement_spec = placement.scheduling(size, gpu_product, instance if mode == placement.READ_WRITE_ONCE else None)
-    memory_gib = build_memory_gib(pipeline, size.weights_gib)
-    pod = server_pod_patch(pipeline, repository, size, options, pipeline_hash, placement_spec)
-    resources_list = ["../../base"]
-    patches = [{"path": "build-job.yaml"}, {"path": "pvc.yaml"},
-               json_patch("Job", base.BUILD_JOB, [{"op": "replace", "path": "/metadata/name",
-                                                   "value": f"{base.BUILD_JOB}-{pipeline_hash}"}])]
-    dump(overlay / "build-job.yaml", build_job_patch(pipeline, repository, size, memory_gib, placement_spec))
-    dump(overlay / "pvc.yaml", placement.data_claim_patch(size, mode, options.storage_class, build_copies(pipeline)))
-    if options.monitoring:
-        resources_list.append("prometheusrule.yaml")
-        dump(overlay / "prometheusrule.yaml", prometheus_rule(break_even_length(pipeline, options),
-                                                              options.prometheus_release))
-        dump(overlay / "podmonitor.yaml", {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
-                                           "metadata": {"name": base.SERVER,
-                                                        "labels": release_labels(options.prometheus_release)},
-                                           "spec": {"selector": {"matchLabels": {**base.SERVER_LABELS,
-                                                                                 **instance}}}})
-        patches.append({"path": "podmonitor.yaml"})
-    else:
-        dump(overlay / "monitoring-delete.yaml", [
+    return Overlay(pipeline_path, pipeline, options, size, prefix, image, pipeline_hash, gpu_product, mode,
+                   build_memory_gib(pipeline, size.weights_gib))
+
+
+def server_files(overlay: Overlay) -> dict[str, Manifest]:
+    """The serving pods: the base's Deployment patched, or across nodes a LeaderWorkerSet that replaces it."""
+    pod = server_pod_patch(overlay.pipeline, overlay.repository, overlay.size, overlay.options, overlay.pipeline_hash,
+                           overlay.placement)
+    if overlay.size.nodes == 1:
+        return {"deployment.yaml": Manifest(deployment_patch(pod))}
+    group = leader_worker_set(pod, overlay.size, image_text(overlay.image), overlay.prefix, overlay.instance,
+                              overlay.repository)
+    return {"leaderworkerset.yaml": Manifest(group),
+            "deployment-delete.yaml": Manifest(delete_patch("Deployment", "apps/v1", base.SERVER))}
+
+
+def monitoring_files(overlay: Overlay) -> dict[str, Manifest]:
+    """The PrometheusRule and PodMonitor, or with --no-monitoring the deletion of the base's PodMonitor and HPA."""
+    options = overlay.options
+    if not options.monitoring:
+        return {"monitoring-delete.yaml": Manifest([
             delete_patch("PodMonitor", "monitoring.coreos.com/v1", base.SERVER),
-            delete_patch("HorizontalPodAutoscaler", "autoscaling/v2", base.SERVER)])
-        patches.append({"path": "monitoring-delete.yaml"})
-    if size.nodes == 1:
-        dump(overlay / "deployment.yaml", deployment_patch(pod))
-        patches.insert(0, {"path": "deployment.yaml"})
-    else:
-        group = leader_worker_set(pod, size, image_text(image), prefix, instance, repository)
-        dump(overlay / "leaderworkerset.yaml", group)
-        resources_list.append("leaderworkerset.yaml")
-        dump(overlay / "deployment-delete.yaml", delete_patch("Deployment", "apps/v1", base.SERVER))
-        patches.insert(0, {"path": "deployment-delete.yaml"})
-        patches.append(json_patch("PodDisruptionBudget", base.SERVER, [
-            {"op": "replace", "path": "/spec/selector",
-             "value": group_disruption_budget(prefix)["spec"]["selector"]}]))
-        if options.monitoring:
-            patches.append(json_patch("HorizontalPodAutoscaler", base.SERVER, [
-                {"op": "replace", "path": "/spec/scaleTargetRef",
-                 "value": {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-                           "name": prefix + base.SERVER}}]))
-    kustomization = {**KUSTOMIZATION, "namespace": options.namespace, "namePrefix": prefix,
-                     "resources": resources_list, "labels": [{"pairs": instance, "includeSelectors": True}],
-                     "configMapGenerator": [{"name": base.PIPELINE_CONFIGMAP, "files": [base.PIPELINE_KEY]}],
-                     "generatorOptions": {"disableNameSuffixHash": True}, "images": [image], "patches": patches}
-    roots = checkpoint_roots(pipeline)
+            delete_patch("HorizontalPodAutoscaler", "autoscaling/v2", base.SERVER)])}
+    rule = prometheus_rule(break_even_length(overlay.pipeline, options), options.prometheus_release)
+    monitor = {"apiVersion": "monitoring.coreos.com/v1", "kind": "PodMonitor",
+               "metadata": {"name": base.SERVER, "labels": release_labels(options.prometheus_release)},
+               "spec": {"selector": {"matchLabels": {**base.SERVER_LABELS, **overlay.instance}}}}
+    return {"prometheusrule.yaml": Manifest(rule), "podmonitor.yaml": Manifest(monitor)}
+
+
+def group_patches(overlay: Overlay) -> list[dict]:
+    """Across nodes: the base's disruption budget and autoscaler pointed at the LeaderWorkerSet's group."""
+    patches = [json_patch("PodDisruptionBudget", base.SERVER, [
+        {"op": "replace", "path": "/spec/selector",
+         "value": group_disruption_budget(overlay.prefix)["spec"]["selector"]}])]
+    if overlay.options.monitoring:
+        patches.append(json_patch("HorizontalPodAutoscaler", base.SERVER, [
+            {"op": "replace", "path": "/spec/scaleTargetRef",
+             "value": {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
+                       "name": overlay.prefix + base.SERVER}}]))
+    return patches
+
+
+def kustomization(overlay: Overlay) -> Manifest:
+    """The overlay's kustomization.yaml: the base, the overlay's objects and patches, its names and labels."""
+    options, size, multinode = overlay.options, overlay.size, overlay.size.nodes > 1
+    resources = ["../../base"]
+    patches = [{"path": "deployment-delete.yaml" if multinode else "deployment.yaml"},
+               {"path": "build-job.yaml"}, {"path": "pvc.yaml"},
+               json_patch("Job", base.BUILD_JOB, [{"op": "replace", "path": "/metadata/name",
+                                                   "value": f"{base.BUILD_JOB}-{overlay.pipeline_hash}"}])]
+    if options.monitoring:
+        resources.append("prometheusrule.yaml")
+    patches.append({"path": "podmonitor.yaml" if options.monitoring else "monitoring-delete.yaml"})
+    if multinode:
+        resources.append("leaderworkerset.yaml")
+        patches += group_patches(overlay)
+    document = {**KUSTOMIZATION, "namespace": options.namespace, "namePrefix": overlay.prefix,
+                "resources": resources, "labels": [{"pairs": overlay.instance, "includeSelectors": True}],
+                "configMapGenerator": [{"name": base.PIPELINE_CONFIGMAP, "files": [base.PIPELINE_KEY]}],
+                "generatorOptions": {"disableNameSuffixHash": True}, "images": [overlay.image], "patches": patches}
+    roots = checkpoint_roots(overlay.pipeline)
     needs = (f"\nThe build Job mounts the PersistentVolumeClaim {CHECKPOINTS_CLAIM} (yours, holding the checkpoints) "
              f"at {', '.join(roots)}." if roots else "")
-    volume = f"the data volume {mode}" + (f" on class {options.storage_class}" if options.storage_class else
-                                          " on the default storage class")
-    dump(overlay / "kustomization.yaml", kustomization,
-         f"specdeploy k8s {pipeline_path.name}: {size.comment()}; build Job memory {memory_gib} GiB; {volume}."
-         f"{needs}\nRender: kubectl kustomize <this folder>; apply: kubectl apply -k <this folder>")
-    return overlay
+    volume = f"the data volume {overlay.access_mode}" + (
+        f" on class {options.storage_class}" if options.storage_class else " on the default storage class")
+    return Manifest(document, f"specdeploy k8s {overlay.path.name}: {size.comment()}; build Job memory "
+                              f"{overlay.build_memory_gib} GiB; {volume}.{needs}\nRender: kubectl kustomize <this "
+                              f"folder>; apply: kubectl apply -k <this folder>")
+
+
+def overlay_files(overlay: Overlay) -> dict[str, Manifest]:
+    """Every YAML file `write_overlay` writes for `overlay`, by its path under the output folder: base/,
+    monitoring/ and the overlay's folder (the pipeline file's copy aside)."""
+    pipeline, size, options = overlay.pipeline, overlay.size, overlay.options
+    files = {"build-job.yaml": Manifest(build_job_patch(pipeline, overlay.repository, size, overlay.build_memory_gib,
+                                                        overlay.placement)),
+             "pvc.yaml": Manifest(placement.data_claim_patch(size, overlay.access_mode, options.storage_class,
+                                                             build_copies(pipeline))),
+             **monitoring_files(overlay), **server_files(overlay), "kustomization.yaml": kustomization(overlay)}
+    return {**{f"base/{name}": manifest for name, manifest in base_files().items()},
+            **{f"monitoring/{name}": manifest for name, manifest in adapter_files(options).items()},
+            **{f"{overlay.folder}/{name}": manifest for name, manifest in files.items()}}
+
+
+def write_overlay(pipeline_path: Path, output: Path, options: OverlayOptions = OverlayOptions()) -> Path:
+    """Write DIR/base, DIR/monitoring and DIR/overlays/<name> for the pipeline, the overlay's folder replaced whole
+    (no file of an earlier run lingers) with a copy of the pipeline file beside its manifests. Returns the overlay
+    directory."""
+    output, overlay = Path(output), checked_overlay(Path(pipeline_path), options)
+    folder = output / overlay.folder
+    if folder.exists():
+        shutil.rmtree(folder)
+    folder.mkdir(parents=True)
+    shutil.copy2(overlay.path, folder / base.PIPELINE_KEY)
+    for path, manifest in overlay_files(overlay).items():
+        (output / path).parent.mkdir(parents=True, exist_ok=True)
+        (output / path).write_text(manifest.text())
+    return folder

@@ -9,6 +9,7 @@ import math
 from dataclasses import dataclass
 
 from specdeploy.build.moe_derive import moe_config
+from specdeploy.errors import SpecdeployError
 from specdeploy.models.config import ModelConfig
 from specdeploy.spec.pipeline import PipelineSpec
 
@@ -99,3 +100,21 @@ def pod_size(pipeline: PipelineSpec, target: ModelConfig | None, weights_gib: fl
     return PodSize(gpus=gpus, nodes=nodes, weights_gib=weights_gib, kv_gib=0.0, memory_request_gib=request,
                    memory_limit_gib=math.ceil(request * 1.25), cpu_request=max(4, gpus), cpu_limit=max(8, 2 * gpus),
                    shm_gib=max(2, 2 * gpus))
+
+
+def check_node_span(pipeline: PipelineSpec, size: PodSize, gpus_per_node: int, where: object) -> None:
+    """Refuse a serving group across nodes that TensorRT-LLM cannot run: its ranks must fill whole nodes, and two
+    engines (target and draft) run in orchestrator mode, which stays on one node. `where` names the pipeline."""
+    if size.nodes == 1:
+        return
+    from specdeploy.package.repository import trtllm_engines
+
+    settings = pipeline.backend.settings
+    world = settings.tp_size * settings.pp_size
+    if world % gpus_per_node:
+        raise SpecdeployError(f"{where}: tp_size × pp_size = {world} spans nodes but is not a multiple of "
+                              f"--gpus-per-node {gpus_per_node}")
+    if len(trtllm_engines(pipeline)) > 1:
+        raise SpecdeployError(f"{where}: a draft-target pipeline on TensorRT-LLM runs its two engines in "
+                              f"orchestrator mode, which is single-node; tp_size × pp_size = {world} exceeds "
+                              f"--gpus-per-node {gpus_per_node} (use Medusa or n-gram speculation across nodes)")

@@ -1,27 +1,23 @@
 """PipelineSpec: the one validated configuration, loaded from a pipeline YAML (or the JSON a build saves).
 
 Every section is a frozen dataclass validated when it is constructed, so a spec built in code is checked exactly
-like one loaded from a file. `parse_pipeline` walks the data against the sections' type hints, so unknown keys,
-wrong types and values outside a Literal are errors naming the file, the key path, the bad value and what is
-allowed. Defaults are defined here and nowhere else; this module imports neither torch nor the runtime.
+like one loaded from a file; spec/strict_yaml.py reads the file and walks its data against the sections' type
+hints, so unknown keys, wrong types and values outside a Literal are errors naming the file, the key path, the bad
+value and what is allowed. Defaults are defined here and nowhere else; this module imports neither torch nor the
+runtime.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import re
-import reprlib
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-import yaml
-
 from specdeploy.errors import PipelineError
 from specdeploy.spec.sampling_params import SamplingParams, sampling_problems
+from specdeploy.spec.strict_yaml import NOT_IN_FILE, Problem, Section, build, plain_data, quoted, read_yaml
 from specdeploy.spec.token_tree import TokenTree
 
 SourceKind = Literal["package", "gguf", "hf_dir"]
@@ -37,6 +33,9 @@ Acceptance = Literal["exact", "typical"]
 Schedule = Literal["constant", "heuristic"]  # proposal length per step: always gamma, or adaptive up to gamma
 BackendKind = Literal["torch", "trtllm"]
 Device = Literal["cpu", "cuda"]  # where the torch backend runs: the CPU, or an NVIDIA GPU
+# batch_invariant: each request's positions computed as a lone plain decode step would; batch_dependent: each step's
+# rows through the kernels together (ServingSpec.determinism)
+Determinism = Literal["batch_invariant", "batch_dependent"]
 
 
 @dataclass(frozen=True)
@@ -59,51 +58,6 @@ METHODS: dict[str, MethodTraits] = {
 
 _NEUTRAL = SamplingParams()
 
-
-QUOTE_LIMIT = 60  # characters of a bad value an error message shows
-
-
-def quoted(value: object) -> str:
-    """A short repr of value: a message must stay short (and quick to write) whatever the file holds."""
-    short = reprlib.Repr()
-    short.maxlevel, short.maxdict, short.maxlist, short.maxstring = 2, 3, 3, QUOTE_LIMIT
-    text = short.repr(value)
-    return text if len(text) <= QUOTE_LIMIT else text[:QUOTE_LIMIT - 3] + "..."
-
-
-class StrictLoader(yaml.SafeLoader):
-    """YAML without aliases (a few hundred bytes of nested aliases expand to billions of nodes) and without
-    duplicate keys (where the last one would silently win)."""
-
-    def compose_node(self, parent, index):
-        if self.check_event(yaml.AliasEvent):
-            event = self.peek_event()
-            raise yaml.composer.ComposerError(None, None, f"aliases (*{event.anchor}) are not allowed",
-                                              event.start_mark)
-        return super().compose_node(parent, index)
-
-    def construct_mapping(self, node, deep=False):
-        seen = set()
-        for key_node, _ in node.value:
-            key = self.construct_object(key_node, deep=deep)
-            if not isinstance(key, typing.Hashable):
-                continue  # the SafeLoader reports an unhashable key itself
-            if key in seen:
-                raise yaml.constructor.ConstructorError(None, None, f"duplicate key {quoted(key)}",
-                                                        key_node.start_mark)
-            seen.add(key)
-        return super().construct_mapping(node, deep)
-
-
-class Problem(PipelineError):
-    """Raised by a section's check(): `key` is relative to the section (the parser adds the section's path)."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key, self.message = key, message
-
-
-Determinism = Literal["batch_invariant", "batch_dependent"]
 MAX_REQUEST_KINDS = 16
 REQUEST_KIND = re.compile(r"[a-z][a-z0-9_]{0,31}")
 UNSPECIFIED_KIND = "unspecified"  # the acceptance counters' label for requests that give no request_kind
@@ -117,16 +71,6 @@ def request_kind_problem(kind: str) -> str | None:
     if kind == UNSPECIFIED_KIND:
         return f"{quoted(kind)} is the label of requests without a kind"
     return None
-
-
-class Section:
-    """Base of every section: validated at construction by its `check` (a no-op unless the section has rules)."""
-
-    def __post_init__(self) -> None:
-        self.check()
-
-    def check(self) -> None:
-        pass
 
 
 @dataclass(frozen=True)
@@ -547,7 +491,7 @@ class PipelineSpec(Section):
     limits: LimitsSpec = field(default_factory=LimitsSpec)
     serving: ServingSpec = field(default_factory=ServingSpec)
     backend: BackendSpec = field(default_factory=BackendSpec)
-    source_file: Path | None = field(default=None, compare=False)
+    source_file: Path | None = field(default=None, compare=False, metadata=NOT_IN_FILE)
 
     def check(self) -> None:
         if not self.name or not all(ch.isalnum() or ch in "-_." for ch in self.name) or self.name.startswith("."):
@@ -645,100 +589,17 @@ class PipelineSpec(Section):
 
     def to_dict(self) -> dict:
         """Plain data, as JSON holds it (lists, not tuples), that parse_pipeline turns back into an equal spec."""
-        data = dataclasses.asdict(self, dict_factory=lambda items: {k: _as_lists(v) for k, v in items})
-        data.pop("source_file")
-        return data
-
-
-def _as_lists(value: object) -> object:
-    return [_as_lists(item) for item in value] if isinstance(value, tuple) else value
+        return plain_data(self)
 
 
 def load_pipeline(path: str | Path) -> PipelineSpec:
     """A pipeline YAML file (JSON, which YAML reads too, for the copy a build saves in the engine directory)."""
-    path = Path(path)
-    if not path.is_file():
-        raise PipelineError(f"{path}: pipeline file not found")
-    try:
-        data = yaml.load(path.read_text(encoding="utf-8"), Loader=StrictLoader)  # noqa: S506 (a SafeLoader)
-    except yaml.YAMLError as exc:
-        raise PipelineError(f"{path}: malformed YAML: {exc}") from None
-    except RecursionError:
-        raise PipelineError(f"{path}: nested too deeply to be a pipeline") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PipelineError(f"{path}: cannot be read as UTF-8 text: {exc}") from None
-    return parse_pipeline(data, source=path)
+    return parse_pipeline(read_yaml(path, "pipeline"), source=Path(path))
 
 
 def parse_pipeline(data: object, source: Path | None = None) -> PipelineSpec:
+    """The PipelineSpec of plain data (a file's, when `source` names it: messages name it, relative paths resolve
+    against its folder)."""
     where = str(source) if source else "<pipeline>"
-    spec = _build(PipelineSpec, data, "", where)
+    spec = build(PipelineSpec, data, where)
     return dataclasses.replace(spec, source_file=source.resolve() if source else None)
-
-
-def _describe(hint: object) -> str:
-    if typing.get_origin(hint) is Literal:
-        return "one of " + ", ".join(repr(v) for v in typing.get_args(hint))
-    if dataclasses.is_dataclass(hint):
-        return "a mapping"
-    return getattr(hint, "__name__", str(hint))
-
-
-def _convert(hint: object, value: object, key: str, where: str) -> object:
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        options = [h for h in typing.get_args(hint) if h is not type(None)]
-        if value is None:
-            return None
-        if len(options) == 1:
-            return _convert(options[0], value, key, where)
-        for option in options:
-            try:
-                return _convert(option, value, key, where)
-            except PipelineError:
-                continue
-        raise PipelineError(f"{where}: {key}: expected " + " or ".join(_describe(o) for o in options)
-                            + f" (or null), got {quoted(value)}")
-    if origin is Literal:
-        allowed = typing.get_args(hint)
-        if value not in allowed:
-            raise PipelineError(f"{where}: {key}: {quoted(value)} is not allowed (allowed: "
-                                + ", ".join(repr(v) for v in allowed) + ")")
-        return value
-    if dataclasses.is_dataclass(hint):
-        return _build(hint, value, key, where)
-    if hint is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if hint is float and isinstance(value, float) and not math.isfinite(value):
-        raise PipelineError(f"{where}: {key}: must be a finite number, got {quoted(value)}")
-    if origin is tuple:  # tuple[X, ...]: a YAML list
-        if not isinstance(value, list | tuple):
-            raise PipelineError(f"{where}: {key}: expected a list, got {quoted(value)}")
-        item = typing.get_args(hint)[0]
-        return tuple(_convert(item, element, f"{key}[{i}]", where) for i, element in enumerate(value))
-    if hint in (int, float, str, bool) and (type(value) is not hint):
-        raise PipelineError(f"{where}: {key}: expected {_describe(hint)}, got {quoted(value)}")
-    return value
-
-
-def _build(cls: type, data: object, prefix: str, where: str):
-    label = prefix or "top level"
-    if not isinstance(data, dict):
-        raise PipelineError(f"{where}: {label}: expected a mapping, got {quoted(data)}")
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.name != "source_file"}
-    unknown = sorted(set(data) - set(fields), key=str)
-    if unknown:
-        raise PipelineError(f"{where}: {label}: unknown key {quoted(unknown[0])} (allowed: {', '.join(fields)})")
-    values = {}
-    for name, f in fields.items():
-        key = f"{prefix}.{name}" if prefix else name
-        if name in data:
-            values[name] = _convert(hints[name], data[name], key, where)
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise PipelineError(f"{where}: {key}: required key is missing ({_describe(hints[name])})")
-    try:
-        return cls(**values)
-    except Problem as problem:
-        key = f"{prefix}.{problem.key}" if prefix else problem.key
-        raise PipelineError(f"{where}: {key}: {problem.message}") from None

@@ -9,8 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from specdeploy.errors import RequestError
-from specdeploy.spec.pipeline import UNSPECIFIED_KIND, PipelineSpec, quoted, request_kind_problem
+from specdeploy.spec.pipeline import UNSPECIFIED_KIND, PipelineSpec, request_kind_problem
 from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.spec.strict_yaml import quoted
 
 NO_END_ID = -1  # end_id that disables end-of-sequence stopping: the request runs to max_tokens
 

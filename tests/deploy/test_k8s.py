@@ -647,6 +647,25 @@ def test_monitoring_objects_are_selected_by_the_release_and_can_be_left_out(rend
     assert one(kustomize(overlay), "PodMonitor")["metadata"]["labels"]["release"] == "kps"
 
 
+def test_leaving_monitoring_out_changes_only_the_monitoring_files_as_data():
+    """The overlay as data, before any file is written: --no-monitoring swaps the rule and the PodMonitor for a
+    deletion of the base's PodMonitor and HPA, and leaves every other file but the kustomization as it was."""
+    from specdeploy.deploy.k8s import checked_overlay, overlay_files
+
+    pipeline, folder = REPO / "pipelines/smollm2-ngram.yaml", "overlays/smollm2-ngram"
+    watched = overlay_files(checked_overlay(pipeline, OverlayOptions()))
+    unwatched = overlay_files(checked_overlay(pipeline, OverlayOptions(monitoring=False)))
+    assert set(watched) - set(unwatched) == {f"{folder}/prometheusrule.yaml", f"{folder}/podmonitor.yaml"}
+    assert set(unwatched) - set(watched) == {f"{folder}/monitoring-delete.yaml"}
+    deleted = unwatched[f"{folder}/monitoring-delete.yaml"].documents
+    assert [(d["$patch"], d["kind"]) for d in deleted] == [("delete", "PodMonitor"),
+                                                           ("delete", "HorizontalPodAutoscaler")]
+    kept = set(watched) & set(unwatched) - {f"{folder}/kustomization.yaml"}
+    assert {path for path in kept if watched[path] != unwatched[path]} == set()
+    resources = unwatched[f"{folder}/kustomization.yaml"].documents["resources"]
+    assert resources == ["../../base"]
+
+
 def test_two_pipelines_share_a_namespace(tmp_path):
     """Object names carry the pipeline's name and selectors its instance label: no object of one overlay
     replaces or selects the other's."""

@@ -115,5 +115,5 @@ def test_smollm2_on_the_gpu_serves_through_triton(tmp_path):
     with TritonServer(repository) as server:
         report = generate_over_grpc(server.grpc_url, "Write a haiku about the sea.", RequestOptions(max_tokens=32),
                                     False, False, lambda _: None)
-    assert report["text"].strip()
-    assert report["total_accepted_draft_tokens"] > 0
+    assert report.text.strip()
+    assert report.details["total_accepted_draft_tokens"] > 0
