@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 
 from rich.progress import track
 
-from specdeploy.bench.bench_report import BenchReport
 from specdeploy.bench.measure import kv_bytes_per_position, weight_bytes_per_step
+from specdeploy.bench.results import BenchReport
 from specdeploy.bench.run import run_bench
 from specdeploy.build import text_corpus as corpus
 from specdeploy.errors import SpecdeployError

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from specdeploy.bench.bench_report import GreedyCheck
 from specdeploy.bench.peers import common_prefix
+from specdeploy.bench.results import GreedyCheck
 from specdeploy.runtime.engine import Engine
 
 

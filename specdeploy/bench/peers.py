@@ -17,7 +17,7 @@ from typing import NamedTuple
 
 import torch
 
-from specdeploy.bench.bench_report import BenchReport, Peer
+from specdeploy.bench.results import BenchReport, Peer
 from specdeploy.models.device_transfer import finish
 from specdeploy.models.registry import component_config
 from specdeploy.runtime.engine import Engine

@@ -600,7 +600,7 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     measured = json.loads(policy_file.read_text())
     realized = {**report["gamma_sweep"], str(gamma): report["speedup"]}
     assert measured["realized_speedup_by_gamma"] == realized
-    assert measured["gamma_cap"] in {0, *map(int, realized)}  # the rule itself: test_bench_report.py
+    assert measured["gamma_cap"] in {0, *map(int, realized)}  # the rule itself: tests/bench/test_gamma_cap.py
     assert measured["moe_predicted_speedup_by_gamma"] == report["moe"]["predicted_speedup_by_gamma"]
     assert f"gamma cap {measured['gamma_cap']}" in result.stdout and str(policy_file) in result.stdout
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == measured["gamma_cap"]
