@@ -28,6 +28,7 @@ from specdeploy.build import text_corpus as corpus
 from specdeploy.errors import SpecdeployError
 from specdeploy.models import machine
 from specdeploy.runtime.engine import Engine
+from specdeploy.speculative.speedup import speedup
 
 
 @dataclass
@@ -186,8 +187,8 @@ def sweep(engine: Engine, contexts: list[int], prompt_lengths: list[float], repo
             kv_share_of_plain_step=m * step.kv_per_position / step.plain(m),
             plain_slowdown=base.baseline_tokens_per_s / summary.baseline_tokens_per_s,
             predicted_plain_slowdown=modelled.plain_slowdown,
-            predicted_speedup=tokens / (modelled.proposal_cost_per_step + modelled.verify_cost),
-            speedup_from_measured_costs=tokens / (summary.proposal_cost_per_step + summary.verify_cost_ratio)))
+            predicted_speedup=speedup(tokens, modelled.proposal_cost_per_step + modelled.verify_cost),
+            speedup_from_measured_costs=speedup(tokens, summary.proposal_cost_per_step + summary.verify_cost_ratio)))
     return ContextSweep(pipeline=engine.pipeline.name, method=engine.method, num_draft_tokens=engine.num_draft_tokens,
                         dtype=engine.dtype, max_tokens=max_tokens, prompts=reports[0].setup.prompts,
                         machine=machine.describe(), target_weight_bytes=step.weights,
