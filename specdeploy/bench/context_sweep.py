@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 from rich.progress import track
 
-from specdeploy.bench.measure import kv_bytes_per_position, weight_bytes_per_step
+from specdeploy.bench.measure import kv_bytes_per_position
 from specdeploy.bench.results import BenchReport
 from specdeploy.bench.run import run_bench
 from specdeploy.build import text_corpus as corpus
@@ -140,8 +140,8 @@ class StepBytes:
     @classmethod
     def of(cls, engine: Engine) -> StepBytes:
         drafts = engine.proposer.stepped_models()
-        return cls(weight_bytes_per_step(engine.target), kv_bytes_per_position(engine.target, engine.cache),
-                   sum(weight_bytes_per_step(model) for model, _ in drafts) if drafts else None,
+        return cls(engine.target.weight_bytes_per_token(), kv_bytes_per_position(engine.target, engine.cache),
+                   sum(model.weight_bytes_per_token() for model, _ in drafts) if drafts else None,
                    sum(kv_bytes_per_position(model, cache) for model, cache in drafts) if drafts else None)
 
     def plain(self, m: float) -> float:

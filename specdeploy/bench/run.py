@@ -20,7 +20,6 @@ from specdeploy.bench.measure import (
     measure_bandwidth,
     measure_verify_costs,
     transformers_decode_tokens_per_s,
-    weight_bytes_per_step,
 )
 from specdeploy.bench.medusa_tree import measure_medusa_tree
 from specdeploy.bench.moe_curve import dense_source, expert_union_curve, predict_by_gamma
@@ -125,7 +124,7 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
     if params.greedy:
         greedy = greedy_check(engine, encoded, [r.plain_tokens for r in runs], [r.speculative_tokens for r in runs])
     bandwidth = measure_bandwidth(engine.target.dtype, engine.device)
-    bytes_per_token = weight_bytes_per_step(engine.target)
+    bytes_per_token = engine.target.weight_bytes_per_token()
     ceiling = bandwidth / bytes_per_token
     report = BenchReport(
         setup=Setup(pipeline=engine.pipeline.name, method=engine.method, num_draft_tokens=engine.num_draft_tokens,

@@ -255,6 +255,18 @@ class LlamaModel(nn.Module):
         """hidden: [..., hidden] → fp32 logits [..., vocab]."""
         return self.lm_head(hidden).float()
 
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weight matrices one token's forward reads: each matrix held as `weight` or `packed` (DenseLinear's
+        weight or its prepacked copy, Int4Linear's codes packed for the CPU kernel). The embedding lookup reads one
+        row, so the embedding counts only as the tied head. Bench divides a bandwidth by it for the ceiling on plain
+        decode, and the context sweep's bytes model calls it W."""
+        total = 0
+        for module in self.modules():
+            held = list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False))
+            total += sum(tensor.numel() * tensor.element_size() for name, tensor in held
+                         if tensor.dim() == 2 and name in ("weight", "packed"))
+        return total
+
 
 def pad_rows(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
     """Token lists of different lengths → [B, W] long, each padded at its end with token 0."""
