@@ -19,6 +19,8 @@ from specdeploy.bench.results import BenchReport
 
 
 def versions() -> dict[str, str]:
+    """Python's and the measured packages' versions, which every report.md lists (server_markdown.py and
+    context_markdown.py too), so that two reports can be told apart by what they ran."""
     found = {"python": platform.python_version()}
     for package in ("specdeploy", "torch", "transformers", "nvidia-pytriton", "llama-cpp-python"):
         try:

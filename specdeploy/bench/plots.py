@@ -7,7 +7,7 @@ The in-process bench's PNGs, which markdown.py puts in DIR/report.md:
   seed's formula with the overall acceptance alpha; a Medusa tree has its own prediction (one point).
 - acceptance.png: acceptance by draft position (Medusa: by tree depth, which is the head).
 - tokens_by_kind.png: plain and speculative tokens/s per prompt kind for each pipeline.
-- moe.png (MoE pipelines): distinct experts touched and verify cost against verification length, beside the
+- moe-PIPELINE.png (MoE pipelines): distinct experts touched and verify cost against verification length, beside the
   dense model's verify cost.
 """
 
