@@ -284,7 +284,7 @@ def quant_quality(pipeline_path: str, json_out: Path | None) -> None:
 
     report = measure(load_pipeline(pipeline_path))
     print_quant_quality(report)
-    write_json(json_out, report)
+    write_json(json_out, report.to_json())
 
 
 @cli.command("moe-quality")
@@ -299,7 +299,7 @@ def moe_quality(pipeline_path: str, ks: str | None, noises: str | None, json_out
     """Derive the pipeline's MoE target (target.moe) for each number of experts per token (and expert noise) and
     score it against the dense model on held-out text: greedy agreement, KL divergence, perplexity."""
     from specdeploy.bench.moe_quality import moe_quality as measure
-    from specdeploy.bench.moe_quality import print_quality
+    from specdeploy.bench.moe_quality import print_moe_quality
     from specdeploy.spec.pipeline import load_pipeline
 
     pipeline = load_pipeline(pipeline_path)
@@ -307,8 +307,8 @@ def moe_quality(pipeline_path: str, ks: str | None, noises: str | None, json_out
     if chosen is None:
         chosen = list(range(1, (pipeline.target.moe.experts if pipeline.target.moe else 0) + 1))
     report = measure(pipeline, chosen, None if noises is None else numbers(noises, "--expert-noise"))
-    print_quality(report)
-    write_json(json_out, report)
+    print_moe_quality(report)
+    write_json(json_out, report.to_json())
 
 
 @cli.command("train-medusa")

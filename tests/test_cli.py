@@ -263,7 +263,7 @@ def test_bench_puts_pipelines_side_by_side_from_one_run(tmp_path, tiny_checkpoin
 
 
 def test_cost_per_million_tokens_is_the_hourly_price_over_an_hours_tokens():
-    from specdeploy.bench.bench_report import BenchReport, Cost
+    from specdeploy.bench.results import BenchReport, Cost
 
     cost = Cost.at(2.0, plain_tokens_per_s=50.0, speculative_tokens_per_s=0.0)
     assert cost.plain_usd_per_million_tokens == pytest.approx(2.0 / (50 * 3600) * 1e6)  # $11.11

@@ -7,9 +7,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from specdeploy.bench.bench_report import BenchReport, Cost
 from specdeploy.bench.options import BenchOptions, check_options
 from specdeploy.bench.prompts import load_prompts
+from specdeploy.bench.results import BenchReport, Cost
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import load_pipeline
@@ -71,7 +71,7 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
         for engine, report in zip(engines, reports):
             print(gamma_cap.save_gamma_cap(engine, report))
     if options.report_dir is not None:
-        from specdeploy.bench.report import write_report
+        from specdeploy.bench.markdown import write_report
 
         print(f"wrote {write_report(reports, options.report_dir, list(options.pipeline_paths))}")
     if len(reports) == 1:
@@ -80,7 +80,8 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
 
 
 def context_sweep(options: BenchOptions, engine: Engine, prompts: list[dict]) -> dict:
-    from specdeploy.bench.context_report import print_context_sweep, write_context_report
+    from specdeploy.bench.context_markdown import write_context_report
+    from specdeploy.bench.context_printing import print_context_sweep
     from specdeploy.bench.context_sweep import run_context_sweep
 
     sweep = run_context_sweep(engine, prompts, options.contexts, options.max_tokens, options.temperature,
@@ -102,27 +103,28 @@ def compared(reports: list[BenchReport]) -> dict:
 def against_server(options: BenchOptions, engine: Engine | None, texts: list[str]) -> dict:
     """--url: the long stream, the stress test or the concurrency levels (beside the engine in-process when a
     pipeline is given); returns the JSON to write."""
-    from specdeploy.bench import server_load_report as load_report
+    from specdeploy.bench import server_runs
+    from specdeploy.bench.server_printing import print_long_stream, print_server_bench
 
     if options.long_stream is not None:
-        report = load_report.run_long_stream(options.url, engine, texts[0], options.long_stream,
+        report = server_runs.run_long_stream(options.url, engine, texts[0], options.long_stream,
                                              options.requests_per_level or 3)
-        load_report.print_long_stream(report)
+        print_long_stream(report)
         return report
     if options.stress is not None:
-        report = load_report.run_stress(options.url, texts, options.stress, max(options.concurrency),
+        report = server_runs.run_stress(options.url, texts, options.stress, max(options.concurrency),
                                         options.max_tokens, options.cancel_fraction, options.seed,
                                         options.metrics_url)
         print(json.dumps(report, indent=2))
         return report
     in_process_rate = (None if engine is None else
-                       load_report.in_process_tokens_per_s(engine, texts, options.max_tokens))
-    report = load_report.run_server_bench(options.url, texts, list(options.concurrency), options.max_tokens,
+                       server_runs.in_process_tokens_per_s(engine, texts, options.max_tokens))
+    measured = server_runs.run_server_bench(options.url, texts, list(options.concurrency), options.max_tokens,
                                           options.requests_per_level, in_process_rate, options.price_per_hour)
-    load_report.print_server_report(report)
+    print_server_bench(measured)
     if options.report_dir is not None:
-        from specdeploy.bench.server_report import write_server_report
+        from specdeploy.bench.server_markdown import write_server_report
 
         served = None if engine is None else engine.pipeline
-        print(f"wrote {write_server_report(report, options.report_dir, served)}")
-    return report
+        print(f"wrote {write_server_report(measured, options.report_dir, served)}")
+    return measured.to_json()

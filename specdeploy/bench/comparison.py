@@ -6,7 +6,7 @@ from __future__ import annotations
 from rich.console import Console
 from rich.table import Table
 
-from specdeploy.bench.bench_report import BenchReport, Summary
+from specdeploy.bench.results import BenchReport, Summary
 
 LABELS = {  # figure → row label
     "speedup": "speedup (measured)",

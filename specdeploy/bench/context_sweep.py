@@ -21,13 +21,14 @@ from dataclasses import asdict, dataclass
 
 from rich.progress import track
 
-from specdeploy.bench.bench_report import BenchReport
-from specdeploy.bench.measure import kv_bytes_per_position, weight_bytes_per_step
+from specdeploy.bench.measure import kv_bytes_per_position
+from specdeploy.bench.results import BenchReport
 from specdeploy.bench.run import run_bench
 from specdeploy.build import text_corpus as corpus
 from specdeploy.errors import SpecdeployError
 from specdeploy.models import machine
 from specdeploy.runtime.engine import Engine
+from specdeploy.speculative.speedup import speedup
 
 
 @dataclass
@@ -139,8 +140,8 @@ class StepBytes:
     @classmethod
     def of(cls, engine: Engine) -> StepBytes:
         drafts = engine.proposer.stepped_models()
-        return cls(weight_bytes_per_step(engine.target), kv_bytes_per_position(engine.target, engine.cache),
-                   sum(weight_bytes_per_step(model) for model, _ in drafts) if drafts else None,
+        return cls(engine.target.weight_bytes_per_token(), kv_bytes_per_position(engine.target, engine.cache),
+                   sum(model.weight_bytes_per_token() for model, _ in drafts) if drafts else None,
                    sum(kv_bytes_per_position(model, cache) for model, cache in drafts) if drafts else None)
 
     def plain(self, m: float) -> float:
@@ -186,8 +187,8 @@ def sweep(engine: Engine, contexts: list[int], prompt_lengths: list[float], repo
             kv_share_of_plain_step=m * step.kv_per_position / step.plain(m),
             plain_slowdown=base.baseline_tokens_per_s / summary.baseline_tokens_per_s,
             predicted_plain_slowdown=modelled.plain_slowdown,
-            predicted_speedup=tokens / (modelled.proposal_cost_per_step + modelled.verify_cost),
-            speedup_from_measured_costs=tokens / (summary.proposal_cost_per_step + summary.verify_cost_ratio)))
+            predicted_speedup=speedup(tokens, modelled.proposal_cost_per_step + modelled.verify_cost),
+            speedup_from_measured_costs=speedup(tokens, summary.proposal_cost_per_step + summary.verify_cost_ratio)))
     return ContextSweep(pipeline=engine.pipeline.name, method=engine.method, num_draft_tokens=engine.num_draft_tokens,
                         dtype=engine.dtype, max_tokens=max_tokens, prompts=reports[0].setup.prompts,
                         machine=machine.describe(), target_weight_bytes=step.weights,

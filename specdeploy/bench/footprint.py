@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from specdeploy.bench.bench_report import Footprint
+from specdeploy.bench.results import Footprint
 from specdeploy.errors import SpecdeployError
 from specdeploy.spec.engine_paths import MANIFEST_FILE, MEASURED_POLICY_FILE, directory_bytes
 

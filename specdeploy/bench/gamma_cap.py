@@ -18,7 +18,7 @@ from dataclasses import asdict
 from itertools import islice
 from pathlib import Path
 
-from specdeploy.bench.bench_report import BenchReport
+from specdeploy.bench.results import BenchReport
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.engine_paths import MEASURED_POLICY_FILE, PIPELINE_FILE, write_json

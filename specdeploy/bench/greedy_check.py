@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from specdeploy.bench.bench_report import GreedyCheck
-from specdeploy.bench.peers import common_prefix
+from specdeploy.bench.results import GreedyCheck
+from specdeploy.decoding.prompt_lookup import common_prefix_length
 from specdeploy.runtime.engine import Engine
 
 
@@ -29,7 +29,7 @@ def compare_greedy(engine: Engine, prompt_ids: list[int], plain: list[int], spec
     """'match', 'near_tie' (first divergence at a near-tie of the target's top two tokens) or 'mismatch'."""
     if plain == speculative:
         return "match"
-    common = common_prefix(plain, speculative)
+    common = common_prefix_length(plain, speculative)
     if common >= min(len(plain), len(speculative)):
         return "mismatch"  # one stopped early: a length difference is never a tie
     gap = top_two_gap(engine, prompt_ids + plain[:common])

@@ -1,5 +1,6 @@
-"""Measurements beside the decode runs: the memory-bandwidth ceiling on plain decode, transformers' `generate` on
-the same weights, and the time of a target forward by width (the verify cost of n drafted tokens)."""
+"""Measurements beside the decode runs: the memory-bandwidth ceiling on plain decode (the bytes a token reads are the
+model's own weight_bytes_per_token), transformers' `generate` on the same weights, and the time of a target forward
+by width (the verify cost of n drafted tokens)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from specdeploy.bench.peers import hf_model
 from specdeploy.models.device_transfer import finish
 from specdeploy.models.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel, ragged_forward_all
-from specdeploy.models.moe import SparseMoE
 from specdeploy.runtime.engine import Engine
 
 
@@ -30,19 +30,6 @@ def measure_bandwidth(dtype: torch.dtype, device: torch.device | str = "cpu", me
     finish(device)
     elapsed = (time.perf_counter() - started) / repeats
     return matrix.numel() * matrix.element_size() / elapsed
-
-
-def weight_bytes_per_step(model: torch.nn.Module) -> int:
-    """Bytes of weight matrices one decode step of `model` reads (every projection and the vocabulary head; of an
-    MoE's experts, those a token is routed to)."""
-    total = 0
-    for module in model.modules():
-        for name, tensor in list(module.named_parameters(recurse=False)) + list(module.named_buffers(recurse=False)):
-            if tensor.dim() == 2 and name in ("weight", "packed"):
-                total += tensor.numel() * tensor.element_size()
-        if isinstance(module, SparseMoE):  # a token reads only the experts it is routed to
-            total -= (module.num_experts - module.experts_per_token) * module.expert_bytes
-    return total
 
 
 def kv_bytes_per_position(model: LlamaModel, cache: KVCache) -> int:

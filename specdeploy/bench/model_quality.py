@@ -31,8 +31,9 @@ def perplexity(logits: list[torch.Tensor], sequences: list[list[int]]) -> float:
     return math.exp(float(sum(losses)) / sum(len(s) - 1 for s in sequences))
 
 
-def compare(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> dict:
-    """Per-sequence [T, V] logits of a model against the reference's (a dense, unquantized model: hence the key)."""
+def compare(reference: list[torch.Tensor], logits: list[torch.Tensor]) -> dict[str, float]:
+    """Per-sequence [T, V] logits of a model against the reference's (a dense, unquantized model: hence the key):
+    greedy_agreement and kl_from_dense, per position."""
     positions = sum(len(r) for r in reference)
     agree = sum(int((ref.argmax(-1) == other.argmax(-1)).sum()) for ref, other in zip(reference, logits))
     divergence = sum(float(F.kl_div(other.log_softmax(-1), ref.log_softmax(-1), log_target=True, reduction="sum"))

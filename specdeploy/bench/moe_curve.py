@@ -9,8 +9,8 @@ import statistics
 
 import torch
 
-from specdeploy.bench.bench_report import MoeCurve
 from specdeploy.bench.measure import timed_forward
+from specdeploy.bench.results import MoeCurve
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.moe import MixtralModel

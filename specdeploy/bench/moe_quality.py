@@ -7,6 +7,8 @@ distribution, and each model's perplexity on the text."""
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import asdict, dataclass
+from typing import Any
 
 from rich.console import Console
 from rich.progress import track
@@ -21,8 +23,37 @@ from specdeploy.models.moe import MixtralModel
 from specdeploy.spec.pipeline import PipelineSpec
 
 
+@dataclass
+class VariantQuality:
+    """One derived variant against the dense model."""
+
+    experts_per_token: int
+    expert_noise: float
+    greedy_agreement: float  # the fraction of positions where both pick the same next token
+    kl_from_dense: float  # per position
+    perplexity: float
+
+
+@dataclass
+class MoeQuality:
+    """What `moe-quality` measured; its JSON (`--json`) is this object's fields, the variants a list of objects."""
+
+    method: str  # target.moe.method
+    experts: int
+    held_out_tokens: int
+    dense_perplexity: float
+    by_experts_per_token: list[VariantQuality]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> MoeQuality:
+        return cls(**{**data, "by_experts_per_token": [VariantQuality(**row) for row in data["by_experts_per_token"]]})
+
+
 def moe_quality(pipeline: PipelineSpec, experts_per_token: list[int], expert_noises: list[float] | None = None,
-                quiet: bool = False) -> dict:
+                quiet: bool = False) -> MoeQuality:
     """The dense model's perplexity and, per k and expert noise (default: the pipeline's), the derived MoE's quality
     against it (see the module docstring)."""
     spec = pipeline.target.moe
@@ -45,22 +76,21 @@ def moe_quality(pipeline: PipelineSpec, experts_per_token: list[int], expert_noi
         config, state = derive_moe(dense.config, dense.state, calibration, variant)
         model = MixtralModel(config, state)
         logits = [teacher_forced_logits(model, s) for s in sequences]
-        rows.append({"experts_per_token": variant.experts_per_token, "expert_noise": variant.expert_noise,
-                     **compare(reference, logits), "perplexity": perplexity(logits, sequences)})
-    return {"method": spec.method, "experts": spec.experts, "held_out_tokens": sum(len(s) for s in sequences),
-            "dense_perplexity": perplexity(reference, sequences), "by_experts_per_token": rows}
+        rows.append(VariantQuality(experts_per_token=variant.experts_per_token, expert_noise=variant.expert_noise,
+                                   **compare(reference, logits), perplexity=perplexity(logits, sequences)))
+    return MoeQuality(method=spec.method, experts=spec.experts, held_out_tokens=sum(len(s) for s in sequences),
+                      dense_perplexity=perplexity(reference, sequences), by_experts_per_token=rows)
 
 
-def print_quality(report: dict, console: Console | None = None) -> None:
-    table = Table(title=f"derived MoE ({report['method']}) against the dense model ({report['experts']} experts, "
-                        f"{report['held_out_tokens']} held-out tokens, dense perplexity "
-                        f"{report['dense_perplexity']:.1f})")
-    noisy = report["method"] == "upcycle"  # the only method with expert noise
+def print_moe_quality(report: MoeQuality, console: Console | None = None) -> None:
+    table = Table(title=f"derived MoE ({report.method}) against the dense model ({report.experts} experts, "
+                        f"{report.held_out_tokens} held-out tokens, dense perplexity {report.dense_perplexity:.1f})")
+    noisy = report.method == "upcycle"  # the only method with expert noise
     for column in ("experts per token",) + ("expert noise",) * noisy + ("greedy agreement", "KL from dense",
                                                                         "perplexity"):
         table.add_column(column, justify="right")
-    for row in report["by_experts_per_token"]:
-        noise = (f"{row['expert_noise']:g}",) * noisy
-        table.add_row(str(row["experts_per_token"]), *noise, f"{row['greedy_agreement']:.3f}",
-                      f"{row['kl_from_dense']:.3f}", f"{row['perplexity']:.1f}")
+    for row in report.by_experts_per_token:
+        noise = (f"{row.expert_noise:g}",) * noisy
+        table.add_row(str(row.experts_per_token), *noise, f"{row.greedy_agreement:.3f}", f"{row.kl_from_dense:.3f}",
+                      f"{row.perplexity:.1f}")
     (console or Console()).print(table)

@@ -55,6 +55,6 @@ def check_options(options: BenchOptions) -> None:
     if options.long_stream is not None and not options.pipeline_paths:
         raise SpecdeployError("--long-stream compares with the pipeline in-process: give PIPELINE.yaml")
     if options.report_dir is not None:
-        from specdeploy.bench.report import pyplot
+        from specdeploy.bench.plots import pyplot
 
         pyplot()  # before measuring: a missing matplotlib is an error now, not after minutes of benchmarking

@@ -17,7 +17,8 @@ from typing import NamedTuple
 
 import torch
 
-from specdeploy.bench.bench_report import BenchReport, Peer
+from specdeploy.bench.results import BenchReport, Peer
+from specdeploy.decoding.prompt_lookup import common_prefix_length
 from specdeploy.models.device_transfer import finish
 from specdeploy.models.registry import component_config
 from specdeploy.runtime.engine import Engine
@@ -53,7 +54,7 @@ def generated(model, ids: torch.Tensor, limit: int, end_ids: tuple[int, ...], **
     return output.shape[1] - ids.shape[1], time.perf_counter() - started
 
 
-def decode_rate(model, encoded: list[list[int]], max_tokens: int, end_ids: tuple[int, ...], **options) -> float:
+def generate_rate(model, encoded: list[list[int]], max_tokens: int, end_ids: tuple[int, ...], **options) -> float:
     """Tokens/s of greedy `generate` over the prompts, decode phase only (the first token's time subtracted)."""
     tokens, seconds = 0, 0.0
     for prompt_ids in encoded:
@@ -71,13 +72,13 @@ def transformers_peers(engine: Engine, encoded: list[list[int]], max_tokens: int
     dtype, gamma = engine.target.dtype, engine.num_draft_tokens
     target = hf_model(engine.dir / "target", dtype, engine.device)
     end_ids = tuple(engine.target.config.eos_token_ids)
-    decode_rate(target, encoded[:1], 4, end_ids)  # warm-up
-    peers = {PLAIN: Peer(tokens_per_s=decode_rate(target, encoded, max_tokens, end_ids),
+    generate_rate(target, encoded[:1], 4, end_ids)  # warm-up
+    peers = {PLAIN: Peer(tokens_per_s=generate_rate(target, encoded, max_tokens, end_ids),
                          what=f"greedy generate on the target's weights ({str(dtype).removeprefix('torch.')}, "
                               f"{torch.get_num_threads()} threads)")}
     lookup = max(gamma, 1)
     peers[f"transformers prompt lookup ({lookup})"] = Peer(
-        tokens_per_s=decode_rate(target, encoded, max_tokens, end_ids, prompt_lookup_num_tokens=lookup),
+        tokens_per_s=generate_rate(target, encoded, max_tokens, end_ids, prompt_lookup_num_tokens=lookup),
         what=f"generate with prompt_lookup_num_tokens={lookup} (n-gram drafts from the prompt)")
     draft = engine.dir / "draft"
     if not draft.is_dir():
@@ -88,7 +89,7 @@ def transformers_peers(engine: Engine, encoded: list[list[int]], max_tokens: int
     else:
         assistant = hf_model(draft, dtype, engine.device)
         peers["transformers assistant_model"] = Peer(
-            tokens_per_s=decode_rate(target, encoded, max_tokens, end_ids, assistant_model=assistant),
+            tokens_per_s=generate_rate(target, encoded, max_tokens, end_ids, assistant_model=assistant),
             what="generate with the pipeline's draft as assistant_model (transformers' own schedule)")
     return peers
 
@@ -148,11 +149,6 @@ def streamed_rate(llm, encoded: list[list[int]], max_tokens: int, end_ids: tuple
     return (tokens / seconds if seconds else 0.0), outputs, rates
 
 
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading tokens two outputs share."""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
 def llama_cpp_peers(engine: Engine, encoded: list[list[int]], max_tokens: int,
                     ours: list[list[int]], kinds: list[str] | None = None) -> dict[str, Peer]:
     """name → its speed, what it ran and common_prefix_tokens (or why it was skipped) for llama.cpp plain and with
@@ -180,7 +176,7 @@ def llama_cpp_peers(engine: Engine, encoded: list[list[int]], max_tokens: int,
         streamed_rate(llm, encoded[:1], 4, end_ids)  # warm-up
         rate, outputs, by_kind = streamed_rate(llm, encoded, max_tokens, end_ids, kinds)
         peers[name] = Peer(tokens_per_s=rate, by_kind=by_kind,
-                           common_prefix_tokens=sum(map(common_prefix, outputs, ours)) / max(len(outputs), 1),
+                           common_prefix_tokens=sum(map(common_prefix_length, outputs, ours)) / max(len(outputs), 1),
                            what=where + ("" if draft is None else f", prompt lookup of {lookup} tokens "
                                                                   f"(max_ngram_size 2)"))
         llm.close()

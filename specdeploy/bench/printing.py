@@ -8,7 +8,7 @@ from dataclasses import asdict
 from rich.console import Console
 from rich.table import Table
 
-from specdeploy.bench.bench_report import BenchReport
+from specdeploy.bench.results import BenchReport
 
 
 def why_it_loses(report: BenchReport) -> str | None:

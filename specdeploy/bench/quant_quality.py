@@ -6,7 +6,8 @@ each run through the engine's own model and kernels."""
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple
+from dataclasses import asdict, dataclass
+from typing import Any, Literal, NamedTuple
 
 import torch
 from rich.console import Console
@@ -35,13 +36,40 @@ FORMS = {
 }
 
 
+@dataclass
+class FormQuality:
+    """One stored form against the bf16 target."""
+
+    form: str  # a FORMS key
+    greedy_agreement: float  # the fraction of positions where both pick the same next token
+    kl_from_dense: float  # from the bf16 target, per position
+    perplexity: float
+
+
+@dataclass
+class QuantQuality:
+    """What `quant-quality` measured; its JSON (`--json`) is this object's fields, the forms a list of objects."""
+
+    model: str  # the target's checkpoint path
+    held_out_tokens: int
+    bfloat16_perplexity: float
+    by_form: list[FormQuality]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> QuantQuality:
+        return cls(**{**data, "by_form": [FormQuality(**row) for row in data["by_form"]]})
+
+
 def stored_state(state: dict[str, torch.Tensor], form: Form) -> dict[str, torch.Tensor]:
     if form.precision is None:
         return state
     return quantized_state(state, form.precision, form.rescored_head)
 
 
-def quant_quality(pipeline: PipelineSpec, quiet: bool = False) -> dict:
+def quant_quality(pipeline: PipelineSpec, quiet: bool = False) -> QuantQuality:
     """The bf16 target's perplexity and each stored form's quality against it (see the module docstring)."""
     if pipeline.target.moe is not None:
         raise SpecdeployError(f"{pipeline.name}: quant-quality scores a dense target; for a derived MoE use "
@@ -57,17 +85,16 @@ def quant_quality(pipeline: PipelineSpec, quiet: bool = False) -> dict:
     rows = []
     for name, form in track(FORMS.items(), description="quantizing and scoring", disable=quiet):
         logits = score(stored_state(dense.state, form), form.dtype)
-        rows.append({"form": name, **compare(reference, logits), "perplexity": perplexity(logits, sequences)})
-    return {"model": str(pipeline.target.checkpoint.path), "held_out_tokens": sum(len(s) for s in sequences),
-            "bfloat16_perplexity": perplexity(reference, sequences), "by_form": rows}
+        rows.append(FormQuality(form=name, **compare(reference, logits), perplexity=perplexity(logits, sequences)))
+    return QuantQuality(model=str(pipeline.target.checkpoint.path), held_out_tokens=sum(len(s) for s in sequences),
+                        bfloat16_perplexity=perplexity(reference, sequences), by_form=rows)
 
 
-def print_quant_quality(report: dict, console: Console | None = None) -> None:
-    table = Table(title=f"stored forms of {report['model']} against bf16 ({report['held_out_tokens']} held-out "
-                        f"tokens, bf16 perplexity {report['bfloat16_perplexity']:.2f})")
+def print_quant_quality(report: QuantQuality, console: Console | None = None) -> None:
+    table = Table(title=f"stored forms of {report.model} against bf16 ({report.held_out_tokens} held-out tokens, "
+                        f"bf16 perplexity {report.bfloat16_perplexity:.2f})")
     for column in ("stored as", "greedy agreement", "KL from bf16", "perplexity"):
         table.add_column(column, justify="right")
-    for row in report["by_form"]:
-        table.add_row(row["form"], f"{row['greedy_agreement']:.3f}", f"{row['kl_from_dense']:.4f}",
-                      f"{row['perplexity']:.2f}")
+    for row in report.by_form:
+        table.add_row(row.form, f"{row.greedy_agreement:.3f}", f"{row.kl_from_dense:.4f}", f"{row.perplexity:.2f}")
     (console or Console()).print(table)

@@ -1,7 +1,7 @@
 """In-process benchmark: every prompt with and without speculation, same process, same engine, side by side.
 
 Speeds are decode-phase tokens/s (prefill is identical in both modes and speculation does not touch it). The
-report (bench_report.BenchReport) also measures, in the same run, the memory bandwidth of a weight-streaming
+report (results.BenchReport) also measures, in the same run, the memory bandwidth of a weight-streaming
 mat-vec (the ceiling on plain decode) and transformers' `generate` on the same weights, dtype and threads.
 """
 
@@ -14,18 +14,17 @@ from contextlib import contextmanager
 import torch
 from rich.progress import track
 
-from specdeploy.bench.bench_report import BenchReport, Ceiling, Machine, Setup, TransformersBaseline
 from specdeploy.bench.footprint import measure_footprint
 from specdeploy.bench.greedy_check import greedy_check
 from specdeploy.bench.measure import (
     measure_bandwidth,
     measure_verify_costs,
     transformers_decode_tokens_per_s,
-    weight_bytes_per_step,
 )
-from specdeploy.bench.medusa_report import medusa_report
+from specdeploy.bench.medusa_tree import measure_medusa_tree
 from specdeploy.bench.moe_curve import dense_source, expert_union_curve, predict_by_gamma
 from specdeploy.bench.peers import llama_cpp_peers, transformers_peers
+from specdeploy.bench.results import BenchReport, Ceiling, Machine, Setup, TransformersBaseline
 from specdeploy.bench.summary import PromptRun, summarize
 from specdeploy.decoding.stats import RequestStats, decode_rate
 from specdeploy.models import machine
@@ -125,7 +124,7 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
     if params.greedy:
         greedy = greedy_check(engine, encoded, [r.plain_tokens for r in runs], [r.speculative_tokens for r in runs])
     bandwidth = measure_bandwidth(engine.target.dtype, engine.device)
-    bytes_per_token = weight_bytes_per_step(engine.target)
+    bytes_per_token = engine.target.weight_bytes_per_token()
     ceiling = bandwidth / bytes_per_token
     report = BenchReport(
         setup=Setup(pipeline=engine.pipeline.name, method=engine.method, num_draft_tokens=engine.num_draft_tokens,
@@ -155,7 +154,7 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
                              request.gamma(engine.pipeline))
             summary.predicted_speedup = curve.predicted_speedup_by_gamma[-1]
     if engine.speculation.uses_heads:
-        report.medusa = medusa_report(engine, runs, summary, encoded)
+        report.medusa = measure_medusa_tree(engine, runs, summary, encoded)
         # the linear rule's formula does not describe a tree: the tree's own prediction replaces it
         summary.predicted_speedup = report.medusa.predicted_speedup
     return report

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from specdeploy.bench.server_results import Percentiles, RequestLatencies
 from specdeploy.errors import RequestError
 from specdeploy.serve.client import generate
 from specdeploy.serve.latency import RequestTiming
@@ -36,7 +37,7 @@ class RequestResult:
 PERCENTILES = (50, 90, 99)
 
 
-def percentiles(values: list[float], which: tuple[int, ...] = PERCENTILES) -> dict[str, float | None]:
+def percentiles(values: list[float], which: tuple[int, ...] = PERCENTILES) -> Percentiles:
     """{"p50": ..., ...} of `values` (numpy's linear interpolation, as genai-perf reports them); None when empty."""
     if not values:
         return {f"p{p}": None for p in which}
@@ -54,7 +55,7 @@ class LevelResult:
     def tokens_per_s(self) -> float:
         return sum(r.generated_tokens for r in self.results if r.finished) / self.seconds if self.seconds else 0.0
 
-    def latencies(self) -> dict:
+    def latencies(self) -> RequestLatencies:
         """Over the finished requests, in seconds: time to first token, inter-token latency (genai-perf's, per
         request) and request latency percentiles, each request's output tokens/s, and the streamed responses: the
         gaps between them and the tokens each carried (speculation's bursts)."""
@@ -62,16 +63,15 @@ class LevelResult:
         bursts = [count for timing in timings for _, count in timing.bursts]
         itls = [t.inter_token_latency for t in timings if t.inter_token_latency is not None]
         gaps = [gap for t in timings for gap in t.gaps]  # burst to burst
-        return {"time_to_first_token": percentiles([t.time_to_first_token for t in timings]),
-                "inter_token_latency": percentiles(itls),
-                "request_latency": percentiles([t.latency for t in timings], (50, 99)),
-                "tokens_per_s_per_request": percentiles([t.tokens / t.latency for t in timings if t.latency],
-                                                        (50,)),
-                "response_gap": percentiles(gaps),
-                "tokens_per_response": {"mean": sum(bursts) / len(bursts) if bursts else None,
-                                        **percentiles(bursts, (50, 99))},
-                # the samples behind the distributions plotted in the report
-                "inter_token_latencies": itls, "response_gaps": gaps}
+        return RequestLatencies(
+            time_to_first_token=percentiles([t.time_to_first_token for t in timings]),
+            inter_token_latency=percentiles(itls),
+            request_latency=percentiles([t.latency for t in timings], (50, 99)),
+            tokens_per_s_per_request=percentiles([t.tokens / t.latency for t in timings if t.latency], (50,)),
+            response_gap=percentiles(gaps),
+            tokens_per_response={"mean": sum(bursts) / len(bursts) if bursts else None,
+                                 **percentiles(bursts, (50, 99))},
+            inter_token_latencies=itls, response_gaps=gaps)
 
 
 def one_request(url: str, prompt: str, index: int, max_tokens: int, num_draft_tokens: int | None,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdeploy.bench.bench_report import KindSpeeds, Summary
+from specdeploy.bench.results import KindSpeeds, Summary
 from specdeploy.decoding.stats import RequestStats, decode_rate, mean_accepted_length
 from specdeploy.runtime.engine import Engine
 from specdeploy.speculative.speedup import predicted_speedup

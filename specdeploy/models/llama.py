@@ -46,10 +46,21 @@ class DenseLinear(nn.Module):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 1)
             self.weight = None
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the matrix a forward reads: the weight, or its prepacked copy."""
+        matrix = self.weight if self.packed is None else self.packed
+        return matrix.numel() * matrix.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
         return F.linear(x, self.weight)
+
+
+# The linear layers whose forward reads their whole matrix, each saying how many bytes that is (weight_bytes). A
+# RescoredHead is not one: it reads its int4 pass whole (an Int4Linear inside it) and only a few int8 rows.
+WHOLE_MATRIX_LINEARS = (DenseLinear, Int4Linear, Int8Linear)
 
 
 def fused_linear(state: dict[str, torch.Tensor], names: list[str], dtype: torch.dtype) -> nn.Module:
@@ -254,6 +265,13 @@ class LlamaModel(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] → fp32 logits [..., vocab]."""
         return self.lm_head(hidden).float()
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weight matrices one token's forward reads: every projection and the vocabulary head, each in the
+        form it is held (dense, prepacked, int4 codes, int8 rows; a rescored head's int4 pass, since it reads only a
+        few int8 rows). The embedding lookup reads one row, so the embedding counts only as the tied head. Bench
+        divides a bandwidth by it for the ceiling on plain decode, and the context sweep's bytes model calls it W."""
+        return sum(module.weight_bytes for module in self.modules() if isinstance(module, WHOLE_MATRIX_LINEARS))
 
 
 def pad_rows(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:

@@ -107,3 +107,8 @@ class MixtralModel(LlamaModel):
 
     def moe_layers(self) -> list[SparseMoE]:
         return [layer.feed_forward for layer in self.layers]
+
+    def weight_bytes_per_token(self) -> int:
+        """LlamaModel's, less the experts a token is not routed to: it reads experts_per_token of each layer's."""
+        unread = sum((moe.num_experts - moe.experts_per_token) * moe.expert_bytes for moe in self.moe_layers())
+        return super().weight_bytes_per_token() - unread

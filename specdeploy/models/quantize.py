@@ -82,6 +82,13 @@ class Int4Linear(nn.Module):
         else:
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(unpack_codes(codes), 1))
 
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the codes a forward reads (packed for its kernel, or dequantized to bf16 on a GPU it does not
+        suit); the scales and zeros are not counted."""
+        matrix = self.packed if self.dense is None else self.dense
+        return matrix.numel() * matrix.element_size()
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = as_bf16_rows(x)
         if self.dense is not None:
@@ -121,6 +128,11 @@ class Int8Linear(nn.Module):
         # buffer, whose data sit 8-byte aligned (torch 2.13)
         self.register_buffer("weight_int8", int8.clone())
         self.register_buffer("row_scales", row_scales.to(torch.bfloat16))
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the int8 rows a forward reads (the row scales are not counted)."""
+        return self.weight_int8.numel() * self.weight_int8.element_size()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return from_bf16_rows(torch._weight_int8pack_mm(as_bf16_rows(x), self.weight_int8, self.row_scales), x)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from specdeploy.bench.bench_report import BenchReport, Ceiling, KindSpeeds, Machine, Setup, Summary
+from specdeploy.bench.results import BenchReport, Ceiling, KindSpeeds, Machine, Setup, Summary
 
 
 def made_report(summary: dict | None = None, setup: dict | None = None, **parts) -> BenchReport:

@@ -10,7 +10,7 @@ from conftest import tiny_pipeline
 from PIL import Image
 from test_cli import run_cli
 
-from specdeploy.bench.context_report import write_context_report
+from specdeploy.bench.context_markdown import write_context_report
 from specdeploy.bench.context_sweep import StepBytes, carried_costs, check_contexts, run_context_sweep
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine

@@ -19,7 +19,9 @@ from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from specdeploy.bench.gamma_cap import CALIBRATION_TOKENS, calibration_prompts, lift_gamma_cap, sweep_gammas
 from specdeploy.bench.moe_curve import experts_touched
+from specdeploy.bench.moe_quality import MoeQuality
 from specdeploy.bench.prompts import load_prompts
+from specdeploy.bench.quant_quality import QuantQuality
 from specdeploy.bench.run import run_benches
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.build.hf_export import export_hf
@@ -466,6 +468,7 @@ def test_moe_quality_scores_each_k_against_the_dense_model(tiny_checkpoints, tmp
     assert four["greedy_agreement"] > one["greedy_agreement"] and four["kl_from_dense"] < one["kl_from_dense"]
     assert four["greedy_agreement"] > 0.9 and abs(four["perplexity"] / report["dense_perplexity"] - 1) < 0.1
     assert "greedy agreement" in result.stdout
+    assert MoeQuality.from_json(report).to_json() == report  # the typed result writes the keys it reads
     assert run_cli("moe-quality", str(path), "--experts-per-token", "9").returncode != 0
 
 
@@ -600,7 +603,7 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     measured = json.loads(policy_file.read_text())
     realized = {**report["gamma_sweep"], str(gamma): report["speedup"]}
     assert measured["realized_speedup_by_gamma"] == realized
-    assert measured["gamma_cap"] in {0, *map(int, realized)}  # the rule itself: test_bench_report.py
+    assert measured["gamma_cap"] in {0, *map(int, realized)}  # the rule itself: tests/bench/test_gamma_cap.py
     assert measured["moe_predicted_speedup_by_gamma"] == report["moe"]["predicted_speedup_by_gamma"]
     assert f"gamma cap {measured['gamma_cap']}" in result.stdout and str(policy_file) in result.stdout
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == measured["gamma_cap"]
@@ -635,6 +638,7 @@ def test_quant_quality_scores_each_stored_form_against_bf16_and_refuses_an_moe(t
     assert kl["float32"] < kl["int8"] < kl["int4"] < kl["draft"], kl
     assert rows["float32"]["greedy_agreement"] > 0.95 and report["bfloat16_perplexity"] > 1
     assert "greedy agreement" in result.stdout
+    assert QuantQuality.from_json(report).to_json() == report
     moe = moe_pipeline(tmp_path, "tiny-moe-quant", tiny_checkpoints["target"],
                        {"experts": 4, "experts_per_token": 2, "calibration_tokens": 256})
     refused = run_cli("quant-quality", str(moe))

@@ -423,7 +423,7 @@ def test_random_cancellations_lose_and_corrupt_nothing(served):
     """Concurrent streams through the default entry point, a third dropped at random mid-stream: every other
     response arrives complete and equal to its prompt served alone (fp32, so batching changes no argmax), the
     server counts the dropped ones as cancelled (those it had not finished already), and it is idle at once."""
-    from specdeploy.bench.server_load_report import run_stress
+    from specdeploy.bench.server_runs import run_stress
 
     server, _ = served
     capacity = total(scrape(server.metrics_url), "specdeploy_free_kv_slots", model="speculative", method="draft_target")
@@ -462,7 +462,7 @@ def test_a_moved_repository_serves(served, tmp_path):
 def test_long_stream_report(served):
     """bench --url --long-stream: the same greedy generation streamed and in-process, exactly N tokens each
     (end_id -1), with the speed figures docs/benchmarks.md reports."""
-    from specdeploy.bench.server_load_report import run_long_stream
+    from specdeploy.bench.server_runs import run_long_stream
 
     server, engine = served
     report = run_long_stream(server.grpc_url, engine, PROMPTS[0], 40, repeats=1)

@@ -133,8 +133,8 @@ class MoeCurve:
 
 
 @dataclass
-class MedusaReport:
-    """The served tree, its predicted speedup and the tree the builder would pick here (bench/medusa_report.py)."""
+class MedusaTree:
+    """The served tree, its predicted speedup and the tree the builder would pick here (bench/medusa_tree.py)."""
     tree: list[list[int]]
     tree_size: int
     head_cost_ratio: float
@@ -149,7 +149,7 @@ class MedusaReport:
     expected_accepted_per_step_held_out: float | None = None  # from train-medusa's held-out answers
 
     @classmethod
-    def from_json(cls, data: dict) -> MedusaReport:
+    def from_json(cls, data: dict) -> MedusaTree:
         return cls(**known_fields(cls, data))
 
 
@@ -230,7 +230,7 @@ class BenchReport:
     verify_costs: list[float] | None = None  # [n]: a forward over n + 1 positions, in plain steps (dense chains)
     transformers: TransformersBaseline | None = None
     moe: MoeCurve | None = None
-    medusa: MedusaReport | None = None
+    medusa: MedusaTree | None = None
     gamma_sweep: dict[int, float] | None = None  # gamma → measured speedup
     peers: dict[str, Peer] | None = None
     footprint: Footprint | None = None
@@ -277,7 +277,7 @@ class BenchReport:
             return cls(setup=setup, summary=Summary.from_json(data), ceiling=Ceiling(**known_fields(Ceiling, data)),
                        greedy=greedy, verify_costs=data.get("verify_costs"), transformers=transformers,
                        moe=MoeCurve.from_json(data["moe"]) if data.get("moe") else None,
-                       medusa=MedusaReport.from_json(data["medusa"]) if data.get("medusa") else None,
+                       medusa=MedusaTree.from_json(data["medusa"]) if data.get("medusa") else None,
                        gamma_sweep={int(g): v for g, v in data["gamma_sweep"].items()} if "gamma_sweep" in data
                        else None,
                        peers={name: Peer.from_json(peer) for name, peer in data["peers"].items()} if "peers" in data

@@ -1,18 +1,19 @@
-"""A Medusa pipeline's part of the bench report: the tree served and its predicted speedup, and the tree the builder
-would pick on this machine."""
+"""A Medusa pipeline's part of the bench's results (results.MedusaTree): the tree served and its predicted speedup,
+and the tree the builder would pick on this machine."""
 
 from __future__ import annotations
 
 import json
 
-from specdeploy.bench.bench_report import MedusaReport, Summary
 from specdeploy.bench.measure import measure_verify_costs
+from specdeploy.bench.results import MedusaTree, Summary
 from specdeploy.bench.summary import PromptRun
 from specdeploy.runtime.engine import Engine
 from specdeploy.speculative.speedup import speedup
 
 
-def medusa_report(engine: Engine, runs: list[PromptRun], summary: Summary, encoded: list[list[int]]) -> MedusaReport:
+def measure_medusa_tree(engine: Engine, runs: list[PromptRun], summary: Summary, encoded: list[list[int]]
+                        ) -> MedusaTree:
     """The expected accepted tokens per step from the heads' accuracy by rank, measured here on the plain greedy
     answers to these prompts (and, for comparison, from the held-out answers train-medusa reported, which the build
     copies into the engine), over the head and verify costs of this run; and the tree the builder picks from the
@@ -38,7 +39,7 @@ def medusa_report(engine: Engine, runs: list[PromptRun], summary: Summary, encod
     if held_out.is_file():
         trained = [head["by_rank"] for head in json.loads(held_out.read_text())["held_out_accuracy"]]
         expected_held_out = expected_accepted(paths, trained)
-    return MedusaReport(tree=[list(p) for p in paths], tree_size=tree.size, head_cost_ratio=head_cost,
+    return MedusaTree(tree=[list(p) for p in paths], tree_size=tree.size, head_cost_ratio=head_cost,
                         head_top1_here=[head["top1"] for head in heads_here],
                         realized_accepted_per_step=summary.mean_accepted_length - 1,
                         expected_accepted_per_step=expected,

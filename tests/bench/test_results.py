@@ -7,7 +7,7 @@ import json
 import pytest
 from made_reports import made_report
 
-from specdeploy.bench.bench_report import BenchReport, MedusaReport, MoeCurve, Peer, TransformersBaseline
+from specdeploy.bench.results import BenchReport, MedusaTree, MoeCurve, Peer, TransformersBaseline
 from specdeploy.errors import SpecdeployError
 
 # A report as bench wrote it before BenchReport existed (keys and nesting; the values are made up).
@@ -62,7 +62,7 @@ def test_a_sampled_report_has_no_greedy_check_and_leaves_out_what_was_not_measur
 def test_every_part_survives_a_round_trip_through_json_text():
     report = made_report(verify_costs=[1.0, 1.1], transformers=TransformersBaseline(20.0, 5.0),
                          moe=MoeCurve([1, 2], 8, 2, [2.0, 3.0], [1.0, 1.5], [1.0, 1.3], dense_verify_cost=[1.0, 1.1]),
-                         medusa=MedusaReport([[0]], 1, 0.1, [0.4], 0.3, 0.4, 1.2, [1.0, 1.1], [[0]], 0.4, 1.2, 0.35),
+                         medusa=MedusaTree([[0]], 1, 0.1, [0.4], 0.3, 0.4, 1.2, [1.0, 1.1], [[0]], 0.4, 1.2, 0.35),
                          gamma_sweep={2: 1.1}, peers={"x": Peer(tokens_per_s=9.0, what="x", common_prefix_tokens=3.0)},
                          phase_seconds={"analysis": 1.5})
     assert BenchReport.from_json(json.loads(json.dumps(report.to_json()))) == report

@@ -1,4 +1,6 @@
-"""`specdeploy bench --url`: the server's tokens/s per concurrency, speculative vs plain, as a table and JSON."""
+"""What `specdeploy bench --url` runs against a server: the concurrency levels, speculative against plain (beside the
+pipeline in-process when one is given), the stress test with cancellations, and one long streamed generation.
+server_load.py sends the requests; server_printing.py and server_markdown.py show the results."""
 
 from __future__ import annotations
 
@@ -6,11 +8,9 @@ import dataclasses
 import statistics
 import time
 
-from rich.console import Console
-from rich.table import Table
-
-from specdeploy.bench.bench_report import Cost, dollars
-from specdeploy.bench.server_load import run_level
+from specdeploy.bench.results import Cost
+from specdeploy.bench.server_load import check_results, one_request, run_level
+from specdeploy.bench.server_results import ServerBenchReport, ServerLevel
 from specdeploy.runtime.engine import Engine
 from specdeploy.serve.client import generate
 from specdeploy.serve.metrics_scrape import scrape, total
@@ -34,7 +34,7 @@ def in_process_tokens_per_s(engine: Engine, prompts: list[str], max_tokens: int 
 
 def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens: int | None,
                      requests_per_level: int | None = None, in_process: float | None = None,
-                     price_per_hour: float | None = None) -> dict:
+                     price_per_hour: float | None = None) -> ServerBenchReport:
     """Per level: aggregate tokens/s with the server's speculation and with num_draft_tokens = 0, same requests,
     and with price_per_hour (USD) what a million output tokens cost at each. A warm-up request runs first so
     neither mode pays first-call costs."""
@@ -45,79 +45,24 @@ def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens
         speculative = run_level(url, prompts, concurrency, requests, max_tokens)
         plain = run_level(url, prompts, concurrency, requests, max_tokens, num_draft_tokens=0)
         drafted = sum(r.drafted for r in speculative.results)
-        rows.append({
-            "concurrency": concurrency, "requests": requests,
-            "speculative_tokens_per_s": speculative.tokens_per_s, "plain_tokens_per_s": plain.tokens_per_s,
-            "speedup": speculative.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0,
-            "acceptance_rate": sum(r.accepted for r in speculative.results) / drafted if drafted else 0.0,
-            "failed": sum(r.error is not None for r in speculative.results + plain.results),
-            "speculative_latency": speculative.latencies(), "plain_latency": plain.latencies(),
-        })
+        rows.append(ServerLevel(
+            concurrency=concurrency, requests=requests,
+            speculative_tokens_per_s=speculative.tokens_per_s, plain_tokens_per_s=plain.tokens_per_s,
+            speedup=speculative.tokens_per_s / plain.tokens_per_s if plain.tokens_per_s else 0.0,
+            acceptance_rate=sum(r.accepted for r in speculative.results) / drafted if drafted else 0.0,
+            failed=sum(r.error is not None for r in speculative.results + plain.results),
+            speculative_latency=speculative.latencies(), plain_latency=plain.latencies()))
         if price_per_hour is not None:
             cost = Cost.at(price_per_hour, plain.tokens_per_s, speculative.tokens_per_s)
-            rows[-1].update(plain_usd_per_million_tokens=cost.plain_usd_per_million_tokens,
-                            speculative_usd_per_million_tokens=cost.speculative_usd_per_million_tokens)
-    single = next((row["speculative_tokens_per_s"] for row in rows if row["concurrency"] == 1), None)
+            rows[-1].plain_usd_per_million_tokens = cost.plain_usd_per_million_tokens
+            rows[-1].speculative_usd_per_million_tokens = cost.speculative_usd_per_million_tokens
+    single = next((row.speculative_tokens_per_s for row in rows if row.concurrency == 1), None)
     for row in rows:
-        row["vs_single_stream"] = row["speculative_tokens_per_s"] / single if single else None
-    report = {"url": url, "max_tokens": max_tokens, "price_per_hour": price_per_hour, "levels": rows}
+        row.vs_single_stream = row.speculative_tokens_per_s / single if single else None
+    report = ServerBenchReport(url=url, max_tokens=max_tokens, price_per_hour=price_per_hour, levels=rows)
     if in_process is not None and single is not None:
-        report.update(in_process_tokens_per_s=in_process, single_stream_vs_in_process=single / in_process)
+        report.in_process_tokens_per_s, report.single_stream_vs_in_process = in_process, single / in_process
     return report
-
-
-def print_server_report(report: dict, console: Console | None = None) -> None:
-    tokens = report["max_tokens"] or "the server's default"
-    table = Table(title=f"specdeploy bench --url {report['url']} ({tokens} tokens per request)")
-    priced = report.get("price_per_hour") is not None
-    for column in ("concurrency", "speculative tok/s", "plain tok/s", "speedup", "acceptance", "vs 1 stream",
-                   "failed") + ("spec. $/M tok", "plain $/M tok") * priced:
-        table.add_column(column, justify="right")
-    for row in report["levels"]:
-        ratio = row["vs_single_stream"]
-        costs = [dollars(row[f"{mode}_usd_per_million_tokens"]) for mode in ("speculative", "plain") if priced]
-        table.add_row(str(row["concurrency"]), f"{row['speculative_tokens_per_s']:.1f}",
-                      f"{row['plain_tokens_per_s']:.1f}", f"{row['speedup']:.2f}", f"{row['acceptance_rate']:.2f}",
-                      "-" if ratio is None else f"{ratio:.2f}", str(row["failed"]), *costs)
-    console = console or Console()
-    console.print(table)
-    console.print(latency_table(report))
-    if "in_process_tokens_per_s" in report:
-        console.print(f"one stream over gRPC is {report['single_stream_vs_in_process']:.2f} of the same pipeline "
-                      f"in-process ({report['in_process_tokens_per_s']:.1f} tokens/s, prefill included)")
-
-
-def milliseconds(seconds: float | None) -> str:
-    return "-" if seconds is None else f"{seconds * 1000:.0f}"
-
-
-LATENCY_COLUMNS = ("streams", "mode", "TTFT p50", "TTFT p90", "TTFT p99", "ITL p50", "ITL p90", "ITL p99",
-                   "latency p50", "latency p99", "tokens/s per request p50", "tokens per response",
-                   "response gap p50", "response gap p99")
-
-
-def latency_cells(row: dict, mode: str) -> list[str]:
-    """One level's latency figures for `mode` (speculative or plain) under LATENCY_COLUMNS, times in ms."""
-    latency = row[f"{mode}_latency"]
-    ttft, itl, whole, gap = (latency[key] for key in ("time_to_first_token", "inter_token_latency",
-                                                      "request_latency", "response_gap"))
-    rate, burst = latency["tokens_per_s_per_request"]["p50"], latency["tokens_per_response"]["mean"]
-    return [str(row["concurrency"]), mode, *(milliseconds(ttft[p]) for p in ("p50", "p90", "p99")),
-            *(milliseconds(itl[p]) for p in ("p50", "p90", "p99")), milliseconds(whole["p50"]),
-            milliseconds(whole["p99"]), "-" if rate is None else f"{rate:.1f}",
-            "-" if burst is None else f"{burst:.2f}", milliseconds(gap["p50"]), milliseconds(gap["p99"])]
-
-
-def latency_table(report: dict) -> Table:
-    """Per level and mode: time to first token, inter-token latency (genai-perf's), request latency (ms) and the
-    streamed responses' tokens and gaps."""
-    table = Table(title="latency per request, ms (ITL: (latency - TTFT) / (tokens - 1), genai-perf's)")
-    for column in LATENCY_COLUMNS:
-        table.add_column(column, justify="right")
-    for row in report["levels"]:
-        for mode in ("speculative", "plain"):
-            table.add_row(*latency_cells(row, mode))
-    return table
 
 
 def run_stress(url: str, prompts: list[str], requests: int, concurrency: int, max_tokens: int | None,
@@ -126,8 +71,6 @@ def run_stress(url: str, prompts: list[str], requests: int, concurrency: int, ma
     complete and equal to its prompt's reference text (the same prompt served alone). With the server's metrics
     URL, also how many requests the server counted as cancelled and how long after the last response its batch
     and KV reservations were back to idle."""
-    from specdeploy.bench.server_load import check_results, one_request
-
     expected = {i: one_request(url, prompt, i, max_tokens, None, None).text for i, prompt in enumerate(prompts)}
     before = None if metrics_url is None else scrape(metrics_url)
     level = run_level(url, prompts, concurrency, requests, max_tokens, cancel_fraction=cancel_fraction, seed=seed)
@@ -199,18 +142,3 @@ def run_long_stream(url: str, engine: Engine, prompt: str, tokens: int, repeats:
         figures["runs"] = runs
         report[mode] = figures
     return report
-
-
-def print_long_stream(report: dict, console: Console | None = None) -> None:
-    table = Table(title=f"one streamed generation of {report['tokens']} tokens, {report['url']} vs in-process "
-                        f"(medians of {report['repeats']})")
-    for column in ("", "tokens/s", "vs in-process", "first quarter", "last fifth", "slowdown"):
-        table.add_column(column, justify="right")
-    for mode in ("speculative", "plain"):
-        for name in ("in_process", "grpc_stream"):
-            row = report[mode][name]
-            ratio = f"{report[mode]['grpc_vs_in_process']:.2f}" if name == "grpc_stream" else ""
-            table.add_row(f"{mode}, {name.replace('_', ' ')}", f"{row['tokens_per_s']:.1f}", ratio,
-                          f"{row['first_quarter_tokens_per_s']:.1f}", f"{row['last_fifth_tokens_per_s']:.1f}",
-                          f"{row['slowdown']:.1%}")
-    (console or Console()).print(table)
