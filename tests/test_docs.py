@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from click.testing import CliRunner
-from conftest import REPO
+from helpers.repo import REPO
 
 from specdeploy.cli import cli
 

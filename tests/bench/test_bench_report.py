@@ -6,7 +6,7 @@ import dataclasses
 import sys
 
 import pytest
-from made_reports import made_report
+from helpers.made_reports import made_report
 from PIL import Image
 
 from specdeploy.bench.bench_report import BenchReport, Footprint, MoeCurve, Peer
@@ -117,7 +117,7 @@ def test_without_matplotlib_the_report_says_which_extra_to_install(reports, tmp_
 
 def test_the_server_report_plots_concurrency_and_the_policy(tmp_path):
     """bench --url --report: the levels' table and the throughput plot, with the served pipeline's policy."""
-    from conftest import REPO
+    from helpers.repo import REPO
 
     from specdeploy.bench.server_load import LevelResult, RequestResult
     from specdeploy.bench.server_report import write_server_report
