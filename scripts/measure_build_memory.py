@@ -106,12 +106,12 @@ def measure(kind: str, pipeline: Path, engines: Path, env: dict[str, str] | None
 
 
 def synthetic_checkpoint(directory: Path, seed: int = 0, **dimensions) -> Path:
-    """A random Llama as a Hugging Face directory in bf16 with a character tokenizer (tests/conftest.py's)."""
+    """A random Llama as a Hugging Face directory in bf16 with a character tokenizer (tests/helpers/tiny_models.py)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     sys.path.insert(0, str(REPO / "tests"))
-    from conftest import char_tokenizer
+    from helpers.tiny_models import char_tokenizer
 
     torch.manual_seed(seed)
     # a vocabulary 16 x the hidden size, as Llama 3 8B's is 31 x and Llama 2's 8 x (the Medusa export holds it)

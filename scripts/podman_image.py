@@ -49,7 +49,7 @@ GPU_LAYER_IMAGE = "localhost/specdeploy-gpu:0.1.0-standin"
 # the test reads, and the test's own code.
 IMAGE_INPUTS = [".dockerignore", "build", "scripts/podman_image.py", "k8s/base", "k8s/overlays", "specdeploy",
                 "pipelines", "setup.cfg", "pyproject.toml", "Makefile", "tests/conftest.py",
-                "tests/deploy/test_image_runs.py", "tests/deploy/rendered_overlays.py"]
+                "tests/helpers", "tests/deploy/test_image_runs.py"]
 TESTED = REPO / "build" / "podman" / "image-test.sha256"
 
 

@@ -9,26 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from click.testing import CliRunner
-from conftest import REPO, tiny_pipeline, write_pipeline
+from helpers.cli import run_cli
+from helpers.pipelines import tiny_pipeline, write_pipeline
+from helpers.repo import REPO
 
 from specdeploy.build.torch_engine import build
-from specdeploy.cli import cli
 from specdeploy.errors import BuildError
 from specdeploy.spec.pipeline import load_pipeline
-
-
-class Result:
-    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
-        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
-
-
-def run_cli(*args: str) -> Result:
-    """The CLI in-process (importing torch per test would dominate the suite's time)."""
-    result = CliRunner().invoke(cli, list(args))
-    if result.exception is not None and not isinstance(result.exception, SystemExit):
-        raise result.exception
-    return Result(result.exit_code, result.stdout, result.stderr)
 
 
 def test_console_script_exit_status(tmp_path):
@@ -282,7 +269,7 @@ def test_bench_rejects_bad_prompt_file(tmp_path, tiny_dt):
 
 
 def test_int4_draft_and_target_need_group_aligned_sizes(tmp_path):
-    from conftest import save_tiny_checkpoint
+    from helpers.tiny_models import save_tiny_checkpoint
 
     odd = save_tiny_checkpoint(tmp_path / "odd", seed=4, hidden_size=48, intermediate_size=96)
     path = tiny_pipeline(tmp_path, "tiny-odd", odd)

@@ -18,7 +18,7 @@ import tokenize
 from pathlib import Path
 
 from click.testing import CliRunner
-from conftest import REPO
+from helpers.repo import REPO
 
 from specdeploy.cli import cli
 

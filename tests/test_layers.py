@@ -8,7 +8,7 @@ import sys
 import typing
 from pathlib import Path
 
-from conftest import REPO
+from helpers.repo import REPO
 
 from specdeploy.models.registry import ARCHITECTURES
 from specdeploy.spec.pipeline import Method

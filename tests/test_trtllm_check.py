@@ -11,7 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import REPO, load_script
+from helpers.repo import REPO, load_script
 
 from specdeploy.build.trtllm.engine_build import plan
 from specdeploy.spec.pipeline import load_pipeline

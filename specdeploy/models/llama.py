@@ -88,7 +88,7 @@ class RMSNorm(nn.Module):
     layer norm of [x, -x] (zero mean, so its variance is mean(x²): the same function), one fused kernel where the
     plain form is eight: 7 against 16 µs per row on a 2-core EPYC, and a decode step runs 61 norms. It rounds the
     weight product to x's dtype as Hugging Face's LlamaRMSNorm does; in fp32 a model's logits agree to 1e-5 either way
-    (tests/test_units.py)."""
+    (tests/models/test_llama.py)."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from made_reports import made_report
+from helpers.made_reports import made_report
 
 from specdeploy.bench.printing import why_it_loses
 from specdeploy.bench.run import run_benches

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import pytest
-from conftest import tiny_pipeline
+from helpers.cli import run_cli
+from helpers.pipelines import tiny_pipeline
 from PIL import Image
-from test_cli import run_cli
 
 from specdeploy.bench.context_markdown import write_context_report
 from specdeploy.bench.context_sweep import StepBytes, carried_costs, check_contexts, run_context_sweep

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from made_reports import made_report
+from helpers.made_reports import made_report
 
 from specdeploy.bench.gamma_cap import MARGIN, measured_policy
 

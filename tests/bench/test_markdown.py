@@ -6,7 +6,7 @@ import dataclasses
 import sys
 
 import pytest
-from made_reports import made_report
+from helpers.made_reports import made_report
 from PIL import Image
 
 from specdeploy.bench.markdown import write_report

@@ -4,7 +4,7 @@ over the verify cost by width; and axes that tick whole numbers."""
 from __future__ import annotations
 
 import pytest
-from made_reports import made_report
+from helpers.made_reports import made_report
 
 from specdeploy.bench.plots import gamma_curves, pyplot, whole_number_ticks
 from specdeploy.speculative.speedup import predicted_speedup

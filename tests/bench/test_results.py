@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from made_reports import made_report
+from helpers.made_reports import made_report
 
 from specdeploy.bench.results import BenchReport, MedusaTree, MoeCurve, Peer, TransformersBaseline
 from specdeploy.errors import SpecdeployError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 
-from conftest import REPO
+from helpers.repo import REPO
 from PIL import Image
 
 from specdeploy.bench.server_load import LevelResult, RequestResult

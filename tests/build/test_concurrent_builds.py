@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext, redirect_stderr
 from pathlib import Path
 
 import pytest
-from conftest import tiny_pipeline
+from helpers.pipelines import tiny_pipeline
 
 from specdeploy.spec.engine_paths import build_lock, leftovers, staging_dir, write_json
 

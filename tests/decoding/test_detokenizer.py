@@ -105,3 +105,23 @@ def test_smollm2_byte_level_bpe_streams(smollm2_fp32_engines):
     tokenizer = smollm2_fp32_engines["draft-target"].tokenizer
     count = check_streams(tokenizer, TEXT + " Ünïcödé 🚀🚀 日本語のテキスト")
     assert count > 30
+
+
+def test_detokenizer_never_emits_broken_utf8(tiny_engines):
+    from transformers import AutoTokenizer
+
+    engine = tiny_engines["ngram"]
+    tokenizer = AutoTokenizer.from_pretrained(engine.dir / "target")
+    detokenizer = IncrementalDetokenizer(tokenizer)
+    pieces = [detokenizer.add([t]) for t in tokenizer("hello, world")["input_ids"]]
+    assert "".join(pieces) + detokenizer.flush() == "hello, world"
+
+
+def test_detokenizer_holds_back_partial_characters():
+    class ByteTokenizer:  # ids are UTF-8 bytes; a multi-byte character spans several ids
+        def decode(self, ids, skip_special_tokens=True):
+            return bytes(ids).decode("utf-8", errors="replace")
+
+    detokenizer = IncrementalDetokenizer(ByteTokenizer())
+    out = [detokenizer.add([b]) for b in "añ€".encode()]
+    assert out == ["a", "", "ñ", "", "", "€"]

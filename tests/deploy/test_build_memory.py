@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import REPO, load_script
-from test_trtllm import flags, trtllm_pipeline
+from helpers.cli import flags
+from helpers.pipelines import trtllm_pipeline
+from helpers.repo import REPO, load_script
 
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.build.hf_export import export_model

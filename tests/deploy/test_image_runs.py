@@ -26,8 +26,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import REPO, load_script
-from rendered_overlays import (
+from helpers.rendered_overlays import (
     K8S,
     all_templates,
     check_serving_pod,
@@ -39,6 +38,7 @@ from rendered_overlays import (
     serving_container,
     wait_until_ready,
 )
+from helpers.repo import REPO, load_script
 
 from specdeploy.deploy import k8s_base as base
 from specdeploy.serve.tritonserver import free_port

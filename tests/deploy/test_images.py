@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import REPO, load_script
+from helpers.repo import REPO, load_script
 
 from specdeploy.build.trtllm.plan import TRITON_IMAGE
 

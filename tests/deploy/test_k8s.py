@@ -21,8 +21,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from conftest import REPO
-from rendered_overlays import (
+from helpers.rendered_overlays import (
     BIN,
     H100,
     K8S,
@@ -40,6 +39,7 @@ from rendered_overlays import (
     serving_container,
     wait_until_ready,
 )
+from helpers.repo import REPO
 
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.k8s import OverlayOptions, write_overlay

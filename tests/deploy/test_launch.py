@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers.repo import REPO
 
 SELECTOR = "leaderworkerset.sigs.k8s.io/group-key=abc"
 LEADER = "lws-0"  # the pod the launcher runs in: never Ready before its command serves

@@ -6,7 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from conftest import PROMPTS, tiny_pipeline
+from helpers.pipelines import tiny_pipeline
+from helpers.prompts import PROMPTS
 
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel

@@ -87,7 +87,7 @@ def test_the_gpu_int8_kernel_matches_the_dequantized_weights():
 
 
 def test_the_moe_runs_without_host_reads_on_the_gpu():
-    from conftest import tiny_moe_layer
+    from helpers.tiny_models import tiny_moe_layer
 
     cpu, gpu = tiny_moe_layer(), tiny_moe_layer("cuda")
     x = torch.randn(6, 32)
@@ -104,7 +104,7 @@ def test_the_moe_runs_without_host_reads_on_the_gpu():
 def test_smollm2_on_the_gpu_serves_through_triton(tmp_path):
     """The shipped draft-target pipeline packaged for cuda (KIND_GPU) answers over gRPC from a real tritonserver,
     with drafts accepted."""
-    from conftest import REPO
+    from helpers.repo import REPO
 
     from specdeploy.serve.tritonserver import TritonServer
     from specdeploy.workflows import RequestOptions, generate_over_grpc, package

@@ -9,7 +9,9 @@ import json
 import pytest
 import torch
 from click.testing import CliRunner
-from conftest import REPO, tiny_moe_layer, tiny_pipeline
+from helpers.pipelines import tiny_pipeline
+from helpers.repo import REPO
+from helpers.tiny_models import tiny_moe_layer
 
 from specdeploy.errors import PipelineError, SpecdeployError
 from specdeploy.models.device_transfer import PhaseClock, from_host

@@ -11,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from conftest import TINY, Collector, char_tokenizer, save_tiny_checkpoint, tiny_pipeline
+from helpers.cli import run_cli
+from helpers.collector import Collector
+from helpers.pipelines import tiny_pipeline
+from helpers.prompts import PROMPTS
+from helpers.tiny_models import TINY, char_tokenizer, save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
-from test_cli import run_cli
-from test_engine import PROMPTS
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
 from specdeploy.bench.gamma_cap import CALIBRATION_TOKENS, calibration_prompts, lift_gamma_cap, sweep_gammas

@@ -9,8 +9,10 @@ import re
 import pytest
 import torch
 import yaml
-from conftest import REPO, write_pipeline
-from test_engine import SMOLLM2_PROMPTS, assert_greedy_speculation_equals_plain
+from helpers.engines import assert_greedy_speculation_equals_plain
+from helpers.pipelines import write_pipeline
+from helpers.prompts import SMOLLM2_PROMPTS
+from helpers.repo import REPO
 
 from specdeploy.build.torch_engine import build
 from specdeploy.runtime.engine import Engine

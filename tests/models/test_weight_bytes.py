@@ -4,7 +4,7 @@ for the ceiling on plain decode, counted in every form a pipeline can store its 
 from __future__ import annotations
 
 import torch
-from conftest import tiny_pipeline
+from helpers.pipelines import tiny_pipeline
 
 from specdeploy.build.checkpoints import load_checkpoint
 from specdeploy.build.torch_engine import quantized_state

@@ -47,7 +47,7 @@ def test_an_installed_specdeploy_carries_the_model_code(tmp_path):
     import sys
     import zipfile
 
-    from conftest import REPO
+    from helpers.repo import REPO
 
     source = tmp_path / "source"  # a copy: setuptools writes build/ beside the sources, and ours holds Dockerfiles
     shutil.copytree(REPO / "specdeploy", source / "specdeploy", ignore=shutil.ignore_patterns("__pycache__"))
@@ -65,7 +65,7 @@ def test_an_installed_specdeploy_carries_the_model_code(tmp_path):
 def test_package_skips_unchanged_inputs_and_repackages_a_change(tiny_checkpoints, tmp_path):
     """What the Kubernetes build Job relies on: a second `package` with the same inputs writes nothing; a change in
     the pipeline (here a serving setting, which does not rebuild the engine) or --force writes it again."""
-    from conftest import tiny_pipeline
+    from helpers.pipelines import tiny_pipeline
 
     from specdeploy.workflows import package
 

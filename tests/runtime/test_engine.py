@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import PROMPTS
+from helpers.engines import assert_greedy_speculation_equals_plain, fresh_prefill
+from helpers.prompts import PROMPTS, SMOLLM2_PROMPTS
 from transformers import LlamaForCausalLM
 
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
-from specdeploy.runtime.engine import Engine
 from specdeploy.spec.sampling_params import SamplingParams
 
 
@@ -129,12 +129,6 @@ def test_early_stop_drafts_fewer_tokens_without_wasted_forwards(tiny_engines, th
     assert proposer.forwards - forwards_before == stats.drafted
 
 
-def fresh_prefill(model: LlamaModel, tokens: list[int], max_length: int):
-    cache = model.new_cache(1, max_length)
-    model(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)
-    return cache
-
-
 @pytest.mark.parametrize("kind", ["draft_target", "int4", "int8"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_caches_hold_exactly_the_committed_prefix(tiny_engines, kind, temperature):
@@ -222,26 +216,6 @@ def test_smollm2_matches_transformers(smollm2_fp32_engines):
     ours = engine.target.logits(engine.target(torch.tensor([ids]), torch.arange(len(ids))[None], cache))
     torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
-
-
-SMOLLM2_PROMPTS = [
-    "Write a Python function that returns the squares of a list of numbers.",
-    "Fix the grammar: 'She go to school every days and play with her friend.'",
-    "Give me a JSON object describing a cat named Tom who is 3 years old.",
-]
-
-
-def assert_greedy_speculation_equals_plain(engine: Engine, prompts: list[str], max_tokens: int = 32) -> None:
-    """Each prompt's greedy answer with speculation at the engine's gamma is its plain decode's, token for token, and
-    some drafts were accepted."""
-    accepted = 0
-    for prompt in prompts:
-        ids = engine.encode_prompt(prompt)
-        plain = engine.generate(ids, SamplingParams(), max_tokens, num_draft_tokens=0).run()
-        generation = engine.generate(ids, SamplingParams(), max_tokens)
-        assert generation.run() == plain, prompt
-        accepted += generation.stats.accepted
-    assert accepted > 0
 
 
 @pytest.mark.smollm2

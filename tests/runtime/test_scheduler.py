@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import Collector
+from helpers.collector import Collector
 
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler

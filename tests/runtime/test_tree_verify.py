@@ -9,7 +9,8 @@ import random
 
 import pytest
 import torch
-from test_engine import PROMPTS, fresh_prefill
+from helpers.engines import fresh_prefill
+from helpers.prompts import PROMPTS
 
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.models.llama import tree_forward_all
@@ -129,7 +130,7 @@ def test_greedy_tree_speculation_equals_plain_batched_and_the_cache_is_the_commi
 def test_mixed_rows_verify_a_tree_with_one_host_read_and_keep_their_caches(tiny_engines):
     """Greedy, sampled and penalised rows with different depth caps: one host read per step, and each row's cache
     stays the committed prefix (sampled rows accept through other branches than greedy ones)."""
-    from test_batch import HostReads, mixed_requests
+    from helpers.batch import HostReads, mixed_requests
 
     plain = tiny_engines["ngram"]
     references = {len(p): plain.start(request(p, 30, 0)).run() for p in PROMPTS}

@@ -14,7 +14,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import yaml
-from conftest import REPO, write_pipeline
+from helpers.pipelines import write_pipeline
+from helpers.repo import REPO
 
 from specdeploy.serve.client import generate
 from specdeploy.spec.request import GenerationRequest

@@ -7,7 +7,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from conftest import Collector
+from helpers.collector import Collector
 
 from specdeploy.errors import RequestError
 from specdeploy.runtime.engine import Engine

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import REPO
+from helpers.repo import REPO
 
 from specdeploy.errors import RequestError
 from specdeploy.package.repository import write_repository

@@ -9,7 +9,7 @@ import ast
 import typing
 
 import pytest
-from conftest import REPO
+from helpers.repo import REPO
 
 from specdeploy.errors import PipelineError
 from specdeploy.spec.pipeline import METHODS, DraftSpec, MedusaSpec, Method, SpeculationSpec

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
+from helpers.repo import REPO
 
 from specdeploy.errors import PipelineError
 from specdeploy.spec.pipeline import (

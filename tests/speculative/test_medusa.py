@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import Collector, write_pipeline
+from helpers.collector import Collector
+from helpers.pipelines import write_pipeline
+from helpers.prompts import PROMPTS
 from safetensors.torch import load_file
-from test_engine import PROMPTS
 
 from specdeploy.build.torch_engine import build
 from specdeploy.errors import BuildError, PipelineError
@@ -18,7 +19,7 @@ from specdeploy.spec.request import NO_END_ID, GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.medusa import MedusaHeads, export_trtllm
 
-HIDDEN, VOCAB = 64, 128  # the tiny checkpoints' sizes (conftest)
+HIDDEN, VOCAB = 64, 128  # the tiny checkpoints' sizes (helpers/tiny_models.py)
 
 
 def random_heads(num_heads: int = 3, num_layers: int = 1, own: bool = False, seed: int = 0) -> MedusaHeads:
@@ -218,7 +219,7 @@ def test_medusa_serves_through_triton_with_per_head_metrics(tmp_path):
     """The shipped Medusa pipeline in fp32 behind the real tritonserver: greedy text over gRPC equals plain greedy
     in-process (both entry points), and the accepted tokens are counted per head (position)."""
     import yaml
-    from conftest import REPO
+    from helpers.repo import REPO
 
     from specdeploy.package.repository import write_repository
     from specdeploy.serve.client import generate

@@ -4,22 +4,17 @@ its node, for any tree and any proposed tokens - with power.
 The harness fixes one target distribution per verify index (the root, then each node: what the target gives after
 the path to that node) and runs `accept_tree` over N independent trials in one batched call. The first emitted
 token must follow the root's distribution in every trial; among the trials whose accepted path went through node i,
-the next emitted token must follow node i's distribution. Each is checked with the goodness-of-fit test of
-test_acceptance_distribution (chi-square, total-variation bound, zero-probability check). The same harness must
-reject three broken rules: trying siblings against p instead of p with the rejected ones removed, sampling the
-fallback from p instead of p', and Medusa's typical acceptance (lossy by design).
+the next emitted token must follow node i's distribution. Each is checked with test_acceptance_distribution's
+goodness-of-fit test (tests/helpers/goodness_of_fit.py: chi-square, total-variation bound, zero-probability check).
+The same harness must reject three broken rules: trying siblings against p instead of p with the rejected ones
+removed, sampling the fallback from p instead of p', and Medusa's typical acceptance (lossy by design).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from test_acceptance_distribution import (  # noqa: F401 (_single_thread: an autouse fixture)
-    MIN_SAMPLES,
-    PositionCheck,
-    _single_thread,
-    goodness_of_fit_counts,
-)
+from helpers.goodness_of_fit import MIN_SAMPLES, PositionCheck, goodness_of_fit_counts
 
 from specdeploy.decoding.sampling import SamplingParams, sample, sampling_distribution, uniform
 from specdeploy.spec.token_tree import TokenTree
@@ -36,6 +31,8 @@ N_TRIALS = 100_000
 CHAIN = [[0], [0, 0], [0, 0, 0]]
 WIDE = [[0], [1], [2], [3]]
 MIXED = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0], [0, 0, 1], [0, 1, 0]]
+
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 # ---------------------------------------------------------------------------------------------------------------

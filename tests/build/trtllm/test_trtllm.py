@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, tiny_pipeline
 from google.protobuf import text_format
-from test_cli import run_cli
+from helpers.cli import flags, run_cli
+from helpers.pipelines import tiny_pipeline, trtllm_pipeline
+from helpers.repo import REPO
 from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.build.trtllm import convert as trtllm_convert
@@ -38,16 +39,6 @@ from specdeploy.package.trtllm_models import tensorrtllm_model
 from specdeploy.spec.pipeline import load_pipeline
 
 GPU_EXAMPLES = sorted((REPO / "pipelines" / "gpu").glob("*.yaml"))
-
-
-def flags(command: tuple[str, ...]) -> dict[str, str | None]:
-    """--flag value pairs of an argv (a flag followed by another flag, or last, is a switch: None)."""
-    found = {}
-    for index, word in enumerate(command):
-        if word.startswith("--"):
-            following = command[index + 1] if index + 1 < len(command) else None
-            found[word] = None if following is None or following.startswith("--") else following
-    return found
 
 
 def check_against(table: dict, command: tuple[str, ...]) -> None:
@@ -182,19 +173,6 @@ def test_dry_run_prints_the_plan_and_a_torch_pipeline_refuses_it(tmp_path, tiny_
     torch_pipeline = tiny_pipeline(tmp_path, "tiny", tiny_checkpoints["target"])
     refused = run_cli("build", str(torch_pipeline), "--engines-dir", str(tmp_path / "engines"), "--dry-run")
     assert refused.returncode == 2 and "--dry-run" in refused.stderr
-
-
-def trtllm_pipeline(tmp_path: Path, checkpoint: Path, name: str = "t", **changes) -> Path:
-    """A tiny pipeline on backend trtllm; changes: top-level sections merged into it."""
-    path = tiny_pipeline(tmp_path, name, checkpoint, dtype="bfloat16")
-    spec = yaml.safe_load(path.read_text())
-    spec["backend"] = {"kind": "trtllm", "trtllm": {}}
-    for section, values in changes.items():
-        spec[section] = {**spec.get(section, {}), **values}
-    if spec["speculation"]["method"] != "draft_target":
-        spec["speculation"].pop("draft", None)
-    path.write_text(yaml.safe_dump(spec))
-    return path
 
 
 @pytest.mark.parametrize("changes, key", [

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO
 from google.protobuf import json_format, text_format
-from test_cli import run_cli
-from test_trtllm import trtllm_pipeline
+from helpers.cli import run_cli
+from helpers.pipelines import trtllm_pipeline
+from helpers.repo import REPO
 from transformers import MixtralForCausalLM
 from tritonclient.grpc import model_config_pb2 as pb
 

@@ -15,9 +15,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO, Collector
+from helpers.collector import Collector
+from helpers.goodness_of_fit import P_VALUE_THRESHOLD
+from helpers.repo import REPO
 from scipy import stats
-from test_acceptance_distribution import P_VALUE_THRESHOLD
 
 from specdeploy.decoding.finish import Finish
 from specdeploy.serve.trtllm.engine_calls import BlsCalls

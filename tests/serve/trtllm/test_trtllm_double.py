@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import REPO
+from helpers.repo import REPO
 from scipy import stats
 
 from specdeploy.build.trtllm.upstream import TENSORRTLLM_REQUIRED_PARAMETERS

@@ -13,9 +13,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-from conftest import REPO, write_pipeline
 from google.protobuf import text_format
-from test_triton import (
+from helpers.pipelines import write_pipeline
+from helpers.repo import REPO
+from helpers.served import (
     LONG,
     MAX_TOKENS,
     PROMPTS,

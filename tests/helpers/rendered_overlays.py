@@ -1,7 +1,7 @@
 """The committed Kubernetes overlays rendered with `kubectl kustomize`, and what running their containers needs:
 the kubelet's $(NAME) expansion and the checks a serving pod must pass (readiness, a gRPC generation with drafts
-accepted, the series the rules and the autoscaler read). Shared by test_k8s.py (the commands run on this machine)
-and test_image_runs.py (the same containers run in the built image)."""
+accepted, the series the rules and the autoscaler read). Shared by tests/deploy/test_k8s.py (the commands run on this
+machine) and tests/deploy/test_image_runs.py (the same containers run in the built image)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import yaml
-from conftest import REPO
 
+from helpers.repo import REPO
 from specdeploy.deploy import k8s_base as base
 
 BIN = Path(sys.executable).parent

@@ -1,5 +1,6 @@
-"""The one rule for each step's gamma (decoding/draft_length.py), from the request's own value to the room in the
-sequence, as both serving flavours apply it: one table, each row changing one term."""
+"""Each step's gamma (decoding/draft_length.py): the proposal length of the constant and heuristic schedules, and the
+one rule both serving flavours apply, from the request's own value to the room in the sequence (one table, each row
+changing one term)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,27 @@ from specdeploy.decoding.draft_length import ProposalLength, step_gamma
 from specdeploy.spec.pipeline import PolicySpec, parse_pipeline
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
+
+
+def test_heuristic_proposal_length_grows_on_full_acceptance_and_shrinks_on_rejection():
+    length = ProposalLength("heuristic", gamma=9)
+    assert length.current == 4
+    length.update(4, 4)
+    assert length.current == 6
+    length.update(6, 6)
+    length.update(8, 8)
+    assert length.current == 9  # capped at gamma
+    length.update(9, 2)
+    assert length.current == 8
+    length.update(0, 0)  # nothing drafted (no n-gram match): no evidence either way
+    assert length.current == 8
+    for _ in range(20):
+        length.update(length.current, 0)
+    assert length.current == 1  # never below one
+    constant = ProposalLength("constant", gamma=5)
+    constant.update(5, 0)
+    assert constant.current == 5
+    assert ProposalLength("heuristic", gamma=2).current == 2
 
 
 def pipeline(gamma: int = 5, schedule: str = "constant", gamma_cap: int | None = None, method: str = "ngram"):
