@@ -1,5 +1,6 @@
 """Peak memory of builds, measured: each build runs in a fresh process that reports its own peak RSS (VmHWM), so
-the constants of specdeploy/deploy/build_memory.py come from figures.
+the constants of specdeploy/deploy/build_memory.py come from figures. The figures they come from, with the machine
+and the run history, are kept in docs/benchmarks.md ("Build memory"): update that section with the constants.
 
   .venv/bin/python scripts/measure_build_memory.py [--json OUT.json] [--only SUBSTRING] [--work DIR]
       every case (or those whose name contains SUBSTRING), a table, the fitted lines; OUT.json gets the figures

@@ -1,7 +1,7 @@
 """What an engine costs beside its decode rate: the bytes it stores and the seconds its build took (from what the
 build recorded), and, in a fresh process as a server or a user's first run starts one, the seconds a load takes,
 the first request's latency and the peak resident memory. llama.cpp's peak resident memory on the same GGUF is
-measured the same way, so the two compare process to process (ours includes importing torch: about 222 MiB).
+measured the same way, so the two compare process to process (ours includes importing torch).
 
 Each fresh process is this module run as a script (`python -m specdeploy.bench.footprint engine|llama-cpp ...`),
 which prints its measurements as JSON; the llama.cpp one imports neither torch nor the engine."""

@@ -32,7 +32,7 @@ class Machine:
     matmul_flags: list[str] = field(default_factory=list)
     cores: int | None = None
     torch: str | None = None
-    weight_only_kernels: str | None = None  # the int4/int8 kernels' code path (reports before issue 27 lack it)
+    weight_only_kernels: str | None = None  # the int4/int8 kernels' code path (None in a report that predates it)
 
     @classmethod
     def from_json(cls, data: dict) -> Machine:

@@ -34,7 +34,8 @@ def export_model(config: ModelConfig, state: dict[str, torch.Tensor], tokenizer,
     """Write weights under our canonical names (`state`, with `config`) and the tokenizer to `output` as a Hugging
     Face directory in `dtype`; `source` names them in errors. It builds a transformers model of them, so memory
     holds the fp32 state and the model's own fp32 copy before it is cast: about four times the model's bf16 size
-    (measured: scripts/measure_build_memory.py), which is why only sources loaded whole anyway come here."""
+    (measured by scripts/measure_build_memory.py: docs/benchmarks.md, "Build memory"), which is why only sources
+    loaded whole anyway come here."""
     family = hf_model_class(config)
     model = family(config.to_hf())
     missing, unexpected = model.load_state_dict(state, strict=False)

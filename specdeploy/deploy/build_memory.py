@@ -12,26 +12,9 @@ Our steps take one of four paths (our_path; build/trtllm/plan.py decides which e
 - read: on trtllm, Hugging Face checkpoints that need no derivation are read where they are by TensorRT-LLM's
   converter; we read at most the target's vocabulary projection (Medusa heads).
 
-Measured: `.venv/bin/python scripts/measure_build_memory.py --json build-memory.json`, the peak RSS (VmHWM) of a
-fresh process per build, x86-64 Linux, Python 3.11, torch 2.13 (CPU), transformers 5.24: the shipped smollm2-*
-pipelines (a packaged GGUF) and a random 16-layer Llama at about 60 and 460 MB of bf16 weights. Per path the line
-`peak = runtime + k x weights` takes k from the two sizes and the runtime as the largest residual, so every
-measured build is at or under its line; the constants below are the envelope of two runs (peaks moved by up to
-0.08 GiB between them). The later run, in GiB, weights as sizing.estimate_weights_gib counts them:
-
-    case                                    path      weights  peak     case              weights  peak
-    smollm2-draft-target (torch)            torch     0.391    1.286    llama-60m (torch)   0.083  0.557
-    smollm2-moe-draft-target (torch)        torch     1.430    2.826    llama-460m (torch)  0.581  1.645
-    smollm2-draft-target (exported whole)   whole     0.391    1.511    llama-60m           0.083  0.621
-    smollm2-moe-draft-target (exp. whole)   whole     1.430    1.202    llama-460m          0.581  2.098
-    llama-60m / -460m, trtllm draft-target  read      0.083    0.308    (460m)              0.581  0.308
-    llama-60m / -460m, trtllm Medusa        read      0.069    0.321    (460m)              0.488  0.412
-    llama-60m / -460m, trtllm derived MoE   streamed  0.083    0.618    (460m)              0.581  1.165
-    (the runtime alone, imports and nothing built: 0.224)
-The two smollm2-moe-draft-target rows were measured again when issue 28 made it an upcycled MoE (8 whole MLPs per
-layer, held in the target's dtype as it is derived; its export now derived and written a layer at a time from the
-GGUF loaded whole): both under their lines, whose constants come from the earlier runs (the neuron-split MoE then
-set the torch runtime: 1.655 GiB at 0.391).
+Our steps' lines (peak = runtime + k x weights, per path) are fitted to peaks that
+scripts/measure_build_memory.py measures, each build in a fresh process; the constants below are the envelope of its
+runs. The figures, the machine and the run history: docs/benchmarks.md, "Build memory".
 
 TensorRT-LLM's steps (NVIDIA/TensorRT-LLM of the 1.1/1.2 era, the copies docs/tensorrt-llm.md reads; an estimate,
 nothing here runs them):
@@ -59,11 +42,11 @@ from pathlib import Path
 from specdeploy.build.trtllm.plan import EXPORTS, build_workers, export_steps, streams_target
 from specdeploy.spec.pipeline import PipelineSpec
 
-# Measured lines (see the module docstring): runtime in GiB, k in GiB per GiB of weights.
+# Measured lines (figures: docs/benchmarks.md, "Build memory"): runtime in GiB, k in GiB per GiB of weights.
 TORCH_RUNTIME_GIB, TORCH_K = 0.88, 2.29  # the runtime: the GGUF load and neuron split of the MoE shipped then
 WHOLE_RUNTIME_GIB, WHOLE_K = 0.72, 3.05  # k: the bf16 target's fp32 state and the model's fp32 copy, ~4 x its size
 STREAMED_RUNTIME_GIB, STREAMED_LAYER_K = 0.60, 22.0  # k per GiB of one layer: its copies, the calibration activations
-READ_RUNTIME_GIB = 0.37  # flat: a draft-target or n-gram build holds nothing of the model (0.308 at both sizes)
+READ_RUNTIME_GIB = 0.37  # flat: a draft-target or n-gram build holds nothing of the model (the same at both sizes)
 MEDUSA_K = 0.22  # the read path's slope with Medusa heads: the heads and the target's projection
 FEWEST_LAYERS = 16  # a Llama-family checkpoint of 1B or more has at least 16 layers: a layer is <= 1/16 of it
 

@@ -5,7 +5,7 @@ most `max_width` tokens a row, the decode and verify steps, and eagerly for long
 fuses the step's small operations (norms, rotary, activations, cache writes) into a few kernels a layer; the
 matmuls stay torch's (the int4/int8 weight-only kernels, oneDNN bf16 or aten's).
 
-Compiling takes minutes on 2 cores, so it happens when the engine loads, in `warm_up`, never at a request: one call
+Compiling takes minutes on a CPU, so it happens when the engine loads, in `warm_up`, never at a request: one call
 per graph the steps use. Dynamo specializes sizes of 1, so those are four: one row or more, one token or more a row;
 every other batch size, width and cache length reuses them. Inductor's cache lives in the engine directory
 (`compiled/`): `specdeploy build` fills it, and each load works on a temporary copy of it, so it reads the compiled
@@ -13,8 +13,8 @@ kernels instead of generating them again (dynamo still traces the model at each 
 engine, which a server may mount read-only.
 
 Not kept: inductor's freezing with static shapes (weights as constants, a graph per batch size and width). It
-decoded the int4 target about 1.5x eager rather than 1.2-1.3x, but every new shape compiled anew and reloading an
-engine took about 4 minutes even from a full cache (docs/benchmarks.md).
+decoded the int4 target faster than these symbolic graphs, but every new shape compiled anew and reloading an engine
+took minutes even from a full cache (figures: docs/benchmarks.md, "Compiled steps").
 """
 
 from __future__ import annotations

@@ -16,9 +16,9 @@ class KVCache:
     """Keys and values for every layer: `keys[layer]`, `values[layer]` are [batch, kv_heads, max_length, head_dim].
 
     One tensor per layer, not one [layers, ...] tensor: a compiled step's writes into a layer's slice of a stacked
-    tensor become a copy of every layer's entries at each layer (inductor functionalizes the mutation of a view):
-    46.5 ms a step for 30 layers of 2,048 slots against 0.18 ms for separate tensors written in place
-    (scripts/measure_compiled_steps.py --cache-writes)."""
+    tensor become a copy of every layer's entries at each layer (inductor functionalizes the mutation of a view),
+    far slower than separate tensors written in place (scripts/measure_compiled_steps.py --cache-writes; figures:
+    docs/benchmarks.md, "Compiled steps")."""
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_length: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device | str = "cpu") -> None:

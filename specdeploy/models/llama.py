@@ -38,10 +38,10 @@ class DenseLinear(nn.Module):
         self.register_buffer("packed", None)
 
     def prepack(self) -> None:
-        """Replace a bf16 CPU weight by oneDNN's prepacked layout (no-op for any other). One-row matmuls run about
-        1.5x faster from it and an eager bf16 step 1.0-1.4x (scripts/measure_model_forms.py, a loaded 2-core Xeon);
-        the ops are private and torch.compile does not lower them, so a model to be compiled is built with
-        prepack=False (inductor's freezing packs the plain weights itself)."""
+        """Replace a bf16 CPU weight by oneDNN's prepacked layout (no-op for any other): one-row matmuls, and so an
+        eager bf16 decode step, run faster from it than from F.linear (scripts/measure_model_forms.py; figures:
+        docs/benchmarks.md, "Figures behind the code"). The ops are private and torch.compile does not lower them, so a
+        model to be compiled is built with prepack=False (inductor's freezing packs the plain weights itself)."""
         if self.weight is not None and packs_for_cpu(self.weight):
             self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.data, 1)
             self.weight = None
@@ -86,9 +86,9 @@ class RMSNorm(nn.Module):
 
     Compiled (torch.compile), the plain form: in fp32, rounded once, which inductor fuses into one kernel. Eager,
     layer norm of [x, -x] (zero mean, so its variance is mean(x²): the same function), one fused kernel where the
-    plain form is eight: 7 against 16 µs per row on a 2-core EPYC, and a decode step runs 61 norms. It rounds the
-    weight product to x's dtype as Hugging Face's LlamaRMSNorm does; in fp32 a model's logits agree to 1e-5 either way
-    (tests/models/test_llama.py)."""
+    plain form is eight, and a decode step runs 61 norms (timed: docs/benchmarks.md, "Figures behind the code"). It
+    rounds the weight product to x's dtype as Hugging Face's LlamaRMSNorm does; in fp32 a model's logits agree to 1e-5
+    either way (tests/models/test_llama.py)."""
 
     def __init__(self, weight: torch.Tensor, eps: float) -> None:
         super().__init__()
@@ -116,7 +116,7 @@ def rotary_table(config: ModelConfig, length: int) -> torch.Tensor:
 def rotate(x: torch.Tensor, rotation: torch.Tensor) -> torch.Tensor:
     """Rotary embedding in x's dtype, as Hugging Face Llama computes it, rotate-half layout: x * cos + [-x2, x1] * sin,
     with [-x2, x1] * sin written as [x2, x1] * [-sin, sin] (one roll and one fused multiply-add instead of a
-    negation, a concatenation and two casts to fp32: 7.6 against 12.5 µs per call in bf16 on a 2-core EPYC).
+    negation, a concatenation and two casts to fp32; timed: docs/benchmarks.md, "Figures behind the code").
     x: [B, T, heads, D]; rotation: [2, B, T, 1, D] (rotary_table's rows at each position, any float dtype)."""
     cos, signed_sin = rotation.to(x.dtype)
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
@@ -158,8 +158,9 @@ class DecoderLayer(nn.Module):
         spans: attend row by row, row r's first t queries within its first s slots (spans[r] = (t, s))."""
         batch, length, _ = x.shape
         heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
-        # Submodules are called through .forward: nn.Module.__call__'s hook checks cost ~2 µs a call, 120 calls a
-        # step. The feed-forward block keeps __call__: build/moe_derive.py hooks it to record its inputs.
+        # Submodules are called through .forward: nn.Module.__call__'s hook checks cost time on each of a step's 120
+        # calls (docs/benchmarks.md, "Figures behind the code"). The feed-forward block keeps __call__:
+        # build/moe_derive.py hooks it to record its inputs.
         qkv = self.qkv.forward(self.input_norm.forward(x)).unflatten(-1, (heads + 2 * kv_heads, dim))
         qk = rotate(qkv[:, :, :heads + kv_heads], rotation)
         k = qk[:, :, heads:].transpose(1, 2)  # [B, kv_heads, T, D]

@@ -4,7 +4,8 @@ kernel PyTorch uses for it.
 Speculation pays only while verifying n tokens costs little more than decoding one. On a CPU that is true when
 the matmul streams the weights once for all n rows: oneDNN's bf16 kernels do (AMX, or AVX-512 with BF16 or BW/VL/
 DQ, or AVX-NE-CONVERT). Without them PyTorch runs bf16 matmuls in a generic kernel whose time grows with every
-row, and a 10-token verify costs about six plain steps (measured on an AVX2-only AMD EPYC).
+row, and a verify costs several plain steps (measured on an AVX2-only CPU: docs/benchmarks.md, "The CPU decides"
+and "Figures behind the code").
 """
 
 from __future__ import annotations

@@ -4,12 +4,12 @@
 Int4: a weight row is split into groups of `group_size`; each group stores 4-bit codes q in [0, 15] with a scale and
 a minimum, so w ≈ q * scale + minimum (the same shape as GGUF's Q4_1 blocks, which therefore round-trip almost
 exactly). Int8: one symmetric scale per row. The embedding/vocabulary matrix of SmolLM2's GGUF is Q8_0, not Q4_1,
-and an int4 head costs the draft most of its agreement with the target (alpha 0.84 vs 0.97 measured), while int8
-keeps it for little more cost. A derived draft's head is therefore two-stage (`RescoredHead`): int4 logits for
-every token, then the top few recomputed from int8 rows. Reading half the bytes saves the draft about 0.9 ms of its
-13 ms forward here, and the int8 argmax is always among the int4 top 4 in our measurements, so the draft agrees with
-the target as often as with a full int8 head. The matmuls run in torch's weight-only kernels (CPU, or tinygemm on
-an NVIDIA GPU).
+and an int4 head costs the draft much of its agreement with the target, while int8 keeps it for little more
+cost. A derived draft's head is therefore two-stage (`RescoredHead`): int4 logits for every token, then the top few
+recomputed from int8 rows. Reading half the bytes makes the draft's forward cheaper, and the int8 argmax has always
+been among the int4 top 4 where measured, so the draft agrees with the target as often as with a full int8 head
+(figures: docs/benchmarks.md, "Figures behind the code"). The matmuls run in torch's weight-only kernels (CPU, or
+tinygemm on an NVIDIA GPU).
 """
 
 from __future__ import annotations

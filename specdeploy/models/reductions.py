@@ -1,9 +1,9 @@
 """Argmax and top-k over a vocabulary, computed in blocks.
 
-torch's CPU argmax and topk are not vectorised like its max-reductions: over 49,152 logits they take about 90 and
-110 µs here against 9 µs for amax, and a decode step calls them up to twice per forward. Reducing each block of
-BLOCK logits to its maximum first, then searching only the winning blocks, returns exactly what torch returns (the
-first index among equal maxima) in a third of the time.
+torch's CPU argmax and topk are not vectorised like its max-reductions, so over a vocabulary they cost many times
+an amax, and a decode step calls them up to twice per forward. Reducing each block of BLOCK logits to its maximum
+first, then searching only the winning blocks, returns exactly what torch returns (the first index among equal
+maxima) in less time (timed: docs/benchmarks.md, "Figures behind the code").
 """
 
 from __future__ import annotations

@@ -54,9 +54,9 @@ class TensorsOnAccess(Mapping[str, torch.Tensor]):
     """A safetensors file's tensors, each read when it is looked up and not kept: a model built from it holds a
     weight's stored form only while it converts it (fuses, quantizes, prepacks), so a load's resident peak stays
     near the model's own size instead of the file's plus the model's. Each lookup maps the file and unmaps it again,
-    so the file's pages do not stay resident either. Measured on SmolLM2 (fresh process, peak RSS): the bf16
-    draft-target engine 1,280 → 950 MiB, the int4 n-gram engine 566 → 473 MiB, for about a second more per load
-    (one open per tensor); plain reads at each offset peaked higher (1,065 MiB)."""
+    so the file's pages do not stay resident either. It lowers a load's peak RSS for a little more load time (one
+    open per tensor); plain reads at each offset peaked higher (measured on SmolLM2:
+    docs/benchmarks.md, "Figures behind the code")."""
 
     def __init__(self, path: Path, device: str = "cpu") -> None:
         self.path, self.device = str(path), device

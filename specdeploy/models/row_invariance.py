@@ -11,9 +11,9 @@ row differently depending on its company:
   on AMX CPUs even the instruction set by shape; cuBLAS splits K by shape). Whether this machine's kernels keep a
   row's result whatever M is, is measured, not assumed: `invariant_rows` runs each distinct linear layer on rows
   alone and in blocks of many sizes. A layer that changes rows above some M computes in blocks of at most that
-  many rows (`RowBlocks`). The probe's rows hold subnormal values, as real activations do: on a 2-core AMD EPYC
-  (AVX-512 BF16) the bf16 down projection computed a row with subnormal inputs differently alone than beside
-  another row, which normal random rows never showed.
+  many rows (`RowBlocks`). The probe's rows hold subnormal values, as real activations do: on a CPU with AVX-512
+  BF16 the bf16 down projection computed a row with subnormal inputs differently alone than beside another row,
+  which normal random rows never showed (docs/serving.md, "What a seed guarantees").
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ class Scheduler:
                  on_step: Callable[[Scheduler], None] | None = None) -> None:
         """engine: loaded with batch_size = the most sequences stepped together, or a function that loads it.
         Given a function, the engine is loaded on the scheduler's own thread, which then runs every forward: with
-        torch's OpenMP, a thread other than the one whose parallel regions came first runs them about 2x slower
-        here (measured: a bf16 mat-vec 64 µs vs 155 µs), so a server whose main thread loads the weights must not
-        decode on another thread. serving: the speculation policy and KV budget, when not the engine pipeline's
+        torch's OpenMP, a thread other than the one whose parallel regions came first runs them much slower
+        (measured: docs/benchmarks.md, "Figures behind the code"), so a server whose main thread loads the weights must
+        not decode on another thread. serving: the speculation policy and KV budget, when not the engine pipeline's
         own. on_step: called after each step and whenever requests join, queue or leave (metrics: the gauges
         follow the batch as it changes, not a step behind); a request queued calls it on the submitting thread."""
         self.on_step = on_step

@@ -6,9 +6,10 @@
   whose files no longer match, and loading refuses one, naming the file: truncated or overwritten weights are an
   error, not a server that fails to start or empty text.
 
-Hashing the embedded 270 MB checkpoint takes about a second, and build, generate, bench and every server start ask
-these questions, so a file whose size and modification time match its record keeps the recorded hash; only a
-changed file is hashed again.
+Hashing the embedded 270 MB checkpoint is slow next to reading a file's size and time
+(docs/benchmarks.md, "Figures behind the code"), and build, generate, bench and every server start ask these
+questions, so a file whose size and modification time match its record keeps the recorded hash; only a changed file
+is hashed again.
 """
 
 from __future__ import annotations

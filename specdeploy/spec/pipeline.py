@@ -334,8 +334,8 @@ class PolicySpec(Section):
     """Speculation by batch size B: the request's gamma while B ≤ full_up_to, then reduced linearly down to 1 at
     off_above, and no drafting at all when B > off_above."""
 
-    # Measured over gRPC (bench --url, 64 tokens): gamma 5 at two streams 1.34x plain, gamma 2 at four 1.06x,
-    # while any drafting at eight or more streams gained at most 4% (the batch's GEMM is already compute-bound).
+    # Drafting pays at a few streams and stops paying once the batch's GEMM is compute-bound (measured over gRPC:
+    # docs/benchmarks.md, "Figures behind the code").
     full_up_to: int = 2
     off_above: int = 4
     # The most tokens any step drafts, whatever a request asks (None: no cap; 0: none, plain decode). "measured":
@@ -376,8 +376,8 @@ class ServingSpec(Section):
     policy: PolicySpec = field(default_factory=PolicySpec)
     kv_capacity_tokens: int | None = None
     request_kinds: tuple[str, ...] = ()
-    # Off by default: measured on a 2-core EPYC it costs a quarter of plain decode's tokens/s at a batch of 8 and
-    # more while speculating (docs/serving.md, "What a seed guarantees").
+    # Off by default: it costs throughput at full batches, more while speculating (docs/serving.md, "What a seed
+    # guarantees").
     determinism: Determinism = "batch_dependent"
 
     def check(self) -> None:

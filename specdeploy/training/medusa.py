@@ -124,7 +124,8 @@ def train(heads: MedusaHeads, data: Features, lm_head: torch.Tensor, epochs: int
         for epoch in range(start, epochs):
             order = torch.randperm(len(data.hidden), generator=generator)
             for batch in order.split(batch_size):
-                # bf16 logits (AMX on a CPU) halve the step time; the loss itself is computed in fp32
+                # bf16 logits (AMX on a CPU) make the step cheaper (docs/benchmarks.md, "Figures behind the code");
+                # the loss itself is computed in fp32
                 with torch.autocast(data.hidden.device.type, dtype=torch.bfloat16):
                     loss = head_losses(heads, data.hidden[batch], data.targets[batch], lm_head).sum()
                 optimizer.zero_grad()
