@@ -18,6 +18,27 @@ from helpers.repo import REPO  # noqa: E402
 from helpers.tiny_models import char_tokenizer, save_tiny_checkpoint  # noqa: E402
 
 
+def pytest_configure(config) -> None:
+    """Under pytest-xdist (`make test` runs two workers), each worker gets its share of the cores as torch threads,
+    and so do the servers and builds it starts: two workers of two OpenMP threads on two cores wait on each other's
+    descheduled threads at every parallel region."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0"))
+    if workers > 1:
+        threads = max(1, (os.cpu_count() or 1) // workers)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def shared_root(tmp_path_factory) -> Path:
+    """A folder every xdist worker of this run shares (the session's own temporary folder without xdist): engines
+    built there once are reused by the other workers, the builder's lock and up-to-date check deciding who builds."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+    root.mkdir(exist_ok=True)
+    return root
+
+
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")
@@ -54,13 +75,14 @@ def tiny_engines(tiny_checkpoints, tmp_path_factory) -> dict[str, object]:
 
 
 @pytest.fixture(scope="session")
-def smollm2_fp32_engines(tmp_path_factory) -> dict[str, object]:
-    """SmolLM2-135M-Instruct in fp32 (for exactness), built once and loaded for both shipped methods."""
+def smollm2_fp32_engines(shared_root) -> dict[str, object]:
+    """SmolLM2-135M-Instruct in fp32 (for exactness), built once per run and loaded for both shipped methods."""
     from specdeploy.build.torch_engine import build
     from specdeploy.runtime.engine import Engine
     from specdeploy.spec.pipeline import load_pipeline
 
-    root = tmp_path_factory.mktemp("smollm2")
+    root = shared_root / "smollm2"
+    root.mkdir(exist_ok=True)
     spec = yaml.safe_load((REPO / "pipelines" / "smollm2-draft-target.yaml").read_text())
     spec["name"] = "smollm2-fp32"
     spec["target"]["dtype"] = "float32"

@@ -105,10 +105,11 @@ def derive_moe(config: ModelConfig, state: dict[str, torch.Tensor], sequences: l
                router_scale: float | None = None, dtype: torch.dtype = torch.float32) -> tuple[ModelConfig, dict]:
     """The MoE's config and canonical weights, in `dtype` (each layer cast as it is derived), from a dense Llama's
     (see the module docstring)."""
+    derived = moe_config(config, spec)  # first: it refuses a split the dense sizes do not allow
     moe_state = {name: tensor for name, tensor in state.items() if not name.startswith("model.layers.")}
     for layer in derive_layers(config, state, sequences, spec, router_scale):
         moe_state.update({name: tensor.to(dtype) for name, tensor in layer.items()})
-    return moe_config(config, spec), moe_state
+    return derived, moe_state
 
 
 def calibration_sequences(tokenizer, budget: int, max_length: int = 512, seed: int = 0) -> list[list[int]]:

@@ -14,7 +14,7 @@ def write_pipeline(path: Path, **sections) -> Path:
 
 def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft_target", draft: Path | None = None,
                   gamma: int = 3, dtype: str = "float32", schedule: str = "constant", derive: str = "int4",
-                  target_weight_only: str | None = None, **extra) -> Path:
+                  target_weight_only: str | None = None, max_batch_size: int = 8, **extra) -> Path:
     speculation: dict = {"method": method, "num_draft_tokens": gamma, "schedule": schedule}
     if method == "draft_target":
         speculation["draft"] = ({"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(draft)},
@@ -25,7 +25,7 @@ def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft
                           target={"checkpoint": {"source": "hf_dir", "path": str(target)}, "dtype": dtype,
                                   "weight_only": target_weight_only},
                           speculation=speculation,
-                          limits={"max_batch_size": 8, "max_input_length": 64, "max_sequence_length": 256,
+                          limits={"max_batch_size": max_batch_size, "max_input_length": 64, "max_sequence_length": 256,
                                   "max_draft_tokens": 8}, **extra)
 
 

@@ -52,7 +52,8 @@ def test_a_compiled_engine_builds_its_cache_decodes_as_eager_and_reloads_from_a_
     from specdeploy.workflows import build_torch_engine
 
     def engine_dir(name: str, compile_steps: bool) -> Path:
-        path = tiny_pipeline(tmp_path, name, tiny_checkpoints["target"], method="ngram",
+        # one cache row: the build compiles the steps once, in one fresh process (a server-sized cache is a second)
+        path = tiny_pipeline(tmp_path, name, tiny_checkpoints["target"], method="ngram", max_batch_size=1,
                              backend={"kind": "torch", "torch": {"compile": compile_steps}})
         return build_torch_engine(load_pipeline(path), tmp_path / "engines", quiet=True).directory
 
