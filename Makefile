@@ -35,11 +35,11 @@ demo: venv
 		"Write a short story about a lighthouse keeper who finds a message in a bottle."
 
 # Two workers (pytest-xdist), a test file each at a time: a file's module fixtures (a built engine, a running
-# tritonserver) stay in one process, and one worker's server start-up or build overlaps the other's compute.
-# The 30 slowest tests are printed at the end.
+# tritonserver) stay in one process, and one worker's server start-up or build overlaps the other's compute. Files
+# with slow tests go first (tests/conftest.py orders them). The 30 slowest tests are printed at the end.
 TEST_WORKERS ?= 2
 test: venv
-	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30
+	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
 
 bench: venv
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-draft-target.yaml pipelines/smollm2-medusa.yaml --json bench-results/draft-target-vs-medusa.json

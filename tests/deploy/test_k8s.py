@@ -428,6 +428,7 @@ class Volume:
                               text=True, timeout=timeout)
 
 
+@pytest.mark.slow
 def test_rendered_cpu_overlay_runs(rendered, tmp_path):
     """The build Job builds and packages once and skips the second time; the wait container passes; the serving
     container answers its readiness probe's path on its port and generates text over gRPC through the Service's

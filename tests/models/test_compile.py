@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 from helpers.pipelines import tiny_pipeline
 from helpers.prompts import PROMPTS
@@ -13,6 +14,7 @@ from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel
 
 
+@pytest.mark.slow
 def test_a_compiled_decode_step_equals_eager_and_writes_the_same_cache_entries():
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -36,6 +38,7 @@ def test_a_compiled_decode_step_equals_eager_and_writes_the_same_cache_entries()
         torch.testing.assert_close(written[..., :9, :], expected[..., :9, :], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_a_compiled_engine_builds_its_cache_decodes_as_eager_and_reloads_from_a_read_only_copy(tiny_checkpoints,
                                                                                                tmp_path):
     """backend.torch.compile: the build compiles the steps into the engine's compiled/ and records it; the engine's

@@ -60,6 +60,7 @@ def answer_perplexity(engine: Engine, prompt: list[int], answer: list[int]) -> t
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
 def test_the_shipped_moe_answers_the_demo_prompt_as_the_dense_model_would(moe_fp32, smollm2_fp32_engines):
     dense = smollm2_fp32_engines["draft-target"]
     assert moe_fp32.target.config.num_experts == 8 and moe_fp32.target.config.experts_per_token == 2
@@ -81,5 +82,6 @@ def test_the_shipped_moe_answers_the_demo_prompt_as_the_dense_model_would(moe_fp
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
 def test_greedy_speculation_on_the_shipped_moe_equals_plain(moe_fp32):
     assert_greedy_speculation_equals_plain(moe_fp32, [demo_prompt(), *SMOLLM2_PROMPTS])

@@ -20,7 +20,7 @@ from helpers.repo import REPO
 from specdeploy.serve.client import generate
 from specdeploy.spec.request import GenerationRequest
 
-pytestmark = pytest.mark.smollm2
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 PROMPTS = ["Explain what a CPU cache is in two sentences.", "Write a haiku about rain.",
            "What is the capital of France?", "List three uses of Python.", "Describe a cat in one sentence.",
            "What is 17 times 23?", "Give me a tip for sleeping well.", "Summarise the plot of Hamlet."]
@@ -70,10 +70,12 @@ def requests_for(engine, rng: random.Random, count: int) -> list[GenerationReque
     return chosen
 
 
-def differences_in_batches(engine_dir, determinism: str, compositions: int) -> tuple[int, int]:
+def differences_in_batches(engine_dir, determinism: str, compositions: int,
+                           until_one_differs: bool = False) -> tuple[int, int]:
     """(requests whose tokens differed from the same request alone, requests compared) over random batches of
-    greedy rows (plain or speculative) and seeded plain rows. Seeded speculative rows are left out: the policy
-    changes their proposal lengths with the batch, and so which positions sampling decides (docs/serving.md)."""
+    greedy rows (plain or speculative) and seeded plain rows, stopping after the first batch with a difference when
+    `until_one_differs`. Seeded speculative rows are left out: the policy changes their proposal lengths with the
+    batch, and so which positions sampling decides (docs/serving.md)."""
     from specdeploy.runtime.engine import Engine
     from specdeploy.runtime.scheduler import Scheduler
 
@@ -92,6 +94,8 @@ def differences_in_batches(engine_dir, determinism: str, compositions: int) -> t
                     alone[key] = run_together(scheduler, engine, [request])[0]
                 differed += tokens != alone[key]
                 compared += 1
+            if until_one_differs and differed:
+                break
         return differed, compared
     finally:
         scheduler.stop()
@@ -103,7 +107,7 @@ def test_every_batch_composition_gives_each_request_its_text_alone(bf16_engine_d
     finds requests whose text the batch changed: the test can fail."""
     differed, compared = differences_in_batches(bf16_engine_dir, "batch_invariant", 4)
     assert compared >= 12 and differed == 0
-    differed, compared = differences_in_batches(bf16_engine_dir, "batch_dependent", 4)
+    differed, compared = differences_in_batches(bf16_engine_dir, "batch_dependent", 4, until_one_differs=True)
     assert differed > 0, f"batch-dependent decoding matched alone in all {compared} requests"
 
 

@@ -21,7 +21,7 @@ from specdeploy.package.repository import write_repository
 from specdeploy.serve.client import generate
 from specdeploy.serve.tritonserver import TritonServer, backend_shared_memory, free_port, is_ready
 
-pytestmark = pytest.mark.smollm2
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 DRAIN = 4.0  # seconds: the drain timeout the tests give serve
 
 
@@ -30,9 +30,20 @@ def repository(smollm2_fp32_engines, tmp_path_factory) -> Path:
     return write_repository(smollm2_fp32_engines["draft-target"].dir, tmp_path_factory.mktemp("shutdown") / "repo")
 
 
-def leftovers() -> set[str]:
-    """What a server leaves on this machine: its temporary directories and Python-backend shared memory."""
-    return set(glob.glob("/tmp/specdeploy-triton-*")) | set(glob.glob("/dev/shm/triton_python_backend_shm_*"))
+def server_files(triton_pid: int) -> set[str]:
+    """What a running tritonserver may leave on this machine: the temporary directory it was started with (its
+    backends are copied there) and its Python-backend stubs' shared-memory regions. Named per server, so that
+    servers of other tests running meanwhile (pytest-xdist) are not counted."""
+    arguments = Path(f"/proc/{triton_pid}/cmdline").read_bytes().decode().split("\0")
+    (backends,) = [a.split("=", 1)[1] for a in arguments if a.startswith("--backend-directory=")]
+    workdir = Path(backends)
+    while not workdir.name.startswith("specdeploy-triton-"):
+        workdir = workdir.parent
+    return {str(workdir)} | {f"/dev/shm/{region}" for region in backend_shared_memory(triton_pid)}
+
+
+def leftovers(files: set[str]) -> set[str]:
+    return {path for path in files if os.path.exists(path)}
 
 
 def children(pid: int) -> list[int]:
@@ -60,7 +71,6 @@ class Serve:
 
     def __init__(self, repository: Path, log: Path) -> None:
         self.ports = [free_port() for _ in range(3)]
-        self.before = leftovers()
         command = [sys.executable, "-m", "specdeploy.cli", "serve", "--model-repository", str(repository),
                    "--grpc-port", str(self.ports[0]), "--http-port", str(self.ports[1]),
                    "--metrics-port", str(self.ports[2]), "--drain-timeout", str(DRAIN)]
@@ -71,6 +81,7 @@ class Serve:
             assert self.process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.5)
         (self.triton,) = children(self.process.pid)
+        self.files = server_files(self.triton)
 
     @property
     def url(self) -> str:
@@ -98,7 +109,7 @@ def test_sigterm_while_idle_exits_zero_and_leaves_nothing(serve):
     serve.process.send_signal(signal.SIGTERM)
     assert serve.process.wait(DRAIN + 20) == 0
     assert not alive(serve.triton)
-    assert leftovers() - serve.before == set()
+    assert leftovers(serve.files) == set()
 
 
 def test_sigterm_drains_live_streams(serve, smollm2_fp32_engines):
@@ -145,20 +156,20 @@ def test_sigterm_drains_live_streams(serve, smollm2_fp32_engines):
     assert sum(error is not None for _, error, _ in outcomes.values()) >= 4  # the long ones were cut
     assert serve.process.wait(DRAIN + 20) == 0
     assert not alive(serve.triton)
-    assert leftovers() - serve.before == set()
+    assert leftovers(serve.files) == set()
 
 
 def test_an_unclean_exit_still_leaves_no_shared_memory(repository):
     """When Triton cannot unload its models (killed here; in the wild, its exit timeout expiring), the Python
     backends' shared memory is not removed by Triton: stop() removes the regions it noted at the drain."""
-    before = leftovers()
     server = TritonServer(repository, drain_timeout=DRAIN).start()
     regions = backend_shared_memory(server.process.pid)
     assert len(regions) == 2 and all(Path("/dev/shm", region).exists() for region in regions)  # two Python models
+    files = server_files(server.process.pid)
     server.drain()
     server.drain()  # the second kills it at once
     assert server.stop() == -signal.SIGKILL
-    assert leftovers() - before == set()
+    assert leftovers(files) == set()
 
 
 def test_a_killed_supervisor_takes_the_server_down(serve):
@@ -172,6 +183,6 @@ def test_a_killed_supervisor_takes_the_server_down(serve):
     assert not serve.ready()
     # tritonserver stopped cleanly (its shared memory is gone); only serve's temporary directory remains, which a
     # process killed outright cannot remove
-    left = leftovers() - serve.before
+    left = leftovers(serve.files)
     assert len(left) == 1 and left.pop().startswith("/tmp/specdeploy-triton-"), left
-    shutil.rmtree(*(leftovers() - serve.before))
+    shutil.rmtree(*leftovers(serve.files))

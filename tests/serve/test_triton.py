@@ -26,7 +26,7 @@ from specdeploy.serve.client import generate
 from specdeploy.serve.metrics_scrape import scrape, total
 from specdeploy.serve.tritonserver import TritonServer
 
-pytestmark = pytest.mark.smollm2
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

@@ -215,6 +215,7 @@ def run_tokens(engine: Engine, prompt: list[int]) -> list[int]:
 
 
 @pytest.mark.smollm2
+@pytest.mark.slow
 def test_medusa_serves_through_triton_with_per_head_metrics(tmp_path):
     """The shipped Medusa pipeline in fp32 behind the real tritonserver: greedy text over gRPC equals plain greedy
     in-process (both entry points), and the accepted tokens are counted per head (position)."""

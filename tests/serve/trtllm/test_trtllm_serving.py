@@ -42,7 +42,7 @@ from specdeploy.serve.metrics_scrape import scrape, total
 from specdeploy.serve.tritonserver import TritonServer
 from specdeploy.spec.pipeline import load_pipeline
 
-pytestmark = pytest.mark.smollm2
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 DOUBLE = REPO / "tests" / "trtllm_double"
 LABELS = {"model": "speculative", "method": "draft_target"}
 
