@@ -35,10 +35,8 @@ def server_files(triton_pid: int) -> set[str]:
     backends are copied there) and its Python-backend stubs' shared-memory regions. Named per server, so that
     servers of other tests running meanwhile (pytest-xdist) are not counted."""
     arguments = Path(f"/proc/{triton_pid}/cmdline").read_bytes().decode().split("\0")
-    (backends,) = [a.split("=", 1)[1] for a in arguments if a.startswith("--backend-directory=")]
-    workdir = Path(backends)
-    while not workdir.name.startswith("specdeploy-triton-"):
-        workdir = workdir.parent
+    (backends,) = [Path(a.split("=", 1)[1]) for a in arguments if a.startswith("--backend-directory=")]
+    workdir = next(p for p in (backends, *backends.parents) if p.name.startswith("specdeploy-triton-"))
     return {str(workdir)} | {f"/dev/shm/{region}" for region in backend_shared_memory(triton_pid)}
 
 
