@@ -26,7 +26,7 @@ DType = Literal["float32", "bfloat16"]
 # serves and sizes a pipeline asks SpeculationSpec's predicates, which read that row, never the name), its settings
 # section in SpeculationSpec if it has settings, its proposer module in speculative/ and one line in
 # speculative/registry.py.
-Method = Literal["draft_target", "ngram", "medusa", "none"]
+Method = Literal["draft_target", "ngram", "medusa", "eagle", "none"]
 # exact: every emitted token is distributed as the target's. typical: Medusa's typical acceptance, LOSSY (it accepts
 # more and changes the distribution); only for medusa, and never the default.
 Acceptance = Literal["exact", "typical"]
@@ -47,6 +47,7 @@ class MethodTraits:
     heads: bool = False  # heads on the target's hidden state propose: trained apart, built and sized with the target
     from_context: bool = False  # proposals are looked up in the sequence itself: no model proposes
     tree: bool = False  # proposals form a token tree verified in one step, not a chain of up to gamma tokens
+    features: bool = False  # a one-layer draft fed by the target's own hidden states proposes (EAGLE-3)
 
 
 METHODS: dict[str, MethodTraits] = {
@@ -54,6 +55,7 @@ METHODS: dict[str, MethodTraits] = {
     "draft_target": MethodTraits(draft_model=True),
     "ngram": MethodTraits(from_context=True),
     "medusa": MethodTraits(heads=True, tree=True),
+    "eagle": MethodTraits(features=True, tree=True),
 }
 
 _NEUTRAL = SamplingParams()
@@ -220,6 +222,26 @@ class MedusaSpec(Section):
 
 
 @dataclass(frozen=True)
+class EagleSpec(Section):
+    """An EAGLE-3 draft head: one decoder layer fed by the target's hidden states from three of its layers, with its
+    own LM head over a reduced draft vocabulary (speculative/eagle_head.py). head: the folder `specdeploy
+    train-eagle` writes (config.json and model.safetensors as vLLM's and SGLang's EAGLE-3 loaders read them),
+    relative to the YAML. Each step grows a tree as EAGLE-2/3 do: the `top_k` most likely children of each of the
+    `top_k` best frontier nodes, num_draft_tokens levels deep, then the `max_nodes` nodes with the highest draft
+    probability of their path are verified in one target forward."""
+
+    head: str = ""
+    top_k: int = 4
+    max_nodes: int = 12
+
+    def check(self) -> None:
+        if self.top_k < 1:
+            raise Problem("top_k", f"must be ≥ 1, got {self.top_k}")
+        if self.max_nodes < 1:
+            raise Problem("max_nodes", f"must be ≥ 1, got {self.max_nodes}")
+
+
+@dataclass(frozen=True)
 class SpeculationSpec(Section):
     method: Method = "none"
     num_draft_tokens: int = 4
@@ -228,6 +250,7 @@ class SpeculationSpec(Section):
     draft: DraftSpec | None = None
     ngram: NgramSpec = field(default_factory=NgramSpec)
     medusa: MedusaSpec = field(default_factory=MedusaSpec)
+    eagle: EagleSpec = field(default_factory=EagleSpec)
 
     def check(self) -> None:
         if self.method not in METHODS:  # a spec built in code: a file's value is checked against Method already
@@ -238,7 +261,7 @@ class SpeculationSpec(Section):
             raise Problem("draft", f"required when method is {self.method!r}")
         if not self.uses_draft_model and self.draft is not None:
             raise Problem("draft", f"only allowed when method is 'draft_target', not {self.method!r}")
-        if self.acceptance == "typical" and not self.drafts_tree:  # it is a rule for accepting tree nodes
+        if self.acceptance == "typical" and not self.uses_heads:  # Medusa's rule for accepting its tree's nodes
             raise Problem("acceptance", f"'typical' (lossy) is only for method 'medusa', not {self.method!r}")
         if self.uses_heads:
             if not self.medusa.heads:
@@ -247,6 +270,8 @@ class SpeculationSpec(Section):
             if self.num_draft_tokens > self.medusa.num_heads:
                 raise Problem("num_draft_tokens", f"for medusa the tree depth cap, at most medusa.num_heads "
                                                   f"({self.medusa.num_heads}), got {self.num_draft_tokens}")
+        if self.uses_features and not self.eagle.head:
+            raise Problem("eagle.head", "required when method is 'eagle' (train one with specdeploy train-eagle)")
 
     # The questions the build, the servers and the sizing ask of the method (its row in METHODS), never its name.
 
@@ -268,6 +293,12 @@ class SpeculationSpec(Section):
         return METHODS[self.method].heads
 
     @property
+    def uses_features(self) -> bool:
+        """A one-layer draft fed by the target's hidden states proposes (the `eagle` section): trained apart, built
+        into the engine beside the target, sized with it; the target hands it three layers' hidden states."""
+        return METHODS[self.method].features
+
+    @property
     def drafts_from_context(self) -> bool:
         """Proposals are looked up in the prompt and output so far (the `ngram` section): no model proposes."""
         return METHODS[self.method].from_context
@@ -280,8 +311,8 @@ class SpeculationSpec(Section):
 
     @property
     def drafts_tree(self) -> bool:
-        """Proposals form a token tree (medusa.choices) verified in one step; its size is fixed by the tree, so
-        there is no chain length to sweep."""
+        """Proposals form a token tree verified in one step (medusa.choices, or eagle's tree grown each step);
+        its size is set by the tree, so there is no chain length to sweep."""
         return METHODS[self.method].tree
 
 
@@ -514,12 +545,16 @@ class PipelineSpec(Section):
             raise Problem("serving.determinism", "batch_invariant attends row by row, which compiled steps do not "
                                                  "(set batch_dependent with backend.torch.compile)")
         if self.backend.compiles and self.speculation.drafts_tree:
-            raise Problem("backend.torch.compile", "compiled steps run chains of drafts; a Medusa tree's masked "
-                                                   "verify runs eagerly (leave compile off for method medusa)")
+            raise Problem("backend.torch.compile", f"compiled steps run chains of drafts; a token tree's masked "
+                                                   f"verify runs eagerly (leave compile off for method "
+                                                   f"{self.speculation.method})")
         if self.backend.kind == "trtllm":
             self.check_trtllm()
+        if self.speculation.uses_features and self.speculation.eagle.max_nodes > limit:
+            raise Problem("speculation.eagle.max_nodes", f"{self.speculation.eagle.max_nodes} nodes are above "
+                                                         f"limits.max_draft_tokens ({limit})")
         nodes = len(self.speculation.medusa.choices)
-        if self.speculation.drafts_tree and nodes > limit:
+        if self.speculation.uses_heads and nodes > limit:
             # a tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens
             raise Problem("speculation.medusa.choices", f"{nodes} nodes are above limits.max_draft_tokens ({limit})")
 
@@ -584,6 +619,9 @@ class PipelineSpec(Section):
         if speculation.medusa.heads:
             medusa = dataclasses.replace(speculation.medusa, heads=str(self.resolve(speculation.medusa.heads)))
             speculation = dataclasses.replace(speculation, medusa=medusa)
+        if speculation.eagle.head:
+            eagle = dataclasses.replace(speculation.eagle, head=str(self.resolve(speculation.eagle.head)))
+            speculation = dataclasses.replace(speculation, eagle=eagle)
         target = dataclasses.replace(self.target, checkpoint=absolute(self.target.checkpoint))
         return dataclasses.replace(self, target=target, speculation=speculation)
 
