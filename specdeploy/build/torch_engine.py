@@ -30,6 +30,9 @@ from specdeploy.models.registry import DTYPES, projection_key
 from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, staging_dir
 from specdeploy.spec.manifest import build_unless_current, fingerprint, write_manifest
 from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.speculative.eagle import EAGLE_DIR
+from specdeploy.speculative.eagle_head import REPORT_FILE as EAGLE_REPORT_FILE
+from specdeploy.speculative.eagle_head import Eagle3Head
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
 ENGINE_FORMAT = 7  # bump whenever what a build writes changes, so existing engines are rebuilt
@@ -128,6 +131,28 @@ def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) ->
         shutil.copyfile(report, directory / ACCURACY_FILE)
 
 
+def write_eagle(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> None:
+    """The EAGLE-3 head (checked against the target: hidden size, vocabulary, captured layers) and train-eagle's
+    report, in the engine."""
+    source = pipeline.resolve(pipeline.speculation.eagle.head)
+    config = target.config
+    try:
+        head = Eagle3Head.load(source, config.num_layers)
+    except SpecdeployError as exc:
+        raise BuildError(str(exc)) from None
+    found = head.config
+    if found.hidden_size != config.hidden_size or found.vocab_size != config.vocab_size:
+        raise BuildError(f"{source}: a head for hidden size {found.hidden_size} and {found.vocab_size} tokens; the "
+                         f"target has {config.hidden_size} and {config.vocab_size}")
+    if max(found.feature_layers) >= config.num_layers or min(found.feature_layers) < 0:
+        raise BuildError(f"{source}: reads target layers {list(found.feature_layers)}; the target has "
+                         f"{config.num_layers}")
+    head.save(directory)
+    report = source / EAGLE_REPORT_FILE  # what train-eagle measured
+    if report.is_file():
+        shutil.copyfile(report, directory / EAGLE_REPORT_FILE)
+
+
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
     """Build the pipeline's engines under engines_root/<name>/, unless they are up to date."""
     if pipeline.backend.kind != "torch":
@@ -201,5 +226,8 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
         if speculation.uses_heads:
             progress.update(task, description=f"[{pipeline.name}] writing Medusa heads")
             write_medusa(staging / "medusa", pipeline, target)
+        if speculation.uses_features:
+            progress.update(task, description=f"[{pipeline.name}] writing the EAGLE-3 head")
+            write_eagle(staging / EAGLE_DIR, pipeline, target)
         write_manifest(staging, inputs, started)
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")

@@ -186,6 +186,10 @@ class LlamaModel(nn.Module):
     # Batch invariance (models/row_invariance.py): attention runs row by row over each row's own keys, so a row's
     # hidden states do not depend on the rows beside it. Set by `make_batch_invariant`.
     row_invariant = False
+    # EAGLE-3 (speculative/eagle.py): the layers whose input hidden states each forward keeps, side by side, in
+    # `features` [B, T, len * hidden] for the draft head; empty: none kept.
+    feature_layers: tuple[int, ...] = ()
+    features: torch.Tensor | None = None
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
                  prepack: bool = True) -> None:
@@ -259,8 +263,13 @@ class LlamaModel(nn.Module):
         slots = positions if cache_slots is None else cache_slots
         rotation = self.rotation_at(positions)
         x = self.embed[tokens]
+        captured = {}
         for index, layer in enumerate(self.layers):
+            if index in self.feature_layers:
+                captured[index] = x
             x = layer.forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len, spans)  # skip __call__
+        if captured:
+            self.features = torch.cat([captured[index] for index in self.feature_layers], dim=-1)
         return self.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -305,21 +314,25 @@ def ragged_forward(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, star
     return hidden[torch.arange(len(lengths), device=hidden.device), last]
 
 
-def tree_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int], depths: list[int],
-                     ancestry: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+def tree_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],
+                     depths: torch.Tensor, ancestry: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
     """One forward over a token tree per row: row r feeds tokens[r] [B, W] (the pending token, then the tree's nodes)
-    into cache slots starts[r].. in order, at positions starts[r] + depth; each attends to the row's first starts[r]
-    entries and to its own ancestors in the tree and itself (ancestry [W, W], entry [i, j]: j is i or an ancestor).
-    A row with fewer real nodes than W-1 pads at its end, as in `ragged_forward_all` (lengths[r]: row r's real
-    tokens, the pending one included). Returns [B, W, hidden]."""
+    into cache slots starts[r].. in order, at positions starts[r] + depths[r] ([B, W] or, for one shape in every
+    row, [W]); each attends to the row's first starts[r] entries and to its own ancestors in the tree and itself
+    (ancestry [B, W, W] or [W, W], entry [.., i, j]: j is i or an ancestor). A row with fewer real nodes than W-1
+    pads at its end, as in `ragged_forward_all` (lengths[r]: row r's real tokens, the pending one included).
+    Returns [B, W, hidden]."""
     batch, width = tokens.shape
     device = tokens.device
+    depths = depths[..., :width].expand(batch, width)
+    ancestry = ancestry[..., :width, :width].expand(batch, width, width)
     start = from_host(starts, device)[:, None]  # [B, 1]
-    positions = start + from_host(depths[:width], device)[None, :]
+    positions = start + depths
     slots = start + torch.arange(width, device=device)[None, :]
     relative = torch.arange(max(starts) + width, device=device)[None, :] - start  # [B, S]: key slot - start
     in_tree = (relative >= 0) & (relative < width)
-    tree_part = ancestry[:width, :width][:, relative.clamp(0, width - 1)].permute(1, 0, 2)  # [B, W, S]
+    index = relative.clamp(0, width - 1)[:, None, :].expand(batch, width, -1)  # [B, W, S]
+    tree_part = ancestry.gather(2, index)  # [B, W, S]: may query i see the tree position at key slot s
     mask = (relative < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)
     cache.lengths = list(starts)
     return model(tokens, positions, cache, attention_mask=mask, cache_slots=slots, row_lengths=lengths)

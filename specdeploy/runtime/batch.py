@@ -58,7 +58,8 @@ def read_checked(values: torch.Tensor, logits: torch.Tensor) -> list:
 @dataclass
 class Verdict:
     """A verified step, read to the host: per row the accepted drafted tokens then the recovered or bonus token,
-    and the target's hidden states of the verified positions [B, W, H]. A chain keeps row r's first
+    and what the proposer reads of the verified positions (the target's final hidden states [B, W, H], or the
+    features it asked for: BatchDecoder._features). A chain keeps row r's first
     len(tokens[r]) positions; a tree keeps the verify indices in paths[r] (the root, then the accepted nodes)."""
 
     tokens: list[list[int]]
@@ -137,7 +138,7 @@ class BatchDecoder:
             first = read_checked(sample(probs, sequence.generator), logits)
             emitted = self._append(sequence, row, first)
             if sequence.finish_reason is None:
-                self.proposer.prefill(row, sequence, hidden)
+                self.proposer.prefill(row, sequence, self._features(hidden[None])[0])
         sequence.stats.prefill_seconds = time.perf_counter() - started
         return emitted
 
@@ -190,36 +191,40 @@ class BatchDecoder:
                             streams)
             outcomes.append((sampled.tensor, outcome_rows(result)))
         read = self._read(outcomes, scores.logits, len(sequences))
-        return Verdict([row[1:row[0] + 2] for row in read], hidden)
+        return Verdict([row[1:row[0] + 2] for row in read], self._features(hidden))
 
     def _verify_tree(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
-        """Row r's drafts are the first counts[r] nodes of a token tree: one forward under the tree attention mask
+        """Row r's drafts are the counts[r] nodes of its token tree: one forward under the tree attention mask
         (each node sees the context and its ancestors), then the tree rule. Row r keeps paths[r]: the root, then
         its accepted nodes' verify indices."""
-        tree = proposal.tree
+        tree = proposal.tree.tensors(self.device)
         tokens = self._step_tokens(sequences, proposal)  # [B, W]
-        width = tokens.shape[1]
-        ancestry = from_host(tree.ancestry, self.device)[:width, :width]
         hidden = tree_forward_all(self.target, self.cache.rows(0, len(sequences)), tokens,
-                                  [s.cache_length for s in sequences], tree.depths(), ancestry,
+                                  [s.cache_length for s in sequences], tree.depths, tree.ancestry,
                                   [count + 1 for count in proposal.counts])  # [B, W, H]
-        scores = self._scores(sequences, proposal, hidden, ancestry)
+        features = self._features(hidden)
+        scores = self._scores(sequences, proposal, hidden, tree.ancestry)
         num_drafted = from_host(proposal.counts, self.device)
         greedy, sampled = self._rows(sequences)
         outcomes = []  # (rows [R], outcome_rows [R, 1 + W + D])
         if greedy.indices:
-            result = accept_tree_greedy(tree, tokens[greedy.tensor, 1:], self._target_tokens(scores, greedy.indices),
-                                        num_drafted[greedy.tensor])
+            result = accept_tree_greedy(tree.select(greedy.tensor), tokens[greedy.tensor, 1:],
+                                        self._target_tokens(scores, greedy.indices), num_drafted[greedy.tensor])
             outcomes.append((greedy.tensor, outcome_rows(result)))
         if sampled.indices:
             target_probs, streams = self._sampled_inputs(sequences, scores, sampled.indices)
-            result = self.tree_rule(tree, tokens[sampled.tensor, 1:], target_probs, num_drafted[sampled.tensor],
-                                    streams)
+            result = self.tree_rule(tree.select(sampled.tensor), tokens[sampled.tensor, 1:], target_probs,
+                                    num_drafted[sampled.tensor], streams)
             outcomes.append((sampled.tensor, outcome_rows(result)))
         read = self._read(outcomes, scores.logits, len(sequences))
         depth = (len(read[0]) - 2) // 2  # a row reads [accepted count, D + 1 tokens, D path indices]
-        return Verdict([row[1:row[0] + 2] for row in read], hidden,
+        return Verdict([row[1:row[0] + 2] for row in read], features,
                        [[0] + row[depth + 2:depth + 2 + row[0]] for row in read])
+
+    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the proposer reads of a target forward whose final hidden states are `hidden` [.., T, H]: the hidden
+        states entering the layers it asked for, side by side ([.., T, 3H] for EAGLE-3), else `hidden` itself."""
+        return self.target.features if self.target.feature_layers else hidden
 
     def _step_tokens(self, sequences: list[Sequence], proposal: Proposal) -> torch.Tensor:
         """Each row's pending token (committed, not yet in the cache), then its drafts: [B, W]."""
@@ -230,7 +235,7 @@ class BatchDecoder:
     def _scores(self, sequences: list[Sequence], proposal: Proposal, hidden: torch.Tensor,
                 ancestry: torch.Tensor | None) -> Scores:
         """The final logits at each row's real positions only (the vocabulary projection is a fifth of a forward
-        here), from the hidden states [B, W, H]. ancestry: a tree's [W, W], for the repetition penalty."""
+        here), from the hidden states [B, W, H]. ancestry: each row's tree [B, W, W], for the repetition penalty."""
         batch, counts = len(sequences), proposal.counts
         width = max(counts) + 1
         offsets = [0]
@@ -294,7 +299,7 @@ class BatchDecoder:
             if sequence.seen is not None:
                 count = proposal.counts[r]
                 context = seen_after_drafts(sequence.seen, proposal.tokens[r, :count],
-                                            None if ancestry is None else ancestry[:count + 1, :count + 1])
+                                            None if ancestry is None else ancestry[r, :count + 1, :count + 1])
                 logits[offsets[r]:offsets[r + 1]] = penalised(logits[offsets[r]:offsets[r + 1]], sequence.params,
                                                               context)
         return logits

@@ -56,7 +56,7 @@ class Generation:
 def components(speculation: SpeculationSpec) -> list[str]:
     """The engine's folders a method reads: the target's, and a draft model's or the heads'."""
     return ["target", *(["draft"] if speculation.uses_draft_model else []),
-            *(["medusa"] if speculation.uses_heads else [])]
+            *(["medusa"] if speculation.uses_heads else []), *(["eagle"] if speculation.uses_features else [])]
 
 
 def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:

@@ -7,23 +7,29 @@ Its output after the final norm gives logits over a reduced draft vocabulary (dr
 i + d2t[i]); its output before that norm stands in for the features at the next drafting step, where the target
 has not run yet.
 
+Positions: the pair (f_t, x_(t+1)) sits at position t, and drafting depth k + 1 below it at position t + k, as the
+official trainer (SafeAILab/EAGLE eagle/traineagle3/cnets.py@cb7e0841fe0c) and vLLM place them.
+
 Files are what vLLM's and SGLang's EAGLE-3 loaders read (a folder with config.json and model.safetensors):
-- vLLM vllm/model_executor/models/llama_eagle3.py@v0.11.0: `fc.weight` [H, 3H]; `midlayer.*` (loaded as
-  model.layers.0: input_layernorm, hidden_norm, self_attn.{q,k,v,o}_proj with q/k/v over 2H inputs,
+- vLLM vllm/model_executor/models/llama_eagle3.py (v0.11.0, and v0.34.0): `fc.weight` [H, 3H]; `midlayer.*`
+  (renamed to layers.0: input_layernorm, hidden_norm, self_attn.{q,k,v,o}_proj with q/k/v over 2H inputs,
   post_attention_layernorm, mlp.{gate,up,down}_proj); `norm.weight`; `lm_head.weight` [draft_vocab, H]; `d2t`
-  [draft_vocab] int64 offsets; `t2d` [vocab] bool (skipped by the loader); the embedding is the target's unless
-  the file carries `embed_tokens.weight`.
-- SGLang python/sglang/srt/models/llama_eagle3.py@v0.5.3: the same names; d2t becomes its hot-token map
-  (d2t + arange).
+  [draft_vocab] int64 offsets (target id = draft id + d2t[draft id]); `t2d` [vocab] bool, skipped by the loader.
+  The embedding is the target's.
+- SGLang python/sglang/srt/models/llama_eagle3.py (v0.5.3): the same names; d2t becomes its hot-token map.
 - config.json: `architectures: ["LlamaForCausalLMEagle3"]`, Llama dimensions for the one layer, `draft_vocab_size`,
-  and the captured layers in `eagle_config.eagle_aux_hidden_state_layer_ids` (vLLM's default without it:
-  2, L // 2, L - 3, each the hidden state entering that layer).
+  `target_hidden_size`. Which target layers feed the head: without a key, vLLM and SGLang both take the hidden
+  states entering layers 2, L // 2 and L - 3 (what train-eagle trains, so it writes no key). SGLang and SpecForge
+  write `eagle_config.eagle_aux_hidden_state_layer_ids` as layer *outputs* (SGLang's llama.py adds 1 when it reads
+  it); vLLM v0.34.0 reads a top-level `eagle_aux_hidden_state_layer_ids` as layer inputs, and v0.11.0 reads neither.
+  So a head with other layers is written with the top-level key, and reading accepts all three forms.
+- SGLang v0.5.3 wants a draft vocabulary that is a multiple of 64 (train-eagle's default, 3072, is).
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -57,6 +63,7 @@ class EagleConfig:
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     max_position_embeddings: int = 2048
+    target_num_layers: int | None = None  # the target's depth when known (not in the file): is the capture default?
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "feature_layers", tuple(self.feature_layers))
@@ -72,24 +79,32 @@ class EagleConfig:
 
     def to_hf(self) -> dict:
         """config.json as the ecosystem's EAGLE-3 loaders read it."""
-        return {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": self.hidden_size,
+        data = {"architectures": [ARCHITECTURE], "model_type": "llama", "hidden_size": self.hidden_size,
+                "target_hidden_size": self.hidden_size,
                 "intermediate_size": self.intermediate_size, "num_hidden_layers": 1,
                 "num_attention_heads": self.num_heads, "num_key_value_heads": self.num_kv_heads,
                 "head_dim": self.head_dim, "vocab_size": self.vocab_size, "draft_vocab_size": self.draft_vocab_size,
                 "rms_norm_eps": self.rms_norm_eps, "rope_theta": self.rope_theta,
                 "max_position_embeddings": self.max_position_embeddings, "hidden_act": "silu",
-                "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-                "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.feature_layers)}}
+                "tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+        if self.target_num_layers is None or \
+                self.feature_layers != default_feature_layers(self.target_num_layers):
+            data["eagle_aux_hidden_state_layer_ids"] = list(self.feature_layers)  # inputs, as vLLM v0.34 reads it
+        return data
 
     @staticmethod
     def from_hf(data: dict, target_layers: int | None = None, source: str = CONFIG_FILE) -> EagleConfig:
         """From config.json (a head trained here or a published one). target_layers: for vLLM's default capture
         when the file names none."""
         try:
-            layers = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            layers = data.get("eagle_aux_hidden_state_layer_ids")  # layer inputs (vLLM v0.34)
+            outputs = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            if layers is None and outputs is not None:  # layer outputs (SGLang, SpecForge): inputs of the next
+                layers = [layer + 1 for layer in outputs]
             if layers is None:
                 if target_layers is None:
-                    raise SpecdeployError(f"{source}: no eagle_config.eagle_aux_hidden_state_layer_ids")
+                    raise SpecdeployError(f"{source}: names no target layers to read, and the target's depth is "
+                                          f"not known here for the default (2, L // 2, L - 3)")
                 layers = default_feature_layers(target_layers)
             if data.get("num_hidden_layers", 1) != 1:
                 raise SpecdeployError(f"{source}: an EAGLE-3 head has one decoder layer, this one has "
@@ -102,7 +117,8 @@ class EagleConfig:
                                draft_vocab_size=data.get("draft_vocab_size") or data["vocab_size"],
                                feature_layers=tuple(layers), rms_norm_eps=data.get("rms_norm_eps", 1e-5),
                                rope_theta=data.get("rope_theta", 10000.0),
-                               max_position_embeddings=data.get("max_position_embeddings", 2048))
+                               max_position_embeddings=data.get("max_position_embeddings", 2048),
+                               target_num_layers=target_layers)
         except KeyError as exc:
             raise SpecdeployError(f"{source}: not an EAGLE-3 config, {exc.args[0]!r} is missing") from None
 
@@ -152,7 +168,12 @@ class Eagle3Head(nn.Module):
             self.weights[name.replace(".", "__")] = nn.Parameter(value)
         d2t = tensors["d2t"] if tensors is not None else torch.zeros(config.draft_vocab_size, dtype=torch.long)
         self.register_buffer("d2t", d2t.long().clone())
-        self.register_buffer("rotations", _rotary(config), persistent=False)
+        self.register_buffer("rotations", _rotary(config, config.max_position_embeddings), persistent=False)
+
+    def cover_positions(self, length: int) -> None:
+        """Rotary angles for positions up to `length` (a cache longer than the config's max positions)."""
+        if length > self.rotations.shape[1]:
+            self.rotations = _rotary(self.config, length).to(self.rotations.device)
 
     def w(self, name: str) -> torch.Tensor:
         return self.weights[name.replace(".", "__")]
@@ -255,10 +276,10 @@ class Eagle3Head(nn.Module):
         return Eagle3Head.from_state(config, load_file(str(directory / WEIGHTS_FILE)), str(directory))
 
 
-def _rotary(config: EagleConfig) -> torch.Tensor:
-    """[2, max_positions, head_dim] fp32: cos and sin for the rotate-half layout of Hugging Face Llama."""
+def _rotary(config: EagleConfig, length: int) -> torch.Tensor:
+    """[2, length, head_dim] fp32: cos and sin for the rotate-half layout of Hugging Face Llama."""
     inv_freq = 1.0 / config.rope_theta ** (torch.arange(0, config.head_dim, 2).float() / config.head_dim)
-    angles = torch.outer(torch.arange(config.max_position_embeddings).float(), inv_freq).repeat(1, 2)
+    angles = torch.outer(torch.arange(length).float(), inv_freq).repeat(1, 2)
     return torch.stack([angles.cos(), angles.sin()])
 
 

@@ -27,6 +27,7 @@ from specdeploy.models.device_transfer import from_host
 from specdeploy.models.reductions import topk_indices
 from specdeploy.spec.token_tree import TokenTree
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
+from specdeploy.speculative.row_trees import RowTrees
 
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "config.json"
@@ -166,7 +167,7 @@ class MedusaProposer(Proposer):
         top = candidates.gather(1, ranks).view(batch, depth, self.top)  # [B, depth, top], best first
         tokens = top[:, self.head_of_node, self.rank_of_node]  # [B, N]
         counts = [self.tree.nodes_up_to(gamma) for gamma in gammas]
-        return Proposal(tokens, None, counts, self.tree)
+        return Proposal(tokens, None, counts, RowTrees.of(self.tree, counts))
 
 
 def write_heads_config(directory: Path, heads: MedusaHeads) -> None:

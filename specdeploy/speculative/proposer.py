@@ -25,7 +25,7 @@ from specdeploy.decoding.sequence import Sequence
 from specdeploy.models.device_transfer import from_host
 from specdeploy.models.kv_cache import KVCache
 from specdeploy.spec.pipeline import PipelineSpec
-from specdeploy.spec.token_tree import TokenTree
+from specdeploy.speculative.row_trees import RowTrees
 
 if TYPE_CHECKING:
     from specdeploy.models.llama import LlamaModel
@@ -34,19 +34,18 @@ if TYPE_CHECKING:
 @dataclass
 class Proposal:
     """Drafted tokens: a chain per row (each token follows the one before), or with `tree` the nodes of a token
-    tree per row (row r proposes the tree's first counts[r] nodes, each following its parent)."""
+    tree per row (row r proposes counts[r] nodes, each following its parent: tree.parents[r])."""
 
     tokens: torch.Tensor  # [B, G] long: row r's drafted tokens in tokens[r, :counts[r]], scratch after them
     q: torch.Tensor | None  # [B, G, V] the distributions they were sampled from; None: point masses on `tokens`
     counts: list[int]  # [B] tokens drafted per row
-    tree: TokenTree | None = None  # the shape of tree proposals (q is then None)
+    tree: RowTrees | None = None  # the shape of each row's tree proposal (q is then None)
 
     def positions(self, row: int) -> int:
         """How many successive positions row `row` proposes: its drafted tokens, or its tree nodes' deepest depth."""
-        count = self.counts[row]
-        if self.tree is None or count == 0:
-            return count
-        return max(len(path) for path in self.tree.paths[:count])
+        if self.tree is None:
+            return self.counts[row]
+        return self.tree.max_depth(row)
 
     @staticmethod
     def empty(batch: int, device: torch.device | str) -> Proposal:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from specdeploy.errors import SpecdeployError
 from specdeploy.speculative.draft_model import DraftModelProposer
+from specdeploy.speculative.eagle import EagleProposer
 from specdeploy.speculative.medusa import MedusaProposer
 from specdeploy.speculative.ngram import NgramProposer
 from specdeploy.speculative.proposer import EngineParts, Proposer
@@ -21,6 +22,7 @@ PROPOSERS: dict[str, type[Proposer]] = {
     "draft_target": DraftModelProposer,
     "ngram": NgramProposer,
     "medusa": MedusaProposer,
+    "eagle": EagleProposer,
 }
 
 

@@ -19,6 +19,7 @@ from specdeploy.spec.request import NO_END_ID, GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.spec.token_tree import TokenTree
 from specdeploy.speculative.proposer import Proposal, Proposer
+from specdeploy.speculative.row_trees import RowTrees
 
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0], [1, 1], [0, 0, 0], [0, 1, 0], [1, 0, 0], [0, 0, 0, 0]]
 GREEDY = SamplingParams()
@@ -47,7 +48,7 @@ class ScriptedTree(Proposer):
                 tokens.append(true if on_branch else (true + 1 + path[-1]) % self.vocab)
             rows.append(tokens)
         proposal = Proposal.from_lists(rows, "cpu")
-        proposal.tree = self.tree
+        proposal.tree = RowTrees.of(self.tree, proposal.counts)
         return proposal
 
 
@@ -76,7 +77,7 @@ def test_tree_forward_gives_each_node_its_paths_logits(tiny_engines):
         model(torch.tensor([prefix[:-1]]), torch.arange(len(prefix) - 1)[None], view)
     tokens = torch.cat([torch.tensor([[p[-1]] for p in prefixes]), nodes], 1)
     starts = [len(p) - 1 for p in prefixes]
-    hidden = tree_forward_all(model, cache, tokens, starts, tree.depths(), torch.tensor(tree.ancestry))
+    hidden = tree_forward_all(model, cache, tokens, starts, torch.tensor(tree.depths()), torch.tensor(tree.ancestry))
     logits = model.logits(hidden)  # [2, N + 1, V]
     for row, prefix in enumerate(prefixes):
         for index in range(tree.size + 1):

@@ -12,7 +12,7 @@ import pytest
 from helpers.repo import REPO
 
 from specdeploy.errors import PipelineError
-from specdeploy.spec.pipeline import METHODS, DraftSpec, MedusaSpec, Method, SpeculationSpec
+from specdeploy.spec.pipeline import METHODS, DraftSpec, EagleSpec, MedusaSpec, Method, SpeculationSpec
 
 PACKAGE = REPO / "specdeploy"
 # Where a comparison may still name a method: the predicates' definitions and the proposers' registry.
@@ -26,6 +26,7 @@ EXPECTED = {
     "draft_target": (True, True, False, False, True, False),
     "ngram": (True, False, False, True, True, False),
     "medusa": (True, False, True, False, False, True),
+    "eagle": (True, False, False, False, False, True),
 }
 
 
@@ -35,6 +36,8 @@ def speculation(method: str) -> SpeculationSpec:
         return SpeculationSpec(method=method, draft=DraftSpec())
     if method == "medusa":
         return SpeculationSpec(method=method, num_draft_tokens=2, medusa=MedusaSpec(heads="heads.safetensors"))
+    if method == "eagle":
+        return SpeculationSpec(method=method, eagle=EagleSpec(head="head"))
     return SpeculationSpec(method=method)
 
 
@@ -62,13 +65,18 @@ def test_the_sections_follow_the_predicates():
         SpeculationSpec(method="draft_target", draft=DraftSpec(), acceptance="typical")
     with pytest.raises(PipelineError, match="medusa.heads: required when method is 'medusa'"):
         SpeculationSpec(method="medusa")
+    with pytest.raises(PipelineError, match="eagle.head: required when method is 'eagle'"):
+        SpeculationSpec(method="eagle")
+    with pytest.raises(PipelineError, match="acceptance: 'typical' .* not 'eagle'"):
+        SpeculationSpec(method="eagle", acceptance="typical", eagle=EagleSpec(head="h"))
     assert SpeculationSpec(method="medusa", num_draft_tokens=2, acceptance="typical",
                            medusa=MedusaSpec(heads="h.safetensors")).drafts_tree
 
 
 def test_an_unknown_method_built_in_code_is_refused():
-    with pytest.raises(PipelineError, match="method: must be one of none, draft_target, ngram, medusa, got 'eagle'"):
-        SpeculationSpec(method="eagle")  # type: ignore[arg-type]
+    with pytest.raises(PipelineError, match="method: must be one of none, draft_target, ngram, medusa, eagle, got "
+                                            "'lookahead'"):
+        SpeculationSpec(method="lookahead")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------- no comparison names a method

@@ -39,6 +39,7 @@ EXPECTED = {
     "smollm2-draft-target": ("draft_target", 5, "bfloat16"),
     "smollm2-ngram": ("ngram", 12, "bfloat16"),
     "smollm2-medusa": ("medusa", 4, "bfloat16"),
+    "smollm2-eagle": ("eagle", 5, "bfloat16"),
     "smollm2-moe-draft-target": ("draft_target", 5, "bfloat16"),
 }
 
@@ -252,7 +253,7 @@ def test_unknown_deeply_nested_key(tmp_path: Path):
 
 def test_unknown_method(tmp_path: Path):
     load_error(write(tmp_path, minimal(speculation={"method": "medusa2"})),
-               "speculation.method", "'medusa2'", "not allowed", "'draft_target', 'ngram', 'medusa', 'none'")
+               "speculation.method", "'medusa2'", "not allowed", "'draft_target', 'ngram', 'medusa', 'eagle', 'none'")
 
 
 @pytest.mark.parametrize("key_path, data, bad, allowed", [
@@ -266,7 +267,7 @@ def test_unknown_method(tmp_path: Path):
     ("speculation.schedule", minimal(speculation={"schedule": "dynamic"}), "'dynamic'",
      "'constant', 'heuristic'"),
     ("backend.kind", minimal(backend={"kind": "vllm"}), "'vllm'", "'torch', 'trtllm'"),
-    ("speculation.method", minimal(speculation={"method": None}), "None", "'draft_target', 'ngram', 'medusa', 'none'"),
+    ("speculation.method", minimal(speculation={"method": None}), "None", "'draft_target', 'ngram', 'medusa', 'eagle', 'none'"),
 ], ids=["dtype", "source", "acceptance", "derive", "schedule", "backend", "method-null"])
 def test_literal_not_allowed(tmp_path: Path, key_path: str, data: dict, bad: str, allowed: str):
     load_error(write(tmp_path, data), key_path, bad, "not allowed", allowed)
@@ -644,7 +645,7 @@ def test_backend_torch_compile_is_off_by_default_kept_by_device_and_refused_for_
     medusa = {"method": "medusa", "num_draft_tokens": 2,
               "medusa": {"heads": "heads.safetensors", "num_heads": 2, "choices": [[0], [0, 0]]}}
     load_error(write(tmp_path, minimal(speculation=medusa, backend={"kind": "torch", "torch": {"compile": True}})),
-               "backend.torch.compile", "Medusa tree")
+               "backend.torch.compile", "masked verify runs eagerly (leave compile off for method medusa)")
 
 
 # --------------------------------------------------------------------------------------------- request kinds

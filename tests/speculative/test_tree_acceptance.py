@@ -25,6 +25,7 @@ from specdeploy.speculative.tree import (
     accept_tree,
     accept_tree_greedy,
     accept_tree_typical,
+    tree_tensors,
 )
 
 N_TRIALS = 100_000
@@ -218,13 +219,13 @@ def test_choices_are_validated_and_ordered():
 def siblings_against_p(tree, node_tokens, target_probs, counts, generator):
     """Broken: each child is accepted with p(c), not renormalised after its rejected siblings."""
     batch, width = node_tokens.shape
-    parents = torch.tensor(tree.parents[:width])
-    p_of_x = target_probs[:, parents].gather(-1, node_tokens[..., None]).squeeze(-1)
-    _, repeated = _earlier_siblings(parents, node_tokens)
+    shape = tree_tensors(tree, batch, width, "cpu")
+    p_of_x = target_probs[torch.arange(batch)[:, None], shape.parents].gather(-1, node_tokens[..., None]).squeeze(-1)
+    _, repeated = _earlier_siblings(shape.parents, node_tokens)
     acceptable = ~repeated & (uniform((batch, width), generator, "cpu") <= p_of_x)
-    path, final_node = _walk(tree, parents, acceptable)
+    path, final_node = _walk(shape, acceptable)
     final_p = target_probs[torch.arange(batch), final_node]
-    children = parents[None, :] == final_node[:, None]
+    children = shape.parents == final_node[:, None]
     residual = final_p.masked_fill(torch.zeros_like(final_p).scatter_add_(-1, node_tokens, children.float()) > 0, 0)
     return _result(node_tokens, path, sample(residual / residual.sum(-1, keepdim=True), generator))
 

@@ -1,0 +1,230 @@
+"""EAGLE-3 self-distillation on the frozen target, with training-time test.
+
+Data: the target's greedy answers to the training prompts (training/medusa.generate_answers, cached in the work
+directory), then one target forward over each prompt + answer keeping the hidden states entering the head's three
+layers (the features, [T, 3H]) and the final normed hidden states ([T, H], whose product with the LM head's rows
+of the draft vocabulary gives the target's distribution the head learns).
+
+Training-time test (as EAGLE-3 trains): step 0 feeds the head the target's features; step j > 0 feeds it its own
+previous output (the pre-norm state) with the next true token, exactly as drafting depth j + 1 sees it. At step j
+the pair at index t sits at position t + j and attends to the step-0 pairs at indices ≤ t (the committed text) and
+to the pairs of steps 1..j at index t only (its ancestors in a drafted chain). Step j's loss is the cross-entropy
+against the target's distribution over the draft vocabulary (renormalised there) for the token at t + j + 2,
+weighted 0.8^j, on answer positions only.
+
+The draft vocabulary: the `size` target tokens most frequent in the training answers (and prompts), as EAGLE-3 picks
+its own from its data.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
+
+from specdeploy.speculative.eagle_head import Eagle3Head
+
+STEP_WEIGHT = 0.8  # EAGLE-3's decay of the loss over training-time-test steps
+
+
+@dataclass
+class Sample:
+    """One prompt + answer: tokens [T]; features [T, 3H] and final [T, H] (bf16), the target's at each position;
+    first: the index of the prompt's last token (losses count only predictions of answer tokens)."""
+
+    tokens: torch.Tensor
+    features: torch.Tensor
+    final: torch.Tensor
+    first: int
+
+
+def collect(target, sequences: list[tuple[list[int], int]], feature_layers: tuple[int, ...],
+            on_progress: Callable[[], None] | None = None) -> list[Sample]:
+    """sequences: (prompt + answer ids, index of the prompt's last token). One target forward each."""
+    target.feature_layers = tuple(feature_layers)
+    samples = []
+    try:
+        with torch.inference_mode():
+            for tokens, first in sequences:
+                cache = target.new_cache(1, len(tokens) + 1)
+                final = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0]
+                samples.append(Sample(torch.tensor(tokens), target.features[0].to(torch.bfloat16).clone(),
+                                      final.to(torch.bfloat16), first))
+                if on_progress is not None:
+                    on_progress()
+    finally:
+        target.feature_layers = ()
+    return samples
+
+
+def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent target ids in the samples' tokens (ascending; ties by id), [size] long."""
+    counts = Counter()
+    for sample in samples:
+        counts.update(sample.tokens.tolist())
+    ranked = sorted(range(vocab_size), key=lambda token: (-counts.get(token, 0), token))
+    return torch.tensor(sorted(ranked[:size]))
+
+
+def padded_batch(samples: list[Sample]) -> dict[str, torch.Tensor]:
+    """Samples padded to the longest: tokens [b, L]; features [b, L, 3H]; final [b, L, H]; answer [b, L] bool (the
+    token at that index is an answer token the target produced)."""
+    length = max(len(s.tokens) for s in samples)
+    tokens = torch.zeros(len(samples), length, dtype=torch.long)
+    features = torch.zeros(len(samples), length, samples[0].features.shape[1], dtype=torch.bfloat16)
+    final = torch.zeros(len(samples), length, samples[0].final.shape[1], dtype=torch.bfloat16)
+    answer = torch.zeros(len(samples), length, dtype=torch.bool)
+    for i, s in enumerate(samples):
+        n = len(s.tokens)
+        tokens[i, :n], features[i, :n], final[i, :n] = s.tokens, s.features, s.final
+        answer[i, s.first + 1:n] = True
+    return {"tokens": tokens, "features": features, "final": final, "answer": answer}
+
+
+def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], embed: torch.Tensor, draft_rows: torch.Tensor,
+                steps: int) -> tuple[torch.Tensor, list[dict[str, float]]]:
+    """The weighted loss over `steps` training-time-test steps, and per step: loss, top-1 agreement with the
+    target's token and the count of positions (a dict per step). draft_rows: the target LM head's rows of the draft
+    vocabulary [Vd, H]; embed: the target's embedding table [V, H]."""
+    tokens, answer = batch["tokens"], batch["answer"]
+    b, length = tokens.shape
+    with torch.no_grad():  # the target's distributions over the draft vocabulary at every position, [b, L, Vd]
+        target_p = F.linear(batch["final"].float(), draft_rows.float()).softmax(-1)
+        target_top = target_p.argmax(-1)
+    index = torch.arange(length)
+    causal = index[None, :] <= index[:, None]  # [L, L]
+    hidden = head.fuse_features(batch["features"].float())  # [b, L, H]
+    keys, values = [], []  # per step: [b, kv_heads, L, D]
+    total = torch.zeros(())
+    report = []
+    c = head.config
+    group = c.num_heads // c.num_kv_heads
+    scale = 1.0 / math.sqrt(c.head_dim)
+    for step in range(steps):
+        # index t: the pair (state, x_(t+step+1)) at position t + step, predicting x_(t+step+2)
+        next_tokens = torch.cat([tokens[:, step + 1:], tokens.new_zeros(b, step + 1)], dim=1)
+        positions = (index + step).clamp(max=head.rotations.shape[1] - 1)[None].expand(b, -1)
+        projected = head.project(embed[next_tokens].float(), hidden, positions)
+        keys.append(projected.k.repeat_interleave(group, dim=1))
+        values.append(projected.v.repeat_interleave(group, dim=1))
+        q = projected.q.transpose(1, 2)  # [b, heads, L, D]
+        committed = (q @ keys[0].transpose(-1, -2)) * scale  # [b, heads, L, L]
+        committed = committed.masked_fill(~causal, float("-inf"))
+        own = [(q * k).sum(-1, keepdim=True) * scale for k in keys[1:]]  # [b, heads, L, 1] each: the diagonal
+        weights = torch.cat([committed, *own], dim=-1).softmax(-1)
+        attended = weights[..., :length] @ values[0]
+        for j, v in enumerate(values[1:]):
+            attended = attended + weights[..., length + j:length + j + 1] * v
+        normed, prenorm = head.finish(attended.transpose(1, 2).flatten(2), projected.residual)
+        logits = head.logits(normed)  # [b, L, Vd]
+        # the prediction at index t is of token t + step + 2, the target's distribution at position t + step + 1
+        shift = step + 1
+        valid = torch.zeros(b, length, dtype=torch.bool)
+        valid[:, :length - shift - 1] = answer[:, shift + 1:]
+        target = torch.zeros_like(target_p)
+        target[:, :length - shift] = target_p[:, shift:]
+        log_q = logits.log_softmax(-1)
+        per_position = -(target * log_q).sum(-1)  # [b, L]
+        count = int(valid.sum())
+        loss = (per_position * valid).sum() / max(count, 1)
+        total = total + STEP_WEIGHT ** step * loss
+        agree = torch.zeros(b, length, dtype=torch.bool)
+        agree[:, :length - shift] = logits.argmax(-1)[:, :length - shift] == target_top[:, shift:]
+        report.append({"loss": float(loss.detach()), "top1": float((agree & valid).sum()) / max(count, 1),
+                       "positions": count})
+        hidden = prenorm
+    return total, report
+
+
+def chain_acceptance(head: Eagle3Head, samples: list[Sample], embed: torch.Tensor, draft_rows: torch.Tensor,
+                     steps: int, batch_size: int = 8) -> list[dict[str, float]]:
+    """On held-out samples, per drafting depth j + 1: how often the head's top-1 equals the target's top token
+    (given the true tokens before it), and the loss."""
+    totals = [{"loss": 0.0, "top1": 0.0, "positions": 0} for _ in range(steps)]
+    with torch.no_grad():
+        for start in range(0, len(samples), batch_size):
+            _, report = ttt_forward(head, padded_batch(samples[start:start + batch_size]), embed, draft_rows, steps)
+            for total, step in zip(totals, report):
+                total["loss"] += step["loss"] * step["positions"]
+                total["top1"] += step["top1"] * step["positions"]
+                total["positions"] += step["positions"]
+    return [{"depth": j + 1, "loss": round(t["loss"] / max(t["positions"], 1), 4),
+             "top1": round(t["top1"] / max(t["positions"], 1), 4), "positions": t["positions"]}
+            for j, t in enumerate(totals)]
+
+
+def train(head: Eagle3Head, samples: list[Sample], embed: torch.Tensor, draft_rows: torch.Tensor, steps: int,
+          epochs: int, work_dir: Path, batch_size: int = 8, lr: float = 3e-4, seed: int = 0,
+          on_step: Callable[[int, int, float], None] | None = None) -> tuple[Eagle3Head, list[float]]:
+    """AdamW with warm-up and a cosine decay, samples shuffled per epoch by `seed`; a checkpoint after each epoch
+    (head.epoch<N>.safetensors in work_dir), resumed from the latest. on_step(done, total, loss) reports progress.
+    Returns the head and the mean loss of each epoch run here."""
+    start = 0
+    for epoch in range(epochs, 0, -1):
+        checkpoint = work_dir / f"head.epoch{epoch}.safetensors"
+        if checkpoint.exists():
+            head = Eagle3Head.from_state(head.config, load_file(str(checkpoint)), str(checkpoint))
+            start = epoch
+            break
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
+    per_epoch = math.ceil(len(samples) / batch_size)
+    total_steps = per_epoch * epochs
+    warm = max(1, total_steps // 20)
+
+    def rate(step: int) -> float:
+        step += start * per_epoch
+        return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(start):  # the same order as an uninterrupted run
+        torch.randperm(len(samples), generator=generator)
+    losses = []
+    done = start * per_epoch
+    for epoch in range(start, epochs):
+        order = torch.randperm(len(samples), generator=generator).tolist()
+        epoch_loss = 0.0
+        for first in range(0, len(order), batch_size):
+            batch = padded_batch([samples[i] for i in order[first:first + batch_size]])
+            loss, _ = ttt_forward(head, batch, embed, draft_rows, steps)
+            optimizer.zero_grad()
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
+            optimizer.step()
+            schedule.step()
+            done += 1
+            epoch_loss += float(loss.detach())
+            if on_step is not None:
+                on_step(done, total_steps, float(loss.detach()))
+        losses.append(epoch_loss / per_epoch)
+        save_file(head.state(torch.float32), str(work_dir / f"head.epoch{epoch + 1}.safetensors"))
+    return head, losses
+
+
+def write_plot(report: dict, path: Path) -> bool:
+    """training.png: loss by epoch and held-out top-1 agreement by drafting depth; False without matplotlib."""
+    try:
+        import matplotlib
+    except ImportError:
+        return False
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    epochs = report["epoch_losses"]
+    left.plot(range(1, len(epochs) + 1), epochs, marker="o")
+    left.set(xlabel="epoch", ylabel="weighted TTT loss", title="training loss")
+    depths = report["held_out"]
+    right.bar([d["depth"] for d in depths], [d["top1"] for d in depths])
+    right.set(xlabel="drafting depth", ylabel="top-1 = target's token", ylim=(0, 1),
+              title="held-out agreement by depth")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+    return True

@@ -1,0 +1,22 @@
+"""How `specdeploy train-eagle` distils, with its defaults: the CLI's options read them from here, so each default
+has one home. Only dataclasses are imported, so the CLI loads it without torch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class EagleTrainingOptions:
+    work_dir: Path = Path("eagle-work")  # answers, features and checkpoints; a rerun resumes from them
+    prompts: int = 600  # prompts to distil on, a tenth of them held out
+    max_tokens: int = 128  # length of the target's answers
+    epochs: int = 4
+    # the draft vocabulary: the target's most frequent tokens in the answers (SmolLM2's whole head is 49,152 rows, a
+    # fifth of its weights; a draft step over it would cost more than the rest of the head)
+    draft_vocab: int = 3072
+    intermediate_size: int = 768  # the head's MLP width (the asset stays near 10 MB in bf16)
+    batch_size: int = 8
+    lr: float = 1e-3
+    seed: int = 0

@@ -1,0 +1,244 @@
+"""EAGLE-3: the head's files as vLLM and SGLang load them, the build's checks, the trees the proposer grows, and
+the engine: greedy EAGLE equals plain greedy token for token (alone and in a continuous batch, fp32), and sampled
+EAGLE emits every token distributed as the target's, with a deliberately wrong rule failing the same test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from helpers.collector import Collector
+from helpers.eagle_heads import DRAFT_VOCAB, HIDDEN, VOCAB, tiny_config, trained_tiny_head
+from helpers.goodness_of_fit import goodness_of_fit
+from helpers.pipelines import write_pipeline
+from helpers.prompts import PROMPTS
+from safetensors.torch import load_file, save_file
+
+from specdeploy.build.torch_engine import build
+from specdeploy.decoding.sampling import sampling_distribution
+from specdeploy.errors import BuildError, PipelineError, SpecdeployError
+from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.scheduler import Scheduler
+from specdeploy.spec.pipeline import load_pipeline
+from specdeploy.spec.request import NO_END_ID, GenerationRequest
+from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.speculative.eagle_head import Eagle3Head, EagleConfig, expected_shapes
+from specdeploy.speculative.tree import accept_tree_typical
+
+
+def random_head(seed: int = 0, feature_layers=(0, 1, 1)) -> Eagle3Head:
+    """A random head over a reduced vocabulary (a random subset of the target's ids)."""
+    torch.manual_seed(seed)
+    head = Eagle3Head(tiny_config(feature_layers))
+    ids = torch.randperm(VOCAB, generator=torch.Generator().manual_seed(seed))[:DRAFT_VOCAB].sort().values
+    head.set_draft_vocabulary(ids)
+    return head
+
+
+def eagle_pipeline(directory, target, head_dir, gamma: int = 3, **eagle):
+    return write_pipeline(directory / "tiny-eagle.yaml", name="tiny-eagle",
+                          target={"checkpoint": {"source": "hf_dir", "path": str(target)}, "dtype": "float32"},
+                          speculation={"method": "eagle", "num_draft_tokens": gamma,
+                                       "eagle": {"head": str(head_dir), "top_k": 3, "max_nodes": 8, **eagle}},
+                          limits={"max_batch_size": 4, "max_input_length": 64, "max_sequence_length": 256,
+                                  "max_draft_tokens": 12})
+
+
+@pytest.fixture(scope="module")
+def eagle_engine(tiny_checkpoints, tiny_engines, tmp_path_factory):
+    root = tmp_path_factory.mktemp("eagle")
+    trained_tiny_head(tiny_engines["ngram"], root / "head")
+    return build(load_pipeline(eagle_pipeline(root, tiny_checkpoints["target"], root / "head")), root / "engines",
+                 quiet=True).directory
+
+
+def test_head_files_are_what_the_ecosystem_loads(tmp_path):
+    head = random_head()
+    head.save(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    # vLLM llama_eagle3.py and SGLang llama_eagle3.py read these names (speculative/eagle_head.py cites both)
+    assert set(tensors) == {*expected_shapes(head.config), "d2t", "t2d"}
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (64, 2 * HIDDEN)
+    assert tensors["fc.weight"].shape == (HIDDEN, 3 * HIDDEN)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    # draft id i is target id i + d2t[i]; t2d marks exactly those target ids
+    targets = torch.arange(DRAFT_VOCAB) + tensors["d2t"]
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), targets)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == DRAFT_VOCAB
+    # not vLLM's and SGLang's default layers: named with vLLM v0.34's top-level key, as layer inputs
+    assert config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 1] and "eagle_config" not in config
+    loaded = Eagle3Head.load(tmp_path)
+    assert torch.equal(loaded.draft_to_target, head.draft_to_target)
+    for name in expected_shapes(head.config):
+        torch.testing.assert_close(loaded.w(name), head.w(name).to(torch.bfloat16).float())
+
+
+def test_the_captured_layers_read_in_each_convention():
+    config = random_head().config.to_hf()
+    del config["eagle_aux_hidden_state_layer_ids"]
+    # no key: vLLM's and SGLang's default, the inputs of layers 2, L // 2 and L - 3
+    assert EagleConfig.from_hf(config, target_layers=32).feature_layers == (2, 16, 29)
+    with pytest.raises(SpecdeployError, match="names no target layers"):
+        EagleConfig.from_hf(config)
+    # SGLang and SpecForge name layer outputs: the inputs of the layers after them
+    outputs = {**config, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 15, 28]}}
+    assert EagleConfig.from_hf(outputs, target_layers=32).feature_layers == (2, 16, 29)
+    # a head of the default layers is written without a key, so both engines capture what it was trained on
+    default = EagleConfig.from_hf(config, target_layers=32)
+    assert "eagle_aux_hidden_state_layer_ids" not in default.to_hf() and "eagle_config" not in default.to_hf()
+
+
+def test_bad_head_files_are_named(tmp_path):
+    head = random_head()
+    head.save(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    del tensors["midlayer.mlp.up_proj.weight"]
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(SpecdeployError, match="no tensor 'midlayer.mlp.up_proj.weight'"):
+        Eagle3Head.load(tmp_path)
+    tensors["midlayer.mlp.up_proj.weight"] = torch.zeros(3, 3)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    with pytest.raises(SpecdeployError, match=r"up_proj.weight is \[3, 3\], the config makes it \[128, 64\]"):
+        Eagle3Head.load(tmp_path)
+    with pytest.raises(SpecdeployError, match="no EAGLE-3 head"):
+        Eagle3Head.load(tmp_path / "missing")
+
+
+def test_build_checks_the_head_against_the_target(tiny_checkpoints, tmp_path):
+    random_head(feature_layers=(0, 1, 5)).save(tmp_path / "deep")
+    with pytest.raises(BuildError, match=r"reads target layers \[0, 1, 5\]; the target has 2"):
+        build(load_pipeline(eagle_pipeline(tmp_path, tiny_checkpoints["target"], tmp_path / "deep")), tmp_path / "e",
+              quiet=True)
+    with pytest.raises(BuildError, match="speculation.eagle.head: .* is not a folder"):
+        build(load_pipeline(eagle_pipeline(tmp_path, tiny_checkpoints["target"], tmp_path / "none")),
+              tmp_path / "e", quiet=True)
+
+
+@pytest.mark.parametrize(("eagle", "message"), [
+    ({"head": ""}, "eagle.head: required"),
+    ({"top_k": 0}, "top_k: must be ≥ 1"),
+    ({"max_nodes": 13}, "max_nodes: 13 nodes are above limits.max_draft_tokens"),
+])
+def test_eagle_section_is_validated(tiny_checkpoints, tmp_path, eagle, message):
+    with pytest.raises(PipelineError, match=message):
+        load_pipeline(eagle_pipeline(tmp_path, tiny_checkpoints["target"], tmp_path / "h", **eagle))
+
+
+def test_trees_are_well_formed_and_follow_the_budget(eagle_engine):
+    """Each row's tree: parents before children, at most max_nodes nodes, no deeper than the row's gamma, distinct
+    tokens among siblings, and every token in the draft vocabulary."""
+    engine = Engine(eagle_engine, batch_size=3)
+    sequences = []
+    for row, prompt in enumerate(PROMPTS[:3]):
+        sequences.append(engine.new_sequence(GenerationRequest(prompt, 20, SamplingParams(), None,
+                                                               end_id=NO_END_ID)))
+        engine.decoder.prefill(sequences[-1], row)
+    allowed = set(engine.proposer.draft_to_target.tolist())
+    for gammas in ([3, 3, 3], [1, 2, 3], [0, 3, 2]):
+        proposal = engine.proposer.propose(sequences, gammas)
+        for row, gamma in enumerate(gammas):
+            parents, count = proposal.tree.parents[row], proposal.counts[row]
+            assert count == len(parents) <= 8 and (count > 0) == (gamma > 0)
+            assert all(parent <= index for index, parent in enumerate(parents))  # verify index i + 1 > parent
+            assert proposal.tree.max_depth(row) <= gamma
+            tokens = proposal.tokens[row, :count].tolist()
+            assert set(tokens) <= allowed
+            for parent in set(parents):
+                siblings = [t for t, p in zip(tokens, parents) if p == parent]
+                assert len(siblings) == len(set(siblings))
+        engine.decoder.step(sequences)  # the proposer's state moves on with the committed tokens
+
+
+def test_greedy_eagle_equals_plain_alone(eagle_engine):
+    engine = Engine(eagle_engine)
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = engine.start(GenerationRequest(prompt, 40, SamplingParams(), 0, end_id=NO_END_ID)).run()
+        generation = engine.start(GenerationRequest(prompt, 40, SamplingParams(), None, end_id=NO_END_ID))
+        assert generation.run() == plain
+        accepted += generation.stats.accepted
+    assert accepted > 0  # the trees were not all rejected: the walk past the root was exercised
+
+
+def test_greedy_eagle_equals_plain_in_a_continuous_batch(eagle_engine):
+    engine = Engine(eagle_engine)
+    expected = [engine.start(GenerationRequest(p, 30, SamplingParams(), 0, end_id=NO_END_ID)).run() for p in PROMPTS]
+    scheduler = Scheduler(lambda: Engine(eagle_engine, batch_size=4))
+    try:
+        collectors = [Collector() for _ in PROMPTS * 2]
+        for collector, prompt in zip(collectors, PROMPTS * 2):
+            scheduler.submit(GenerationRequest(prompt, 30, SamplingParams(), None, end_id=NO_END_ID), collector)
+        for collector, tokens in zip(collectors, expected * 2):
+            assert collector.done.wait(60) and collector.tokens == tokens
+    finally:
+        scheduler.stop()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Exact at T > 0: the marginal of each of the first emitted tokens, against the target's, computed exactly
+# ---------------------------------------------------------------------------------------------------------------
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2)
+GENERATIONS, LENGTH = 3000, 3
+
+
+def exact_marginals(engine: Engine, prompt: list[int], params: SamplingParams, length: int) -> list[torch.Tensor]:
+    """The target's distribution of each of the first `length` emitted tokens, summed over every prefix (top-k
+    keeps the prefixes few), with the repetition penalty over prompt and prefix."""
+    target = engine.target
+    marginals = []
+    prefixes = {(): 1.0}
+    for _ in range(length):
+        marginal = torch.zeros(engine.vocab_size, dtype=torch.float64)
+        following = {}
+        for prefix, weight in prefixes.items():
+            sequence = prompt + list(prefix)
+            cache = target.new_cache(1, len(sequence) + 1)
+            logits = target.logits(target(torch.tensor([sequence]), torch.arange(len(sequence))[None], cache))[0, -1:]
+            seen = torch.zeros(1, engine.vocab_size, dtype=torch.bool)
+            seen[0, sequence] = True
+            p = sampling_distribution(logits, params, seen)[0].double()
+            marginal += weight * p
+            for token in p.nonzero().flatten().tolist():
+                following[prefix + (token,)] = following.get(prefix + (token,), 0.0) + weight * float(p[token])
+        marginals.append(marginal)
+        prefixes = following
+    return marginals
+
+
+def sampled_positions(engine: Engine, prompt: list[int]) -> tuple[torch.Tensor, int]:
+    """[GENERATIONS, LENGTH]: the first tokens of seeded generations through the engine's speculative steps, and
+    how many drafted tokens they accepted in all."""
+    rows, accepted = [], 0
+    for seed in range(GENERATIONS):
+        params = SamplingParams(temperature=SAMPLED.temperature, top_k=SAMPLED.top_k,
+                                repetition_penalty=SAMPLED.repetition_penalty, seed=seed)
+        generation = engine.start(GenerationRequest(prompt, LENGTH, params, None, end_id=NO_END_ID))
+        rows.append(generation.run())
+        accepted += generation.stats.accepted
+    return torch.tensor(rows), accepted
+
+
+@pytest.fixture(scope="module")
+def marginals(eagle_engine):
+    engine = Engine(eagle_engine)
+    return exact_marginals(engine, PROMPTS[1], SAMPLED, LENGTH)
+
+
+def test_sampled_eagle_emits_the_targets_distribution(eagle_engine, marginals):
+    engine = Engine(eagle_engine)
+    samples, accepted = sampled_positions(engine, PROMPTS[1])
+    assert accepted > GENERATIONS // 4  # the later positions were often emitted from accepted tree nodes
+    checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
+    assert all(check.ok for check in checks), "\n".join(map(str, checks))
+
+
+def test_a_wrong_rule_fails_the_same_test(eagle_engine, marginals):
+    """Negative control: Medusa's lossy typical acceptance in place of the exact rule is caught."""
+    engine = Engine(eagle_engine)
+    engine.decoder.tree_rule = accept_tree_typical
+    samples, _ = sampled_positions(engine, PROMPTS[1])
+    checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
+    assert not all(check.ok for check in checks), "\n".join(map(str, checks))
