@@ -65,7 +65,7 @@ def figure_rows(report: BenchReport) -> list[tuple[str, str]]:
                  if value is not None]
     if report.cost is not None:
         rows += [(f"cost: {name}", cell(value)) for name, value in asdict(report.cost).items() if value is not None]
-    for section, part in (("medusa", report.medusa), ("moe", report.moe)):
+    for section, part in (("medusa", report.medusa), ("eagle", report.eagle), ("moe", report.moe)):
         if part is not None:
             rows += [(f"{section}: {name}", section_cell(value)) for name, value in asdict(part).items()
                      if value is not None]

@@ -154,6 +154,29 @@ class MedusaTree:
 
 
 @dataclass
+class EagleTree:
+    """The served tree budget, what smaller budgets would have accepted, and the budget the measured verify costs
+    make best here (bench/eagle_tree.py)."""
+    depth: int
+    top_k: int
+    max_nodes: int
+    draft_cost_ratio: float  # the head's drafting per step, in plain steps
+    verify_cost_ratio: float  # a target forward over max_nodes + 1 positions, in plain steps
+    realized_accepted_per_step: float
+    accepted_by_budget: list[float]  # [n - 1]: mean accepted tokens per step had the tree kept its n best nodes
+    predicted_speedup: float  # from the served budget's accepted tokens and the measured costs
+    verify_costs: list[float]
+    suggested_max_nodes: int
+    suggested_predicted_speedup: float
+    held_out_chain_acceptance: list[float] | None = None  # train-eagle's P(depths 1..d all right), a chain's
+    held_out_predicted_speedup: float | None = None
+
+    @classmethod
+    def from_json(cls, data: dict) -> EagleTree:
+        return cls(**known_fields(cls, data))
+
+
+@dataclass
 class Peer:
     """Another implementation measured on the same weights and prompts (bench/peers.py), or why it was skipped."""
     tokens_per_s: float | None = None
@@ -231,6 +254,7 @@ class BenchReport:
     transformers: TransformersBaseline | None = None
     moe: MoeCurve | None = None
     medusa: MedusaTree | None = None
+    eagle: EagleTree | None = None
     gamma_sweep: dict[int, float] | None = None  # gamma → measured speedup
     peers: dict[str, Peer] | None = None
     footprint: Footprint | None = None
@@ -254,6 +278,8 @@ class BenchReport:
             data["moe"] = without_none(asdict(self.moe))
         if self.medusa is not None:
             data["medusa"] = without_none(asdict(self.medusa))
+        if self.eagle is not None:
+            data["eagle"] = without_none(asdict(self.eagle))
         data.update(asdict(self.setup))
         data["machine"] = without_none(data["machine"])
         if self.gamma_sweep:
@@ -278,6 +304,7 @@ class BenchReport:
                        greedy=greedy, verify_costs=data.get("verify_costs"), transformers=transformers,
                        moe=MoeCurve.from_json(data["moe"]) if data.get("moe") else None,
                        medusa=MedusaTree.from_json(data["medusa"]) if data.get("medusa") else None,
+                       eagle=EagleTree.from_json(data["eagle"]) if data.get("eagle") else None,
                        gamma_sweep={int(g): v for g, v in data["gamma_sweep"].items()} if "gamma_sweep" in data
                        else None,
                        peers={name: Peer.from_json(peer) for name, peer in data["peers"].items()} if "peers" in data

@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import torch
 from rich.progress import track
 
+from specdeploy.bench.eagle_tree import measure_eagle_tree
 from specdeploy.bench.footprint import measure_footprint
 from specdeploy.bench.greedy_check import greedy_check
 from specdeploy.bench.measure import (
@@ -101,7 +102,7 @@ def swept_gammas(engine: Engine, gammas: tuple[int, ...]) -> tuple[int, ...]:
 class PhaseSeconds:
     """Wall seconds a bench spent per phase (`with clock("peers"): ...`), so a report says where its time went.
     "analysis" is finish_report: the greedy check, the bandwidth and verify-cost measurements, an MoE's union curve
-    or Medusa's tree, and transformers' one-prompt baseline when it is on."""
+    or Medusa's or EAGLE's tree, and transformers' one-prompt baseline when it is on."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
@@ -157,4 +158,7 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
         report.medusa = measure_medusa_tree(engine, runs, summary, encoded)
         # the linear rule's formula does not describe a tree: the tree's own prediction replaces it
         summary.predicted_speedup = report.medusa.predicted_speedup
+    if engine.speculation.uses_features:
+        report.eagle = measure_eagle_tree(engine, summary, encoded)
+        summary.predicted_speedup = report.eagle.predicted_speedup
     return report

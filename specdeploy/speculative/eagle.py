@@ -46,6 +46,11 @@ class EagleProposer(Proposer):
         self.pending: list[list[torch.Tensor]] = [[] for _ in range(batch_size)]  # per row: [n, 3H] features
         # per row, the outputs at its last pair run (normed, prenorm): where its next tree starts
         self.root = torch.zeros(batch_size, 2, c.hidden_size, dtype=dtype, device=device)
+        # What smaller trees would have accepted (bench/eagle_tree.py): per row, the last tree's tokens, parents and
+        # each node's rank by path probability; over all steps, accepted nodes of rank < n (budget_hits[n]).
+        self.last_tree: list[tuple[list[int], list[int], list[int]] | None] = [None] * batch_size
+        self.budget_hits = [0] * (max_nodes + 1)
+        self.trees = 0
 
     @classmethod
     def from_engine(cls, parts: EngineParts) -> EagleProposer:
@@ -72,12 +77,30 @@ class EagleProposer(Proposer):
 
     def on_commit(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
         self.pending[row].append(hidden)
+        if self.last_tree[row] is not None:
+            self._count_budgets(self.last_tree[row], sequence.committed[len(sequence.committed) - len(hidden):-1])
+            self.last_tree[row] = None
+
+    def _count_budgets(self, tree: tuple[list[int], list[int], list[int]], accepted: list[int]) -> None:
+        """Walk the last tree along the accepted tokens; a tree of the n best nodes would have kept the path's
+        nodes of rank < n (ranks grow along a path: a node is chosen only after its parent)."""
+        tokens, parents, ranks = tree
+        node, path = 0, []
+        for token in accepted:
+            node = next((i + 1 for i, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+            if node is None:
+                break
+            path.append(ranks[node - 1])
+        self.trees += 1
+        for budget in range(1, len(self.budget_hits)):
+            self.budget_hits[budget] += sum(rank < budget for rank in path)
 
     def move_row(self, source: int, destination: int) -> None:
         self.cache.move_row(source, destination)
         self.pending[destination] = self.pending[source]
         self.pending[source] = []
         self.root[destination] = self.root[source]
+        self.last_tree[destination], self.last_tree[source] = self.last_tree[source], None
 
     # ---- drafting -------------------------------------------------------------------------------------------
     def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
@@ -129,18 +152,20 @@ class EagleProposer(Proposer):
         for row, gamma in enumerate(gammas):
             order = sorted((c for c in range(len(depth_of)) if depth_of[c] <= gamma),
                            key=lambda c: (-host_paths[row][c], depth_of[c], c))
-            chosen: set[int] = set()
+            chosen: dict[int, None] = {}  # insertion-ordered
             for candidate in order:
                 if len(chosen) == self.max_nodes:
                     break
                 parent = host_parents[row][candidate]
                 if parent == -1 or parent in chosen:
-                    chosen.add(candidate)
+                    chosen[candidate] = None
+            rank = {c: i for i, c in enumerate(chosen)}  # chosen in order of path probability
             nodes = sorted(chosen, key=lambda c: (depth_of[c], -host_paths[row][c], c))  # ancestors first
             verify_index = {c: i + 1 for i, c in enumerate(nodes)}
             rows_tokens.append([host_tokens[row][c] for c in nodes])
             rows_parents.append([0 if host_parents[row][c] == -1 else verify_index[host_parents[row][c]]
                                  for c in nodes])
+            self.last_tree[row] = (rows_tokens[-1], rows_parents[-1], [rank[c] for c in nodes]) if nodes else None
         proposal = Proposal.from_lists(rows_tokens, self.device)
         proposal.tree = RowTrees(rows_parents)
         return proposal

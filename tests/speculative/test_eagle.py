@@ -242,3 +242,23 @@ def test_a_wrong_rule_fails_the_same_test(eagle_engine, marginals):
     samples, _ = sampled_positions(engine, PROMPTS[1])
     checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
     assert not all(check.ok for check in checks), "\n".join(map(str, checks))
+
+
+def test_bench_reports_the_budget_curve_its_prediction_and_a_suggested_budget(eagle_engine):
+    """Bench counts what each smaller node budget would have accepted, predicts the served budget's speedup from it
+    and the verify costs it measured, and suggests the budget they make best; the report survives its JSON."""
+    from specdeploy.bench.results import BenchReport
+    from specdeploy.bench.run import run_bench
+
+    engine = Engine(eagle_engine)
+    prompts = [{"prompt": "Say hello.", "kind": "open"}, {"prompt": "Count to five.", "kind": "open"}]
+    report = run_bench(engine, prompts, 24, 0.0, 0, with_transformers=False, quiet=True)
+    eagle = report.eagle
+    assert eagle.depth == 3 and eagle.top_k == 3 and eagle.max_nodes == 8
+    curve = eagle.accepted_by_budget
+    assert len(curve) == 8 and curve == sorted(curve) and curve[-1] > 0  # more nodes never keep less
+    assert eagle.verify_costs[0] == 1 and len(eagle.verify_costs) == 13
+    assert 1 <= eagle.suggested_max_nodes <= 8
+    assert eagle.suggested_predicted_speedup >= eagle.predicted_speedup > 0
+    assert report.summary.predicted_speedup == eagle.predicted_speedup
+    assert BenchReport.from_json(report.to_json()).eagle == eagle
