@@ -57,7 +57,8 @@ def source_files(spec: CheckpointSpec, pipeline: PipelineSpec) -> list[Path]:
 
 
 def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
-    """Every file a build of the pipeline reads: the target's and the draft's checkpoints, Medusa heads."""
+    """Every file a build of the pipeline reads: the target's and the draft's checkpoints, Medusa heads, an EAGLE-3
+    head's folder."""
     files = source_files(pipeline.target.checkpoint, pipeline)
     draft = pipeline.speculation.draft
     if draft is not None and draft.checkpoint is not None:
@@ -68,6 +69,13 @@ def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
             raise BuildError(f"speculation.medusa.heads: {heads} not found (train them with specdeploy "
                              "train-medusa)")
         files.append(heads)
+    if pipeline.speculation.uses_features:
+        head = pipeline.resolve(pipeline.speculation.eagle.head)
+        found = sorted(head.glob("*.json")) + sorted(head.glob("*.safetensors")) if head.is_dir() else []
+        if not any(path.name == "config.json" for path in found):
+            raise BuildError(f"speculation.eagle.head: {head} holds no EAGLE-3 head (config.json and "
+                             f"model.safetensors; train one with specdeploy train-eagle)")
+        files += found
     return files
 
 
