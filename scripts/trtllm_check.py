@@ -17,6 +17,18 @@ of this repository with specdeploy installed (build/Dockerfile.gpu installs it t
       test pooled over each trial's prefix; TRTLLM_CHECK_TRIALS requests per arm, default 3000)
   python3 scripts/trtllm_check.py summary DIR
       one table of every check in DIR; exit status 1 if any failed
+
+The EAGLE-3 slice runs on the llm_api line (TensorRT-LLM's engine EAGLE reads EAGLE-1 drafts only), whose server is
+Triton's LLM-API model with its own requests: no `speculative` model, no per-request switch to plain decoding. So
+it serves two repositories in turn, the speculative one and a plain one of the same target, and compares them:
+  python3 scripts/trtllm_check.py pipeline SHIPPED.yaml OUT_DIR [--plain]
+      for an EAGLE-3 pipeline, the llm_api variant (a chain: top_k 1); --plain, the same target without speculation
+  python3 scripts/trtllm_check.py llmapi-run HTTP_URL TOKENIZER_DIR PROMPTS.jsonl SEED_OFFSET OUT.json
+      on one LLM-API server: each prompt's greedy tokens, DISTRIBUTION_TRIALS sampled requests (T 0.7, top-k 4, each
+      its own seed from SEED_OFFSET on) and tokens/s at concurrency 1 and 8, with the drafts each request counted
+  python3 scripts/trtllm_check.py llmapi-compare SHIPPED.yaml SPECULATIVE.json PLAIN.json OUT_DIR
+      greedy.json, distribution.json and speed.json in OUT_DIR from the two runs (greedy also against the torch
+      engine of the shipped pipeline), in the formats `summary` reads
 """
 
 from __future__ import annotations
@@ -47,18 +59,31 @@ MIN_PER_PREFIX = 30  # trials of each arm a prefix needs to enter the test
 CHECK_FILES = ("greedy.json", "distribution.json", "speed.json")  # what trtllm-check.sh writes per pipeline
 
 
-def trtllm_variant(shipped: Path, out_dir: Path) -> Path:
-    """The shipped torch pipeline as a TensorRT-LLM pipeline: same models and speculation, engine line, bf16
-    engines, relative paths made absolute (the copy lives elsewhere), and a policy that speculates at any load (the
-    shipped one stops above 4 running requests, and the checks send 16 at once)."""
+def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False) -> Path:
+    """The shipped torch pipeline as a TensorRT-LLM pipeline: same models and speculation, bf16, relative paths made
+    absolute (the copy lives elsewhere), and a policy that speculates at any load (the shipped one stops above 4
+    running requests, and the checks send 16 at once). The engine line, but for an EAGLE-3 pipeline the llm_api line
+    (its head drafting the chain TensorRT-LLM drafts: top_k 1). plain: the same target without speculation."""
+    from specdeploy.spec.pipeline import load_pipeline
+
+    llm_api = load_pipeline(shipped).speculation.uses_features
     spec = yaml.safe_load(shipped.read_text())
-    spec["name"] = f"{spec['name']}-trtllm"
-    spec["backend"] = {"kind": "trtllm", "trtllm": {"line": "engine", "dtype": "bfloat16"}}
+    spec["name"] = f"{spec['name']}{'-plain' if plain else ''}-trtllm"
+    spec["backend"] = {"kind": "trtllm", "trtllm": {"line": "llm_api" if llm_api else "engine",
+                                                    "dtype": "bfloat16"}}
     rows = spec["limits"]["max_batch_size"]
     spec.setdefault("serving", {})["policy"] = {"full_up_to": rows, "off_above": rows}
     medusa = spec["speculation"].get("medusa")
     if medusa and not Path(medusa["heads"]).is_absolute():
         medusa["heads"] = str((shipped.parent / medusa["heads"]).resolve())
+    if llm_api:  # the LLM API takes checkpoints as they are: no weight-only conversion there
+        spec["target"].pop("weight_only", None)
+    eagle = spec["speculation"].get("eagle")
+    if eagle:
+        eagle["head"] = str((shipped.parent / eagle["head"]).resolve())
+        eagle["top_k"] = 1
+    if plain:
+        spec["speculation"] = {"method": "none"}
     out_dir.mkdir(parents=True, exist_ok=True)
     path = out_dir / f"{spec['name']}.yaml"
     path.write_text(yaml.safe_dump(spec, sort_keys=False))
@@ -222,6 +247,107 @@ def distribution(url: str, out: Path, num_draft_tokens: int = 2) -> dict:
     return report
 
 
+def llmapi_generate(url: str, tokenizer, prompt: str, max_tokens: int, **sampling) -> tuple[list[int], int, int]:
+    """One request to Triton's LLM-API model (its generate_stream endpoint, the request not streamed: one event):
+    the new tokens (its text, tokenized again), and the drafted and accepted tokens it reports."""
+    body = {"text_input": prompt, "streaming": False, "sampling_param_max_tokens": max_tokens,
+            "sampling_param_exclude_input_from_output": True,
+            **{f"sampling_param_{name}": value for name, value in sampling.items()}}
+    request = urllib.request.Request(f"{url}/v2/models/tensorrt_llm/generate_stream", json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    text, drafted, accepted = "", 0, 0
+    with urllib.request.urlopen(request, timeout=600) as reply:
+        for line in reply.read().decode().splitlines():
+            if not line.startswith("data:"):
+                continue
+            event = json.loads(line.removeprefix("data:"))
+            if "error" in event:
+                raise RuntimeError(event["error"])
+            text += event.get("text_output", "")
+            drafted = int(event.get("total_draft_tokens", drafted))
+            accepted = int(event.get("total_accepted_draft_tokens", accepted))
+    return tokenizer.encode(text, add_special_tokens=False), drafted, accepted
+
+
+def llmapi_run(url: str, tokenizer_dir: Path, prompts_file: Path, seed_offset: int, out: Path,
+               max_tokens: int = 64) -> dict:
+    """Everything the comparison needs from one LLM-API server (see the docstring)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]
+    greedy = [llmapi_generate(url, tokenizer, prompt, max_tokens, temperature=0.0) for prompt in prompts]
+    with ThreadPoolExecutor(16) as pool:
+        samples = list(pool.map(lambda seed: llmapi_generate(
+            url, tokenizer, DISTRIBUTION_PROMPT, 4, temperature=0.7, top_k=4, seed=seed),
+            range(seed_offset, seed_offset + DISTRIBUTION_TRIALS)))
+    speed = []
+    for concurrency in (1, 8):
+        started, failed = time.perf_counter(), 0
+        with ThreadPoolExecutor(concurrency) as pool:
+            futures = [pool.submit(llmapi_generate, url, tokenizer, prompt, max_tokens, temperature=0.0)
+                       for prompt in prompts * concurrency]
+            results = []
+            for future in futures:
+                try:
+                    results.append(future.result())
+                except (OSError, RuntimeError):
+                    failed += 1
+        seconds = time.perf_counter() - started
+        speed.append({"concurrency": concurrency, "tokens_per_s": sum(len(ids) for ids, *_ in results) / seconds,
+                      "drafted": sum(d for _, d, _ in results), "accepted": sum(a for *_, a in results),
+                      "failed": failed})
+    report = {"greedy": [{"prompt": prompt, "ids": ids, "drafted": drafted}
+                         for prompt, (ids, drafted, _) in zip(prompts, greedy)],
+              "samples": [{"ids": ids, "drafted": drafted} for ids, drafted, _ in samples], "speed": speed}
+    out.write_text(json.dumps(report))
+    return report
+
+
+def llmapi_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_dir: Path,
+                   max_tokens: int = 64) -> bool:
+    """The checks of the EAGLE-3 slice from its two runs, written as the engine slices write theirs."""
+    from specdeploy.spec.sampling_params import SamplingParams
+    from specdeploy.workflows import load_engine
+
+    speculative, plain = json.loads(speculative_file.read_text()), json.loads(plain_file.read_text())
+    engine = load_engine(shipped, Path(os.environ.get("SPECDEPLOY_ENGINES", "engines")),
+                         device=os.environ.get("SPECDEPLOY_DEVICE", "cpu"))
+    rows = []
+    for spec_row, plain_row in zip(speculative["greedy"], plain["greedy"]):
+        torch_engine = engine.generate(engine.encode_prompt(spec_row["prompt"]), SamplingParams(), max_tokens,
+                                       num_draft_tokens=0).run()
+        rows.append({"prompt": spec_row["prompt"], "tokens": len(spec_row["ids"]), "drafted": spec_row["drafted"],
+                     "speculative_vs_plain": common_prefix_length(spec_row["ids"], plain_row["ids"]),
+                     "server_vs_torch": common_prefix_length(spec_row["ids"], torch_engine),
+                     "ok": agrees(spec_row["ids"], plain_row["ids"]) and agrees(spec_row["ids"], torch_engine)})
+    drafted = sum(row["drafted"] > 0 for row in rows)
+    fewest = min(min(r["speculative_vs_plain"], r["server_vs_torch"]) for r in rows)
+    greedy_report = {"check": "greedy", "pipeline": shipped.stem, "prompts": rows,
+                     "ok": all(r["ok"] for r in rows) and drafted == len(rows),
+                     "detail": f"{sum(r['speculative_vs_plain'] == r['tokens'] for r in rows)}/{len(rows)} "
+                               f"speculative = plain, {sum(r['server_vs_torch'] == r['tokens'] for r in rows)}/"
+                               f"{len(rows)} = torch; {drafted}/{len(rows)} drafted; fewest shared tokens {fewest}"}
+    spec_samples, plain_samples = speculative["samples"], plain["samples"]
+    drafting = sum(s["drafted"] > 0 for s in spec_samples) / len(spec_samples)
+    p_value, dof, tested = homogeneity([tuple(s["ids"]) for s in spec_samples],
+                                       [tuple(s["ids"]) for s in plain_samples], (1, 2))
+    distribution_report = {
+        "check": "distribution", "p_value": p_value, "dof": dof, "tested": tested, "drafting": drafting,
+        "ok": p_value > DISTRIBUTION_P_VALUE and tested > 0 and drafting >= 0.9,
+        "detail": f"p = {p_value:.3g} (χ², {dof} dof, {tested} tokens), {drafting:.0%} of speculative requests "
+                  f"drafted; speculative and plain servers at T 0.7 top-k 4"}
+    levels = [{"concurrency": s["concurrency"], "speculative_tokens_per_s": s["tokens_per_s"],
+               "plain_tokens_per_s": p["tokens_per_s"], "speedup": s["tokens_per_s"] / max(p["tokens_per_s"], 1e-9),
+               "acceptance_rate": s["accepted"] / max(s["drafted"], 1), "failed": s["failed"] + p["failed"]}
+              for s, p in zip(speculative["speed"], plain["speed"])]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "greedy.json").write_text(json.dumps(greedy_report, indent=2))
+    (out_dir / "distribution.json").write_text(json.dumps(distribution_report, indent=2))
+    (out_dir / "speed.json").write_text(json.dumps({"levels": levels}, indent=2))
+    return greedy_report["ok"] and distribution_report["ok"] and all(level["failed"] == 0 for level in levels)
+
+
 def summary(directory: Path) -> int:
     """Print every check's line; 1 if any failed (or none ran), else 0."""
     rows = []
@@ -246,7 +372,7 @@ def summary(directory: Path) -> int:
 def main(argv: list[str]) -> int:
     command, arguments = argv[0], argv[1:]
     if command == "pipeline":
-        print(trtllm_variant(Path(arguments[0]), Path(arguments[1])))
+        print(trtllm_variant(Path(arguments[0]), Path(arguments[1]), plain="--plain" in arguments[2:]))
     elif command == "serve-command":
         print(serve_command(Path(arguments[0]), Path(arguments[1])))
     elif command == "wait-ready":
@@ -255,6 +381,11 @@ def main(argv: list[str]) -> int:
         return 0 if greedy(Path(arguments[0]), arguments[1], Path(arguments[2]), Path(arguments[3]))["ok"] else 1
     elif command == "distribution":
         return 0 if distribution(arguments[0], Path(arguments[1]))["ok"] else 1
+    elif command == "llmapi-run":
+        llmapi_run(arguments[0], Path(arguments[1]), Path(arguments[2]), int(arguments[3]), Path(arguments[4]))
+    elif command == "llmapi-compare":
+        return 0 if llmapi_compare(Path(arguments[0]), Path(arguments[1]), Path(arguments[2]),
+                                   Path(arguments[3])) else 1
     elif command == "summary":
         return summary(Path(arguments[0]))
     else:

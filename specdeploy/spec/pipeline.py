@@ -568,6 +568,19 @@ class PipelineSpec(Section):
         if speculation.uses_heads and settings.line == "llm_api":
             raise Problem("backend.trtllm.line", "medusa runs on TensorRT engines only: use line: engine (the "
                                                  "LLM API's PyTorch backend has no Medusa)")
+        if speculation.uses_features and settings.line == "engine":
+            raise Problem("backend.trtllm.line", f"{method} heads are EAGLE-3, which runs on line: llm_api only: "
+                                                 f"the engine line's EAGLE (examples/eagle/convert_checkpoint.py, "
+                                                 f"trtllm-build --speculative_decoding_mode eagle) reads EAGLE-1 "
+                                                 f"drafts (one fc over the embedding and the last hidden state), not "
+                                                 f"three captured layers and a draft vocabulary")
+        if speculation.uses_features and speculation.eagle.top_k != 1:
+            # line llm_api: EagleDecodingConfig's draft trees (eagle_choices, use_dynamic_tree) are flagged as under
+            # development in the 1.2 line, so the plan asks for its linear chain (docs/tensorrt-llm.md)
+            raise Problem("speculation.eagle.top_k", f"TensorRT-LLM's PyTorch backend drafts EAGLE-3 as one chain "
+                                                     f"of num_draft_tokens tokens: set top_k: 1 (a chain) so the "
+                                                     f"torch and trtllm flavours draft alike, got "
+                                                     f"{speculation.eagle.top_k}")
         if settings.line == "engine" and settings.server == "trtllm_serve" and speculation.drafts_outside_target:
             raise Problem("backend.trtllm.server", f"{method} on the engine line runs through Triton (our "
                                                    f"orchestration model feeds draft tokens to the engine); the "

@@ -113,6 +113,23 @@ def test_the_generator_refuses_what_the_cluster_could_not_run(tmp_path):
                       OverlayOptions(weights_gib=134, gpus_per_node=2, gpu_product=H100))
     with pytest.raises(SpecdeployError, match="latest"):
         write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path / "k8s", OverlayOptions(image="sd:latest"))
+    eagle = tmp_path / "eagle.yaml"  # an EAGLE-3 head's folder is read from a volume like a checkpoint
+    eagle.write_text((REPO / "pipelines/gpu/llama8b-eagle3.yaml").read_text().replace(
+        "head: /models/EAGLE3-LLaMA3.1-Instruct-8B", "head: heads/eagle3"))
+    with pytest.raises(SpecdeployError, match="speculation.eagle.head .* is relative"):
+        write_overlay(eagle, tmp_path / "k8s", OverlayOptions(weights_gib=15.8))
+
+
+def test_the_llm_api_overlay_packages_triton_s_llm_api_model_from_the_image(rendered):
+    """On the llm_api line the build Job's package step takes the LLM-API model's code from the image's /app (the
+    NGC image keeps its checkout's triton_backend/all_models there), and one tritonserver serves that one model."""
+    job = one(rendered["gpu-eagle"], "Job")["spec"]["template"]["spec"]
+    package = next(c for c in job["containers"] if c["name"] == "package")["args"]
+    assert package[package.index("--trtllm-source") + 1] == "/app"
+    assert all("--trtllm-source" not in next(c for c in one(documents, "Job")["spec"]["template"]["spec"][
+        "containers"] if c["name"] == "package")["args"] for name, documents in rendered.items() if name != "gpu-eagle")
+    triton = serving_container(server_templates(rendered["gpu-eagle"])[0])
+    assert triton["command"] == ["tritonserver"] and "--disable-auto-complete-config" in triton["args"]
 
 
 # --- schemas ----------------------------------------------------------------------------------------------------
@@ -540,6 +557,34 @@ def test_the_weights_estimate_counts_the_moe_a_pipeline_derives_and_its_dense_dr
     upcycled_int4 = size({"method": "upcycle", "experts": 8}, "int4")  # the draft: an int4 copy of the MoE
     assert upcycled_int4 - size({"method": "upcycle", "experts": 8}) == pytest.approx(
         weight_only_bytes(dataclasses.replace(dense, num_experts=8), "int4") - weight_only_bytes(dense, "int4"))
+
+
+def test_the_weights_estimate_counts_an_eagle3_head_by_its_file_or_else_its_layout(tmp_path):
+    """An EAGLE-3 head weighs its safetensors where the folder is here; elsewhere (a GPU example planned on this
+    machine) its layout at the target's dimensions: fc over three layers, one decoder layer whose attention reads
+    two hidden states, and a vocabulary head (the whole vocabulary: an upper bound)."""
+    from helpers.tiny_models import save_tiny_eagle_head
+
+    from specdeploy.deploy.sizing import DTYPE_BYTES, GIB, estimate_weights_gib
+    from specdeploy.models.config import ModelConfig
+    from specdeploy.spec.pipeline import parse_pipeline
+
+    config = ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                         num_kv_heads=2, head_dim=16)
+
+    def size(speculation: dict) -> float:
+        pipeline = parse_pipeline({"name": "p", "target": {"checkpoint": {"source": "gguf", "path": "/m.gguf"}},
+                                   "speculation": speculation})
+        return estimate_weights_gib(pipeline, config) * GIB
+
+    plain = size({"method": "none"})
+    head = save_tiny_eagle_head(tmp_path / "head")
+    eagle = {"method": "eagle", "eagle": {"head": str(head), "max_nodes": 4}}
+    assert size(eagle) - plain == (head / "model.safetensors").stat().st_size
+    h, q, kv = 64, 64, 32
+    layout = 3 * h * h + 2 * h * (q + 2 * kv) + q * h + 3 * h * 128 + 128 * h
+    missing = {**eagle, "eagle": {**eagle["eagle"], "head": str(tmp_path / "elsewhere")}}
+    assert size(missing) - plain == layout * DTYPE_BYTES["bfloat16"]
 
 
 def test_the_rendered_wait_gives_up_when_the_rendered_build_fails_for_good(rendered, tmp_path):

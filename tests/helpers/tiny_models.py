@@ -64,3 +64,24 @@ def tiny_moe_layer(device: str = "cpu"):
              "m.experts.gate_up_proj": torch.randn(4, 96, 32, generator=generator) / 6,
              "m.experts.down_proj": torch.randn(4, 32, 48, generator=generator) / 7}
     return SparseMoE(config, {key: value.to(device) for key, value in state.items()}, "m", torch.float32)
+
+
+def save_tiny_eagle_head(directory: Path, feature_layers: tuple[int, ...] | None = (1, 2, 3), seed: int = 0) -> Path:
+    """A random EAGLE-3 head for a TINY-sized target (a draft vocabulary of 32 tokens) in the folder layout
+    speculation.eagle.head names; feature_layers None leaves eagle_config out of config.json (the loaders' default
+    capture then applies)."""
+    import json
+
+    from specdeploy.speculative.eagle_head import Eagle3Head, EagleConfig
+
+    torch.manual_seed(seed)
+    config = EagleConfig(hidden_size=TINY["hidden_size"], intermediate_size=TINY["intermediate_size"],
+                         num_heads=TINY["num_attention_heads"], num_kv_heads=TINY["num_key_value_heads"],
+                         head_dim=TINY["hidden_size"] // TINY["num_attention_heads"], vocab_size=TINY["vocab_size"],
+                         draft_vocab_size=32, feature_layers=feature_layers or (1, 2, 3))
+    Eagle3Head(config).save(directory)
+    if feature_layers is None:
+        data = json.loads((directory / "config.json").read_text())
+        del data["eagle_config"]
+        (directory / "config.json").write_text(json.dumps(data, indent=2) + "\n")
+    return directory

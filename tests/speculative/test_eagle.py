@@ -111,7 +111,7 @@ def test_build_checks_the_head_against_the_target(tiny_checkpoints, tmp_path):
     with pytest.raises(BuildError, match=r"reads target layers \[0, 1, 5\]; the target has 2"):
         build(load_pipeline(eagle_pipeline(tmp_path, tiny_checkpoints["target"], tmp_path / "deep")), tmp_path / "e",
               quiet=True)
-    with pytest.raises(BuildError, match="speculation.eagle.head: .* is not a folder"):
+    with pytest.raises(BuildError, match="speculation.eagle.head: .* holds no EAGLE-3 head"):
         build(load_pipeline(eagle_pipeline(tmp_path, tiny_checkpoints["target"], tmp_path / "none")),
               tmp_path / "e", quiet=True)
 

@@ -6,7 +6,8 @@ with its upstream path.
 The converters read a Hugging Face directory. A checkpoint that is one already (source: hf_dir) and needs no
 derivation is read where it is: upstream's converter loads it tensor by tensor, a rank's share at a time, so the
 build never holds the model. Only what TensorRT-LLM cannot read is exported: a GGUF or packaged source (which
-transformers dequantizes whole), an MoE target we derive (written layer by layer), Medusa heads.
+transformers dequantizes whole), an MoE target we derive (written layer by layer), Medusa heads. An EAGLE-3 head
+(the llm_api line) is a Hugging Face-style folder the LLM reads where it is.
 
 Layout under the engine directory (engines/<name>/trtllm/):
   hf/<component>/           our exports, where a component needs one (hf_dirs says which directory each reads)
@@ -17,6 +18,7 @@ Layout under the engine directory (engines/<name>/trtllm/):
 
 from __future__ import annotations
 
+import json
 import shlex
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,16 +62,27 @@ def draft_reads(draft: DraftSpec) -> str:
     return {"none": "draft", "int4_dense": "dense_source"}.get(draft.derive, "target")
 
 
+# The component an EAGLE-3 head is (the llm_api line's speculative_model): always read where it is, never exported.
+EAGLE_HEAD = "eagle"
+
+
 def hf_components(pipeline: PipelineSpec) -> list[str]:
-    """The EXPORTS keys a pipeline's converters (or its LLM) read."""
-    if not pipeline.speculation.uses_draft_model:
+    """The components a pipeline's converters (or its LLM) read as Hugging Face directories: EXPORTS keys, and
+    EAGLE_HEAD for an EAGLE-3 head."""
+    speculation = pipeline.speculation
+    if speculation.uses_features:
+        return ["target", EAGLE_HEAD]
+    if not speculation.uses_draft_model:
         return ["target"]
-    return list(dict.fromkeys(["target", draft_reads(pipeline.speculation.draft)]))
+    return list(dict.fromkeys(["target", draft_reads(speculation.draft)]))
 
 
 def readable_checkpoint(pipeline: PipelineSpec, component: str) -> Path | None:
     """The checkpoint directory TensorRT-LLM reads as it is for `component`, or None when it needs our export: a
-    GGUF or packaged source, or the MoE target we derive (its dense source is read as it is)."""
+    GGUF or packaged source, or the MoE target we derive (its dense source is read as it is). An EAGLE-3 head is
+    always read where it is (its folder already holds config.json and model.safetensors)."""
+    if component == EAGLE_HEAD:
+        return pipeline.resolve(pipeline.speculation.eagle.head)
     target = pipeline.target
     spec = {"target": None if target.moe is not None else target.checkpoint, "dense_source": target.checkpoint,
             "draft": pipeline.speculation.draft.checkpoint if pipeline.speculation.draft else None}[component]
@@ -237,7 +250,55 @@ def llm_api_config(pipeline: PipelineSpec, root: Path, models: dict[str, Path] |
     elif speculation.drafts_from_context:
         config["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": gamma,
                                         "max_matching_ngram_size": speculation.ngram.max_n}
+    elif speculation.uses_features:
+        config["speculative_config"] = eagle_speculative_config(pipeline, models[EAGLE_HEAD])
     return config
+
+
+def eagle_speculative_config(pipeline: PipelineSpec, head: Path) -> dict:
+    """An EAGLE-3 head through the LLM API's PyTorch backend (llm_args.EagleDecodingConfig, docs/tensorrt-llm.md
+    "EAGLE-3"): decoding_type Eagle, which that backend runs as EAGLE-3 in every 1.x release (1.1's from_dict table
+    and 1.2's tagged union both take it); the linear chain of max_draft_len tokens its 1.2 line offers (validation
+    asks for eagle.top_k 1, and a chain cut at eagle.max_nodes as the torch engine cuts it); and the two-model path
+    (eagle3_one_model false), whose sampler draws the target's own tokens at the request's temperature, top-k and
+    top-p and accepts a greedy draft token only when it equals that draw, which keeps sampled text exact; the
+    one-model default decodes greedily at any temperature unless a prototype switch is on. head: where the LLM
+    finds the head folder; the layers it reads are taken from the pipeline's own copy."""
+    speculation = pipeline.speculation
+    config = {"decoding_type": "Eagle", "max_draft_len": min(speculation.num_draft_tokens,
+                                                             speculation.eagle.max_nodes),
+              "speculative_model_dir": str(head), "eagle3_one_model": False}
+    layers = captured_layers(pipeline.resolve(speculation.eagle.head))
+    if layers is not None:
+        config["eagle3_layers_to_capture"] = layers
+    return config
+
+
+def captured_layers(head: Path) -> list[int] | None:
+    """The target layers whose outputs an EAGLE-3 head reads, as TensorRT-LLM numbers them, or None when its
+    config.json names none (then both ecosystems' defaults agree). The head's config names, as vLLM and SGLang do,
+    the hidden state entering layer i (eagle_config.eagle_aux_hidden_state_layer_ids, speculative/eagle_head.py);
+    TensorRT-LLM's eagle3_layers_to_capture names the layer whose output it captures (maybe_capture_hidden_states
+    after the layer's MLP), so i becomes i - 1: its default {1, L//2 - 1, L - 4} is vLLM's (2, L//2, L - 3)."""
+    config_file = head / "config.json"
+    try:
+        data = json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise BuildError(f"speculation.eagle.head: cannot read {config_file} ({exc}); the LLM API reads the head "
+                         f"folder's config.json and model.safetensors") from None
+    layers = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if layers is None:
+        return None
+    if len(layers) != 3:
+        raise BuildError(f"speculation.eagle.head: {config_file} names {len(layers)} captured layers; an EAGLE-3 "
+                         f"head reads three")
+    if min(layers) < 1:
+        raise BuildError(f"speculation.eagle.head: {config_file} captures the embedding (layer id 0), which "
+                         f"TensorRT-LLM's eagle3_layers_to_capture cannot name (it counts layer outputs)")
+    if len(set(layers)) != len(layers):
+        raise BuildError(f"speculation.eagle.head: {config_file} names a layer twice ({layers}); TensorRT-LLM takes "
+                         f"the captured layers as a set, so its fc would get fewer inputs than it has")
+    return sorted(layer - 1 for layer in layers)
 
 
 def llm_api_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:

@@ -105,4 +105,8 @@ LLMAPI_OUTPUTS = {
     "total_draft_tokens": ("TYPE_INT32", [1]),
 }
 LLMAPI_MODEL_CODE = "triton_backend/all_models/llmapi/tensorrt_llm/1"  # in a TensorRT-LLM checkout
+# The same folder in the pinned image, whose /app holds the checkout's triton_backend/all_models as all_models
+# (tensorrtllm_backend r26.04 dockerfile/Dockerfile.triton.trt_llm_backend: WORKDIR /app, COPY .../all_models)
+LLMAPI_IMAGE_MODEL_CODE = "all_models/llmapi/tensorrt_llm/1"
+IMAGE_APP_DIR = "/app"  # that WORKDIR: the image's copy of the checkout's examples, scripts and all_models
 LLMAPI_CODE_FILES = ("model.py", "helpers.py")

@@ -16,7 +16,9 @@ from google.protobuf import text_format
 from helpers.cli import flags, run_cli
 from helpers.pipelines import tiny_pipeline, trtllm_pipeline
 from helpers.repo import REPO
+from helpers.tiny_models import save_tiny_checkpoint, save_tiny_eagle_head
 from tritonclient.grpc import model_config_pb2 as pb
+from trtllm_double.llmapi_speculative import eagle_setup
 
 from specdeploy.build.trtllm import convert as trtllm_convert
 from specdeploy.build.trtllm.engine_build import missing_requirements, plan
@@ -37,8 +39,11 @@ from specdeploy.errors import BuildError, PipelineError
 from specdeploy.package.repository import model_configs
 from specdeploy.package.trtllm_models import tensorrtllm_model
 from specdeploy.spec.pipeline import load_pipeline
+from specdeploy.speculative.eagle_head import default_feature_layers
 
 GPU_EXAMPLES = sorted((REPO / "pipelines" / "gpu").glob("*.yaml"))
+# the examples on TensorRT engines (the others serve through the LLM API, which builds none)
+ENGINE_EXAMPLES = [p for p in GPU_EXAMPLES if load_pipeline(p).backend.settings.line == "engine"]
 
 
 def check_against(table: dict, command: tuple[str, ...]) -> None:
@@ -62,8 +67,8 @@ def table_for(command: tuple[str, ...]) -> dict:
 LLAMA70B = next(p for p in GPU_EXAMPLES if p.stem == "llama70b-draft-target")
 
 
-@pytest.mark.parametrize("path, derive", [(p, None) for p in GPU_EXAMPLES] + [(LLAMA70B, "int8")],
-                         ids=[p.stem for p in GPU_EXAMPLES] + ["llama70b-draft-target-int8"])
+@pytest.mark.parametrize("path, derive", [(p, None) for p in ENGINE_EXAMPLES] + [(LLAMA70B, "int8")],
+                         ids=[p.stem for p in ENGINE_EXAMPLES] + ["llama70b-draft-target-int8"])
 def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive, tmp_path):
     """derive: the example's draft derived as this instead (an int8 draft: TensorRT-LLM's W8A16)."""
     if derive is not None:
@@ -125,8 +130,8 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive
         assert Path(draft_convert["--model_dir"]) == pipeline.resolve(pipeline.target.checkpoint.path)
 
 
-@pytest.mark.parametrize("path", [p for p in GPU_EXAMPLES if "mixtral" not in p.stem],
-                         ids=[p.stem for p in GPU_EXAMPLES if "mixtral" not in p.stem])
+@pytest.mark.parametrize("path", [p for p in ENGINE_EXAMPLES if "mixtral" not in p.stem],
+                         ids=[p.stem for p in ENGINE_EXAMPLES if "mixtral" not in p.stem])
 @pytest.mark.parametrize("precision", ["int4", "int8"])
 def test_a_weight_only_target_is_quantized_by_its_converter(path, precision, tmp_path):
     """target.weight_only reaches the converter that writes the target (ours, or examples/medusa/convert_checkpoint.py
@@ -197,9 +202,14 @@ def test_dry_run_prints_the_plan_and_a_torch_pipeline_refuses_it(tmp_path, tiny_
     ({"backend": {"kind": "trtllm", "trtllm": {"enable_kv_cache_reuse": False}}},
      "backend.trtllm.enable_kv_cache_reuse"),
     ({"speculation": {"num_draft_tokens": 9}}, "speculation.num_draft_tokens"),  # above the engine's max_draft_len
+    # the engine line's EAGLE reads EAGLE-1 drafts only (examples/eagle/convert_checkpoint.py)
+    ({"speculation": {"method": "eagle", "eagle": {"head": "h", "top_k": 1}}}, "backend.trtllm.line"),
+    # the LLM API's EAGLE-3 drafts one chain (its draft trees are flagged as under development in 1.2)
+    ({"speculation": {"method": "eagle", "eagle": {"head": "h"}},
+      "backend": {"kind": "trtllm", "trtllm": {"line": "llm_api"}}}, "speculation.eagle.top_k"),
 ], ids=["medusa-on-moe", "medusa-on-llm-api", "draft-target-via-llm-api-on-engines", "int4-draft-on-llm-api",
         "moe-product", "moe-ep-divides-tp", "trtllm-section-on-torch", "kv-fraction", "kv-fraction-1",
-        "target-without-kv-reuse", "above-max-draft-len"])
+        "target-without-kv-reuse", "above-max-draft-len", "eagle3-on-engines", "eagle3-tree-on-llm-api"])
 def test_invalid_trtllm_combinations_fail_at_validation_naming_the_key(tmp_path, tiny_checkpoints, changes, key):
     path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], **changes)
     with pytest.raises(PipelineError, match=rf"{key.replace('.', chr(92) + '.')}: "):
@@ -274,6 +284,84 @@ def test_the_llm_api_line_writes_speculative_config(tmp_path, tiny_checkpoints):
         "decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 4}  # ngram.max_n
 
 
+def eagle_pipeline(tmp_path: Path, target: Path, head: Path, **eagle) -> Path:
+    """A tiny EAGLE-3 pipeline on the llm_api line: a chain of 3 drafted tokens."""
+    return trtllm_pipeline(tmp_path, target, "e", speculation={
+        "method": "eagle", "num_draft_tokens": 3, "eagle": {"head": str(head), "top_k": 1, "max_nodes": 3, **eagle}},
+        backend={"kind": "trtllm", "trtllm": {"line": "llm_api"}})
+
+
+def test_the_llm_api_line_writes_eagle3_as_upstream_reads_it(tmp_path):
+    """speculative_config for an EAGLE-3 head, read by the double of the LLM API (tests/trtllm_double/
+    llmapi_speculative.py): EAGLE-3 on the two-model path, which samples at any temperature; the chain the torch
+    flavour drafts; the layers the head was trained on, as TensorRT-LLM numbers them."""
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0, num_hidden_layers=8)
+    head = save_tiny_eagle_head(tmp_path / "head", feature_layers=(2, 3, 5))
+    pipeline = load_pipeline(eagle_pipeline(tmp_path, target, head, max_nodes=2))
+    config = llm_api_config(pipeline, tmp_path / "trtllm")
+    assert config["model"] == str(target) and config["backend"] == "pytorch"
+    speculative = config["speculative_config"]
+    assert speculative == {"decoding_type": "Eagle", "max_draft_len": 2,  # the chain cut at max_nodes
+                           "speculative_model_dir": str(head), "eagle3_one_model": False,
+                           "eagle3_layers_to_capture": [1, 2, 4]}
+    setup = eagle_setup(speculative, target_layers=8)
+    assert setup.mode == "EAGLE3" and setup.samples_at_temperature and setup.draft_dir == head
+    assert setup.max_draft_len == setup.max_total_draft_tokens == 2  # a chain
+    # each captured output is the hidden state entering the next layer, which is what the head's ids name
+    assert [layer + 1 for layer in setup.layers_to_capture] == [2, 3, 5]
+    steps, _ = plan(pipeline, tmp_path / "engines")
+    assert [s.action for s in steps] == ["write llm_api.yaml"]  # the LLM reads both folders where they are
+
+    # A head that names no layers: both ecosystems' defaults, which agree (vLLM's ids are TensorRT-LLM's plus one)
+    bare = save_tiny_eagle_head(tmp_path / "bare", feature_layers=None)
+    speculative = llm_api_config(load_pipeline(eagle_pipeline(tmp_path, target, bare)), tmp_path)["speculative_config"]
+    assert "eagle3_layers_to_capture" not in speculative and speculative["max_draft_len"] == 3
+    assert [layer + 1 for layer in eagle_setup(speculative, target_layers=8).layers_to_capture] == list(
+        default_feature_layers(8))
+
+
+def test_eagle_heads_upstream_cannot_capture_are_refused_naming_the_key(tmp_path):
+    target = save_tiny_checkpoint(tmp_path / "target", seed=0, num_hidden_layers=6)
+    for layers, words in (((0, 2, 5), "captures the embedding"), ((2, 2, 5), "names a layer twice")):
+        head = save_tiny_eagle_head(tmp_path / f"head{layers[0]}{layers[1]}", feature_layers=layers)
+        with pytest.raises(BuildError, match=f"speculation.eagle.head: .*{words}"):
+            llm_api_config(load_pipeline(eagle_pipeline(tmp_path, target, head)), tmp_path)
+    with pytest.raises(BuildError, match="speculation.eagle.head: cannot read"):
+        llm_api_config(load_pipeline(eagle_pipeline(tmp_path, target, tmp_path / "nothing")), tmp_path)
+    example = load_pipeline(next(p for p in GPU_EXAMPLES if p.stem == "llama8b-eagle3"))
+    assert example.backend.settings.line == "llm_api" and example.speculation.eagle.top_k == 1
+    steps, notes = plan(example, tmp_path / "engines")  # planned anywhere; its folders are not on this machine
+    assert [s.action for s in steps] == ["write llm_api.yaml"] and any("not checked" in n for n in notes)
+    assert example.speculation.eagle.max_nodes >= example.speculation.num_draft_tokens  # an uncut chain
+
+
+def test_the_llm_api_double_refuses_as_upstream(tmp_path):
+    """What TensorRT-LLM's EagleDecodingConfig refuses, and the one-model default that would decode a sampled
+    request greedily (the reason the plan writes eagle3_one_model false)."""
+    head = save_tiny_eagle_head(tmp_path / "head")
+    good = {"decoding_type": "Eagle", "max_draft_len": 3, "speculative_model_dir": str(head)}
+    assert eagle_setup(good, 6).mode == "EAGLE3_ONE_MODEL" and not eagle_setup(good, 6).samples_at_temperature
+    assert eagle_setup({**good, "allow_advanced_sampling": True}, 6).samples_at_temperature
+    # the subclass's tag, and the field under its own name rather than its alias
+    assert eagle_setup({"decoding_type": "Eagle3", "max_draft_len": 3, "speculative_model": str(head)}, 6).draft_dir \
+        == head
+    for changes, message in (
+            ({"max_draft_len": 0}, "max_draft_len must be > 0 for Eagle"),
+            ({"top_k": 4}, "top_k: Extra inputs are not permitted"),
+            ({"speculative_model_dir": None}, "Draft model must be provided for EAGLE"),
+            ({"eagle_choices": [[0], [0, 0]], "use_dynamic_tree": True}, "use_dynamic_tree should be False"),
+            ({"use_dynamic_tree": True}, "dynamic_tree_max_topK should be provided"),
+            ({"decoding_type": "Medusa"}, "not an EAGLE tag"),
+            ({"speculative_model_dir": str(tmp_path)}, "loaded from its config.json and weights")):
+        config = {key: value for key, value in {**good, **changes}.items() if value is not None}
+        with pytest.raises(ValueError, match=message):
+            eagle_setup(config, 6)
+    with pytest.raises(ValueError, match="'Eagle3' is only supported on the PyTorch backend"):
+        eagle_setup({**good, "decoding_type": "Eagle3"}, 6, backend="tensorrt")
+    tree = eagle_setup({**good, "use_dynamic_tree": True, "dynamic_tree_max_topK": 4, "max_total_draft_tokens": 10}, 6)
+    assert tree.max_total_draft_tokens == 10
+
+
 def fake_tensorrt_llm(calls: list) -> dict[str, types.ModuleType]:
     """A test double of the TensorRT-LLM Python API the converter calls, with upstream's signatures
     (tensorrt_llm/mapping.py: Mapping's parallel sizes are keyword-only; models/llama/model.py: from_hugging_face;
@@ -335,7 +423,7 @@ def parse_choices(text: str) -> list[list[int]]:
     return [[int(v) for v in group.split(",") if v.strip()] for group in re.findall(r"\{([^}]*)\}", text)]
 
 
-@pytest.mark.parametrize("path", GPU_EXAMPLES, ids=[p.stem for p in GPU_EXAMPLES])
+@pytest.mark.parametrize("path", ENGINE_EXAMPLES, ids=[p.stem for p in ENGINE_EXAMPLES])
 def test_tensorrtllm_model_configs_use_the_upstream_template_keys(path):
     pipeline = load_pipeline(path)
     target = tensorrtllm_model("tensorrt_llm", pipeline, "/engines/target")

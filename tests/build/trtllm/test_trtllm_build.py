@@ -15,11 +15,13 @@ from google.protobuf import json_format, text_format
 from helpers.cli import run_cli
 from helpers.pipelines import trtllm_pipeline
 from helpers.repo import REPO
+from helpers.tiny_models import save_tiny_eagle_head
 from transformers import MixtralForCausalLM
 from tritonclient.grpc import model_config_pb2 as pb
+from trtllm_double.llmapi_speculative import eagle_setup
 
 from specdeploy.build.trtllm import engine_build as trtllm
-from specdeploy.build.trtllm.upstream import LLMAPI_INPUTS, LLMAPI_MODEL_CODE
+from specdeploy.build.trtllm.upstream import LLMAPI_IMAGE_MODEL_CODE, LLMAPI_INPUTS, LLMAPI_MODEL_CODE
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.speculative.medusa import MedusaHeads
 
@@ -174,6 +176,51 @@ def test_the_llm_api_line_writes_its_configuration_with_the_final_paths(double, 
     check_upstream_auto_complete(triton_config, model_yaml["triton_config"])
     assert {t.name: (pb.DataType.Name(t.data_type), list(t.dims)) for t in triton_config.input} == {
         name: (kind, dims) for name, (kind, dims) in LLMAPI_INPUTS.items()}
+
+
+def test_an_eagle3_pipeline_builds_and_packages_on_the_llm_api_line(double, tmp_path, tiny_checkpoints):
+    """An EAGLE-3 head is read where it is at build and copied beside the target into the LLM-API model, whose
+    model.yaml names it where the server sees it; the LLM API's double (tests/trtllm_double/llmapi_speculative.py)
+    accepts that speculative_config over the packaged folder. The model code comes from the pinned image's /app as
+    well as from a checkout."""
+    head = save_tiny_eagle_head(tmp_path / "head", feature_layers=(1, 2, 3))
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={
+        "method": "eagle", "num_draft_tokens": 3, "eagle": {"head": str(head), "top_k": 1, "max_nodes": 3}},
+        backend={"kind": "trtllm", "trtllm": {"line": "llm_api"}})
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 0, result.stderr
+    root = engines / "t" / "trtllm"
+    config = yaml.safe_load((root / "llm_api.yaml").read_text())
+    assert Path(config["speculative_config"]["speculative_model_dir"]) == head and not (root / "hf").exists()
+    again = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert again.returncode == 0 and "up to date" in again.stdout
+    head_config = json.loads((head / "config.json").read_text())
+    head_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2]  # what TensorRT-LLM cannot load
+    (head / "config.json").write_text(json.dumps(head_config))
+    changed = run_cli("build", str(path), "--engines-dir", str(engines))  # the head is an input of the build
+    assert changed.returncode == 2 and "speculation.eagle.head" in changed.stderr
+    head_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    (head / "config.json").write_text(json.dumps(head_config))
+    assert "up to date" not in run_cli("build", str(path), "--engines-dir", str(engines)).stdout
+
+    app = tmp_path / "app"  # the image's layout: /app/all_models is the checkout's triton_backend/all_models
+    code = app / LLMAPI_IMAGE_MODEL_CODE
+    code.mkdir(parents=True)
+    for name in ("model.py", "helpers.py"):
+        (code / name).write_text(f"# upstream {name}\n")
+    repository = tmp_path / "repository"
+    result = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
+                     "--trtllm-source", str(app))
+    assert result.returncode == 0, result.stderr
+    version = repository / "tensorrt_llm" / "1"
+    assert (version / "model.py").read_text() == "# upstream model.py\n"
+    speculative = yaml.safe_load((version / "model.yaml").read_text())["speculative_config"]
+    assert speculative["speculative_model_dir"] == str(version.resolve() / "hf" / "eagle")
+    assert sorted(p.name for p in (version / "hf" / "eagle").iterdir()) == ["config.json", "model.safetensors"]
+    assert speculative["eagle3_layers_to_capture"] == [0, 1, 2] and speculative["eagle3_one_model"] is False
+    setup = eagle_setup(speculative, target_layers=2)
+    assert setup.mode == "EAGLE3" and setup.samples_at_temperature and setup.max_draft_len == 3
 
 
 def check_upstream_auto_complete(config: pb.ModelConfig, triton_config: dict) -> None:
