@@ -97,10 +97,7 @@ class EagleConfig:
         """From config.json (a head trained here or a published one). target_layers: for vLLM's default capture
         when the file names none."""
         try:
-            layers = data.get("eagle_aux_hidden_state_layer_ids")  # layer inputs (vLLM v0.34)
-            outputs = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-            if layers is None and outputs is not None:  # layer outputs (SGLang, SpecForge): inputs of the next
-                layers = [layer + 1 for layer in outputs]
+            layers = named_feature_layers(data)
             if layers is None:
                 if target_layers is None:
                     raise SpecdeployError(f"{source}: names no target layers to read, and the target's depth is "
@@ -121,6 +118,16 @@ class EagleConfig:
                                target_num_layers=target_layers)
         except KeyError as exc:
             raise SpecdeployError(f"{source}: not an EAGLE-3 config, {exc.args[0]!r} is missing") from None
+
+
+def named_feature_layers(data: dict) -> list[int] | None:
+    """The target layers whose input hidden states a head's config.json names (the module docstring: vLLM v0.34's
+    top-level key names inputs, SGLang's eagle_config key names outputs), or None when it names none."""
+    layers = data.get("eagle_aux_hidden_state_layer_ids")
+    if layers is not None:
+        return list(layers)
+    outputs = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    return None if outputs is None else [layer + 1 for layer in outputs]
 
 
 # Tensor name → shape, from the config (what `from_state` checks a file against).

@@ -68,7 +68,7 @@ def tiny_moe_layer(device: str = "cpu"):
 
 def save_tiny_eagle_head(directory: Path, feature_layers: tuple[int, ...] | None = (1, 2, 3), seed: int = 0) -> Path:
     """A random EAGLE-3 head for a TINY-sized target (a draft vocabulary of 32 tokens) in the folder layout
-    speculation.eagle.head names; feature_layers None leaves eagle_config out of config.json (the loaders' default
+    speculation.eagle.head names; feature_layers None names no layers in config.json (the loaders' default
     capture then applies)."""
     import json
 
@@ -82,6 +82,6 @@ def save_tiny_eagle_head(directory: Path, feature_layers: tuple[int, ...] | None
     Eagle3Head(config).save(directory)
     if feature_layers is None:
         data = json.loads((directory / "config.json").read_text())
-        del data["eagle_config"]
+        data.pop("eagle_aux_hidden_state_layer_ids", None)
         (directory / "config.json").write_text(json.dumps(data, indent=2) + "\n")
     return directory

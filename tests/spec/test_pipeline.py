@@ -267,7 +267,8 @@ def test_unknown_method(tmp_path: Path):
     ("speculation.schedule", minimal(speculation={"schedule": "dynamic"}), "'dynamic'",
      "'constant', 'heuristic'"),
     ("backend.kind", minimal(backend={"kind": "vllm"}), "'vllm'", "'torch', 'trtllm'"),
-    ("speculation.method", minimal(speculation={"method": None}), "None", "'draft_target', 'ngram', 'medusa', 'eagle', 'none'"),
+    ("speculation.method", minimal(speculation={"method": None}), "None",
+     "'draft_target', 'ngram', 'medusa', 'eagle', 'none'"),
 ], ids=["dtype", "source", "acceptance", "derive", "schedule", "backend", "method-null"])
 def test_literal_not_allowed(tmp_path: Path, key_path: str, data: dict, bad: str, allowed: str):
     load_error(write(tmp_path, data), key_path, bad, "not allowed", allowed)

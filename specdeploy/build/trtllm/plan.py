@@ -26,6 +26,7 @@ from pathlib import Path
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
 from specdeploy.spec.pipeline import DraftSpec, PipelineSpec, TrtllmSpec
+from specdeploy.speculative.eagle_head import named_feature_layers
 
 TRTLLM_VERSION = "1.2.1"
 TRITON_IMAGE = "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3"  # the first NGC image carrying 1.2.1
@@ -276,17 +277,17 @@ def eagle_speculative_config(pipeline: PipelineSpec, head: Path) -> dict:
 
 def captured_layers(head: Path) -> list[int] | None:
     """The target layers whose outputs an EAGLE-3 head reads, as TensorRT-LLM numbers them, or None when its
-    config.json names none (then both ecosystems' defaults agree). The head's config names, as vLLM and SGLang do,
-    the hidden state entering layer i (eagle_config.eagle_aux_hidden_state_layer_ids, speculative/eagle_head.py);
-    TensorRT-LLM's eagle3_layers_to_capture names the layer whose output it captures (maybe_capture_hidden_states
-    after the layer's MLP), so i becomes i - 1: its default {1, L//2 - 1, L - 4} is vLLM's (2, L//2, L - 3)."""
+    config.json names none (then both ecosystems' defaults agree). The layers a config names are read as
+    speculative/eagle_head.named_feature_layers reads them, as the hidden state entering layer i; TensorRT-LLM's
+    eagle3_layers_to_capture names the layer whose output it captures (maybe_capture_hidden_states after the
+    layer's MLP), so i becomes i - 1: its default {1, L//2 - 1, L - 4} is vLLM's (2, L//2, L - 3)."""
     config_file = head / "config.json"
     try:
         data = json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise BuildError(f"speculation.eagle.head: cannot read {config_file} ({exc}); the LLM API reads the head "
                          f"folder's config.json and model.safetensors") from None
-    layers = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    layers = named_feature_layers(data)
     if layers is None:
         return None
     if len(layers) != 3:

@@ -196,11 +196,11 @@ def test_an_eagle3_pipeline_builds_and_packages_on_the_llm_api_line(double, tmp_
     again = run_cli("build", str(path), "--engines-dir", str(engines))
     assert again.returncode == 0 and "up to date" in again.stdout
     head_config = json.loads((head / "config.json").read_text())
-    head_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2]  # what TensorRT-LLM cannot load
+    head_config["eagle_aux_hidden_state_layer_ids"] = [1, 2]  # what TensorRT-LLM cannot load
     (head / "config.json").write_text(json.dumps(head_config))
     changed = run_cli("build", str(path), "--engines-dir", str(engines))  # the head is an input of the build
     assert changed.returncode == 2 and "speculation.eagle.head" in changed.stderr
-    head_config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
+    head_config["eagle_aux_hidden_state_layer_ids"] = [1, 2, 3]
     (head / "config.json").write_text(json.dumps(head_config))
     assert "up to date" not in run_cli("build", str(path), "--engines-dir", str(engines)).stdout
 
