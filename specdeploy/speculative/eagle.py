@@ -55,8 +55,8 @@ class EagleProposer(Proposer):
     @classmethod
     def from_engine(cls, parts: EngineParts) -> EagleProposer:
         target, spec = parts.target, parts.pipeline.speculation
-        head = Eagle3Head.load(parts.directory / EAGLE_DIR, target.config.num_layers).to(parts.device, target.dtype)
-        head.requires_grad_(False)
+        head = Eagle3Head.load(parts.directory / EAGLE_DIR, target.config.num_layers).to(parts.device)
+        head.for_drafting(target.dtype)
         target.feature_layers = head.config.feature_layers
         return cls(head, target.embed, spec.num_draft_tokens, spec.eagle.top_k, spec.eagle.max_nodes,
                    parts.cache.batch_size, parts.cache.max_length, target.dtype, parts.device)

@@ -175,6 +175,7 @@ class Eagle3Head(nn.Module):
             self.weights[name.replace(".", "__")] = nn.Parameter(value)
         d2t = tensors["d2t"] if tensors is not None else torch.zeros(config.draft_vocab_size, dtype=torch.long)
         self.register_buffer("d2t", d2t.long().clone())
+        self.fused: nn.ModuleDict | None = None  # for_drafting's fused matrices
         self.register_buffer("rotations", _rotary(config, config.max_position_embeddings), persistent=False)
 
     def cover_positions(self, length: int) -> None:
@@ -184,6 +185,29 @@ class Eagle3Head(nn.Module):
 
     def w(self, name: str) -> torch.Tensor:
         return self.weights[name.replace(".", "__")]
+
+    def for_drafting(self, dtype: torch.dtype) -> Eagle3Head:
+        """Frozen in `dtype`, with the drafting forward's matrices fused (q, k and v; gate and up) and, for bf16 on a
+        CPU, prepacked for oneDNN as the target's are (models/llama.DenseLinear): a drafting step is a few one-row
+        matmuls, where launch counts and packing matter."""
+        from specdeploy.models.llama import DenseLinear
+
+        self.to(dtype).requires_grad_(False)
+        groups = {"fc": ["fc"], "qkv": ["midlayer.self_attn.q_proj", "midlayer.self_attn.k_proj",
+                                        "midlayer.self_attn.v_proj"],
+                  "o": ["midlayer.self_attn.o_proj"], "gate_up": ["midlayer.mlp.gate_proj", "midlayer.mlp.up_proj"],
+                  "down": ["midlayer.mlp.down_proj"], "lm_head": ["lm_head"]}
+        self.fused = nn.ModuleDict({key: DenseLinear(torch.cat([self.w(f"{name}.weight") for name in names]).detach())
+                                    for key, names in groups.items()})
+        for linear in self.fused.values():
+            linear.prepack()
+        return self
+
+    def linear(self, key: str, names: list[str], x: torch.Tensor) -> torch.Tensor:
+        """x through the matrices `names` side by side: the fused drafting copy `key` when there is one."""
+        if self.fused is not None:
+            return self.fused[key].forward(x)
+        return torch.cat([F.linear(x, self.w(f"{name}.weight").to(x.dtype)) for name in names], dim=-1)
 
     @property
     def draft_to_target(self) -> torch.Tensor:
@@ -199,7 +223,7 @@ class Eagle3Head(nn.Module):
 
     def fuse_features(self, features: torch.Tensor) -> torch.Tensor:
         """features: [..., 3H], the target's three captured hidden states → [..., H]."""
-        return F.linear(features, self.w("fc.weight").to(features.dtype))
+        return self.linear("fc", ["fc"], features)
 
     def project(self, embeds: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor) -> Projected:
         """embeds: [B, T, H] (the next tokens' target embeddings); hidden: [B, T, H] (fused features, or the
@@ -209,12 +233,9 @@ class Eagle3Head(nn.Module):
                        self.norm(hidden, "midlayer.hidden_norm.weight")], dim=-1)
         batch, length, _ = x.shape
         dtype = x.dtype
-        q = F.linear(x, self.w("midlayer.self_attn.q_proj.weight").to(dtype)).view(batch, length, c.num_heads,
-                                                                                     c.head_dim)
-        k = F.linear(x, self.w("midlayer.self_attn.k_proj.weight").to(dtype)).view(batch, length, c.num_kv_heads,
-                                                                                     c.head_dim)
-        v = F.linear(x, self.w("midlayer.self_attn.v_proj.weight").to(dtype)).view(batch, length, c.num_kv_heads,
-                                                                                     c.head_dim)
+        qkv = self.linear("qkv", [f"midlayer.self_attn.{n}_proj" for n in "qkv"], x)
+        qkv = qkv.view(batch, length, c.num_heads + 2 * c.num_kv_heads, c.head_dim)
+        q, k, v = qkv.split([c.num_heads, c.num_kv_heads, c.num_kv_heads], dim=2)
         cos, sin = self.rotations[:, positions, None].to(dtype)  # [B, T, 1, D] each
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
@@ -222,26 +243,20 @@ class Eagle3Head(nn.Module):
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """q: [B, T, heads, D]; keys, values: [B, kv_heads, S, D]; mask: [B, T, S] bool → [B, T, heads * D]."""
-        c = self.config
-        group = c.num_heads // c.num_kv_heads
-        keys = keys.repeat_interleave(group, dim=1)
-        values = values.repeat_interleave(group, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None])
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys, values, attn_mask=mask[:, None], enable_gqa=True)
         return out.transpose(1, 2).flatten(2)
 
     def finish(self, attended: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """attended: [B, T, heads * D] → (normed [B, T, H] for `logits`, prenorm [B, T, H] for the next step)."""
-        dtype = attended.dtype
-        x = residual + F.linear(attended, self.w("midlayer.self_attn.o_proj.weight").to(dtype))
+        x = residual + self.linear("o", ["midlayer.self_attn.o_proj"], attended)
         h = self.norm(x, "midlayer.post_attention_layernorm.weight")
-        gate = F.linear(h, self.w("midlayer.mlp.gate_proj.weight").to(dtype))
-        up = F.linear(h, self.w("midlayer.mlp.up_proj.weight").to(dtype))
-        x = x + F.linear(F.silu(gate) * up, self.w("midlayer.mlp.down_proj.weight").to(dtype))
+        gate, up = self.linear("gate_up", ["midlayer.mlp.gate_proj", "midlayer.mlp.up_proj"], h).chunk(2, dim=-1)
+        x = x + self.linear("down", ["midlayer.mlp.down_proj"], F.silu(gate) * up)
         return self.norm(x, "norm.weight"), x
 
     def logits(self, normed: torch.Tensor) -> torch.Tensor:
         """normed: [..., H] → fp32 logits over the draft vocabulary [..., draft_vocab]."""
-        return F.linear(normed, self.w("lm_head.weight").to(normed.dtype)).float()
+        return self.linear("lm_head", ["lm_head"], normed).float()
 
     # ---- files ---------------------------------------------------------------------------------------------
     def state(self, dtype: torch.dtype = torch.bfloat16) -> dict[str, torch.Tensor]:

@@ -89,14 +89,14 @@ def padded_batch(samples: list[Sample]) -> dict[str, torch.Tensor]:
 
 def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], embed: torch.Tensor, draft_rows: torch.Tensor,
                 steps: int) -> tuple[torch.Tensor, list[dict[str, float]]]:
-    """The weighted loss over `steps` training-time-test steps, and per step: loss, top-1 agreement with the
-    target's token and the count of positions (a dict per step). draft_rows: the target LM head's rows of the draft
+    """The weighted loss over `steps` training-time-test steps, and per step: loss, how often the head's top token
+    is the target's own (the answer's next token) and the count of positions (a dict per step). draft_rows: the target LM head's rows of the draft
     vocabulary [Vd, H]; embed: the target's embedding table [V, H]."""
     tokens, answer = batch["tokens"], batch["answer"]
     b, length = tokens.shape
     with torch.no_grad():  # the target's distributions over the draft vocabulary at every position, [b, L, Vd]
         target_p = F.linear(batch["final"].float(), draft_rows.float()).softmax(-1)
-        target_top = target_p.argmax(-1)
+    draft_to_target = head.draft_to_target
     index = torch.arange(length)
     causal = index[None, :] <= index[:, None]  # [L, L]
     hidden = head.fuse_features(batch["features"].float())  # [b, L, H]
@@ -134,8 +134,11 @@ def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], embed: torch.T
         count = int(valid.sum())
         loss = (per_position * valid).sum() / max(count, 1)
         total = total + STEP_WEIGHT ** step * loss
+        # agreement with the token the target chose (its greedy answer): a token outside the draft vocabulary is a
+        # miss, as it is when drafting
         agree = torch.zeros(b, length, dtype=torch.bool)
-        agree[:, :length - shift] = logits.argmax(-1)[:, :length - shift] == target_top[:, shift:]
+        drafted = draft_to_target[logits.argmax(-1)[:, :length - shift - 1]]
+        agree[:, :length - shift - 1] = drafted == tokens[:, shift + 1:]
         report.append({"loss": float(loss.detach()), "top1": float((agree & valid).sum()) / max(count, 1),
                        "positions": count})
         hidden = prenorm
