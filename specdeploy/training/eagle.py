@@ -90,8 +90,8 @@ def padded_batch(samples: list[Sample]) -> dict[str, torch.Tensor]:
 def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], embed: torch.Tensor, draft_rows: torch.Tensor,
                 steps: int) -> tuple[torch.Tensor, list[dict[str, float]]]:
     """The weighted loss over `steps` training-time-test steps, and per step: loss, how often the head's top token
-    is the target's own (the answer's next token) and the count of positions (a dict per step). draft_rows: the target LM head's rows of the draft
-    vocabulary [Vd, H]; embed: the target's embedding table [V, H]."""
+    is the target's own (the answer's next token) and the count of positions (a dict per step). draft_rows: the
+    target LM head's rows of the draft vocabulary [Vd, H]; embed: the target's embedding table [V, H]."""
     tokens, answer = batch["tokens"], batch["answer"]
     b, length = tokens.shape
     with torch.no_grad():  # the target's distributions over the draft vocabulary at every position, [b, L, Vd]
