@@ -130,7 +130,9 @@ class Engine:
         if torch.device(self.device).type == "cuda":
             # the thread that loads the engine runs its steps (a Triton instance's scheduler thread): its current
             # GPU must be the engine's, or streams, events and contexts land on GPU 0
-            torch.cuda.set_device(torch.device(self.device))
+            chosen = torch.device(self.device)
+            if chosen.index is not None:  # plain "cuda" is the current GPU already (torch 2.11 refuses it here)
+                torch.cuda.set_device(chosen)
         compiles = self.pipeline.backend.compiles
         if compiles:
             check_compilable(self.device)

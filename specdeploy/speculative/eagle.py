@@ -146,7 +146,12 @@ class EagleProposer(Proposer):
         """Each row's tree: its max_nodes candidates of highest path probability within gamma levels (one host
         read of every candidate). tokens, paths, parents: [B, C] over the candidates, depth by depth."""
         k = self.top_k
-        host_tokens, host_paths, host_parents = (t.tolist() for t in (tokens, paths, parents))
+        # one host read of all three (ids below 2^53 are exact in float64)
+        width = tokens.shape[1]
+        read = torch.cat([tokens.double(), paths.double(), parents.double()], dim=1).tolist()
+        host_tokens = [[int(x) for x in row[:width]] for row in read]
+        host_paths = [row[width:2 * width] for row in read]
+        host_parents = [[int(x) for x in row[2 * width:]] for row in read]
         depth_of = [1] * k + [level + 2 for level in range((tokens.shape[1] - k) // (k * k)) for _ in range(k * k)]
         rows_tokens, rows_parents = [], []
         for row, gamma in enumerate(gammas):

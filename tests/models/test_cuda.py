@@ -61,6 +61,69 @@ def test_one_host_sync_per_decode_step(gpu_engines, kind):
         torch.cuda.set_sync_debug_mode(previous)
 
 
+@pytest.fixture(scope="module")
+def gpu_eagle(tiny_checkpoints, tiny_engines, tmp_path_factory) -> Engine:
+    """The tiny target with a tiny trained EAGLE-3 head (tests/helpers/eagle_heads.py), on the GPU."""
+    from helpers.eagle_heads import trained_tiny_head
+    from helpers.pipelines import write_pipeline
+
+    from specdeploy.build.torch_engine import build
+    from specdeploy.spec.pipeline import load_pipeline
+
+    root = tmp_path_factory.mktemp("gpu-eagle")
+    trained_tiny_head(tiny_engines["ngram"], root / "head")
+    path = write_pipeline(root / "eagle.yaml", name="tiny-eagle-gpu",
+                          target={"checkpoint": {"source": "hf_dir", "path": str(tiny_checkpoints["target"])},
+                                  "dtype": "float32"},
+                          speculation={"method": "eagle", "num_draft_tokens": 3,
+                                       "eagle": {"head": str(root / "head"), "top_k": 3, "max_nodes": 8}},
+                          limits={"max_batch_size": 4, "max_input_length": 64, "max_sequence_length": 256,
+                                  "max_draft_tokens": 12})
+    return Engine(build(load_pipeline(path), root / "engines", quiet=True).directory, device="cuda", batch_size=4)
+
+
+def test_greedy_eagle_on_the_gpu_equals_plain_decode(gpu_eagle):
+    assert gpu_eagle.proposer.head.w("fc.weight").device.type == "cuda"
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = gpu_eagle.start(GenerationRequest(prompt, 40, SamplingParams(), 0, end_id=NO_END_ID)).run()
+        generation = gpu_eagle.start(GenerationRequest(prompt, 40, SamplingParams(), end_id=NO_END_ID))
+        assert generation.run() == plain
+        accepted += generation.stats.accepted
+    assert accepted > 0
+
+
+def test_an_eagle_step_syncs_once_more_than_a_plain_step(gpu_eagle):
+    """EAGLE reads its grown trees to the host once (their shapes decide the verify's mask): one host sync more than
+    the same batch's plain step (counted against it, so the runtime's own syncs, which vary between torch releases,
+    cancel), for greedy, sampled and penalised rows together."""
+    from specdeploy.spec.pipeline import PolicySpec
+
+    requests = [GenerationRequest(PROMPTS[0], 40, SamplingParams(), 3, end_id=NO_END_ID),
+                GenerationRequest(PROMPTS[1], 40, SamplingParams(temperature=0.8, top_k=20, seed=1), 2,
+                                  end_id=NO_END_ID),
+                GenerationRequest(PROMPTS[2], 40, SamplingParams(repetition_penalty=1.3), 3, end_id=NO_END_ID)]
+    sequences = [gpu_eagle.new_sequence(request) for request in requests]
+    for row, sequence in enumerate(sequences):
+        gpu_eagle.decoder.prefill(sequence, row)
+    plain = PolicySpec(full_up_to=0, off_above=0)  # a batch of three drafts nothing
+    for policy in (None, plain):
+        gpu_eagle.decoder.step(sequences, policy)  # warm-up
+    torch.cuda.synchronize()
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("warn")
+    counts = {}
+    try:
+        for name, policy in (("eagle", None), ("plain", plain)):
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                gpu_eagle.decoder.step(sequences, policy)
+            counts[name] = sum("synchroniz" in str(w.message) for w in caught)
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+    assert counts["eagle"] == counts["plain"] + 1, counts
+
+
 def test_the_gpu_int4_kernel_matches_the_dequantized_weights():
     from specdeploy.models.quantize import Int4Linear, dequantize_int4, quantize_int4
 
