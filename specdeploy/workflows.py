@@ -255,6 +255,38 @@ def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: b
                             seconds=seconds, plain_tokens_per_s=plain_rate)
 
 
+class Distillation(NamedTuple):
+    """What train-medusa and train-eagle start from: the target's own engine, the prompts split into training and
+    held-out ones, and the target's greedy answer to each (prompt text → ids)."""
+
+    pipeline: PipelineSpec
+    engine_dir: Path
+    train_prompts: list[str]
+    held_out: list[str]
+    answers: dict[str, list[int]]
+    answers_seconds: float
+
+
+def distillation_answers(pipeline_path: str | Path, engines_dir: Path, work_dir: Path, prompts: int,
+                         max_tokens: int, console) -> Distillation:
+    """Build the pipeline's target alone, under its own name (the heads do not exist yet, so the pipeline's own
+    engine cannot be built), and have it answer the training prompts, cached in work_dir/answers.jsonl."""
+    from specdeploy.bench.prompts import load_prompts
+    from specdeploy.spec.pipeline import SpeculationSpec
+    from specdeploy.training.medusa import generate_answers
+    from specdeploy.training.prompts import training_prompts
+
+    started = time.perf_counter()
+    pipeline = load_pipeline(pipeline_path)
+    target_only = dataclasses.replace(pipeline, name=f"{pipeline.name}-target", speculation=SpeculationSpec())
+    engine_dir = build(target_only, engines_dir).directory
+    work_dir.mkdir(parents=True, exist_ok=True)
+    train_prompts, held_out = training_prompts(prompts, exclude=[p["prompt"] for p in load_prompts()])
+    answers = generate_answers(engine_dir, train_prompts + held_out, max_tokens, work_dir / "answers.jsonl",
+                               pipeline.limits.max_batch_size, console)
+    return Distillation(pipeline, engine_dir, train_prompts, held_out, answers, time.perf_counter() - started)
+
+
 def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
                 options: EagleTrainingOptions = EagleTrainingOptions(), console=None) -> dict:
     """Self-distil an EAGLE-3 head for the pipeline's target (training-time test over num_draft_tokens steps) and
@@ -263,28 +295,18 @@ def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
     import torch
     from rich.console import Console
 
-    from specdeploy.bench.prompts import load_prompts
     from specdeploy.models.registry import load_projection
-    from specdeploy.spec.pipeline import SpeculationSpec
     from specdeploy.speculative.eagle_head import REPORT_FILE, Eagle3Head, EagleConfig, default_feature_layers
     from specdeploy.training import eagle as training
-    from specdeploy.training.medusa import generate_answers, progress_bar
-    from specdeploy.training.prompts import training_prompts
+    from specdeploy.training.medusa import progress_bar
 
     console = console or Console()
     started = time.perf_counter()
     torch.manual_seed(options.seed)
-    pipeline = load_pipeline(pipeline_path)
-    steps = pipeline.speculation.num_draft_tokens
-    # The target alone, under its own name: the head does not exist yet, so the EAGLE engine cannot be built.
-    target_only = dataclasses.replace(pipeline, name=f"{pipeline.name}-target", speculation=SpeculationSpec())
-    engine_dir = build(target_only, engines_dir).directory
     work_dir = options.work_dir
-    work_dir.mkdir(parents=True, exist_ok=True)
-    train_prompts, held_out = training_prompts(options.prompts, exclude=[p["prompt"] for p in load_prompts()])
-    answers = generate_answers(engine_dir, train_prompts + held_out, options.max_tokens, work_dir / "answers.jsonl",
-                               pipeline.limits.max_batch_size, console)
-    generated = time.perf_counter()
+    pipeline, engine_dir, train_prompts, held_out, answers, answers_seconds = distillation_answers(
+        pipeline_path, engines_dir, work_dir, options.prompts, options.max_tokens, console)
+    steps = pipeline.speculation.num_draft_tokens
     engine = Engine(engine_dir, method="none")
     target, config = engine.target, engine.target.config
     layers = default_feature_layers(config.num_layers)
@@ -326,7 +348,7 @@ def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
               "prompts": {"train": len(train_prompts), "held_out": len(held_out)},
               "max_tokens": options.max_tokens, "lr": options.lr, "batch_size": options.batch_size,
               "seed": options.seed, "python": platform.python_version(),
-              "seconds": {"answers": round(generated - started), "total": round(time.perf_counter() - started)}}
+              "seconds": {"answers": round(answers_seconds), "total": round(time.perf_counter() - started)}}
     (output / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     training.write_plot(report, output / "training.png")
     return report
@@ -338,27 +360,17 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path,
     write them to `output`, with a report of each head's held-out accuracy beside it (<output>.json)."""
     from rich.console import Console
 
-    from specdeploy.bench.prompts import load_prompts
     from specdeploy.models.registry import load_projection
-    from specdeploy.spec.pipeline import SpeculationSpec
     from specdeploy.speculative.medusa import MedusaHeads
     from specdeploy.speculative.medusa_accuracy import accuracies
     from specdeploy.training import medusa as training
-    from specdeploy.training.prompts import training_prompts
 
     console = console or Console()
     started = time.perf_counter()
-    pipeline = load_pipeline(pipeline_path)
-    spec = pipeline.speculation.medusa
-    # The target alone, under its own name: the heads do not exist yet, so the Medusa engine cannot be built.
-    target_only = dataclasses.replace(pipeline, name=f"{pipeline.name}-target", speculation=SpeculationSpec())
-    engine_dir = build(target_only, engines_dir).directory
     work_dir = options.work_dir
-    work_dir.mkdir(parents=True, exist_ok=True)
-    train_prompts, held_out = training_prompts(options.prompts, exclude=[p["prompt"] for p in load_prompts()])
-    answers = training.generate_answers(engine_dir, train_prompts + held_out, options.max_tokens,
-                                        work_dir / "answers.jsonl", pipeline.limits.max_batch_size, console)
-    generated = time.perf_counter()
+    pipeline, engine_dir, train_prompts, held_out, answers, answers_seconds = distillation_answers(
+        pipeline_path, engines_dir, work_dir, options.prompts, options.max_tokens, console)
+    spec = pipeline.speculation.medusa
     engine = Engine(engine_dir, method="none")
     train_data = training.features(engine, {p: answers[p] for p in train_prompts}, spec.num_heads, console)
     held_data = training.features(engine, {p: answers[p] for p in held_out}, spec.num_heads, console)
@@ -375,6 +387,6 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path,
                "max_tokens": options.max_tokens, "epochs": options.epochs, "held_out_accuracy": report,
                # the written prompts quote the standard library, which changes between Python versions
                "python": platform.python_version(),
-               "seconds": {"answers": round(generated - started), "total": round(time.perf_counter() - started)}}
+               "seconds": {"answers": round(answers_seconds), "total": round(time.perf_counter() - started)}}
     output.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary

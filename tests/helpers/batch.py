@@ -47,3 +47,23 @@ def mixed_requests() -> list[GenerationRequest]:
             GenerationRequest(PROMPTS[2], 30, SamplingParams(repetition_penalty=1.3), 4, end_id=NO_END_ID),
             GenerationRequest(PROMPTS[1], 30, SamplingParams(temperature=1.0, repetition_penalty=1.2, seed=2), 1,
                               end_id=NO_END_ID)]
+
+
+def assert_continuous_batch_equals_alone(engine_dir, max_tokens: int = 30, batch_size: int = 4) -> None:
+    """Greedy, with speculation: every prompt (each twice, so rows join and leave) through a scheduler of
+    `batch_size` rows gives the tokens plain decode gives it alone."""
+    from helpers.collector import Collector
+    from specdeploy.runtime.engine import Engine
+    from specdeploy.runtime.scheduler import Scheduler
+
+    engine = Engine(engine_dir)
+    expected = [engine.start(GenerationRequest(p, max_tokens, GREEDY, 0, end_id=NO_END_ID)).run() for p in PROMPTS]
+    scheduler = Scheduler(lambda: Engine(engine_dir, batch_size=batch_size))
+    try:
+        collectors = [Collector() for _ in PROMPTS * 2]
+        for collector, prompt in zip(collectors, PROMPTS * 2):
+            scheduler.submit(GenerationRequest(prompt, max_tokens, GREEDY, None, end_id=NO_END_ID), collector)
+        for collector, tokens in zip(collectors, expected * 2):
+            assert collector.done.wait(60) and collector.tokens == tokens
+    finally:
+        scheduler.stop()

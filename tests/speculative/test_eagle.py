@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from helpers.collector import Collector
+from helpers.batch import assert_continuous_batch_equals_alone
 from helpers.eagle_heads import DRAFT_VOCAB, HIDDEN, VOCAB, tiny_config, trained_tiny_head
 from helpers.goodness_of_fit import goodness_of_fit
 from helpers.pipelines import write_pipeline
@@ -19,7 +19,6 @@ from specdeploy.build.torch_engine import build
 from specdeploy.decoding.sampling import sampling_distribution
 from specdeploy.errors import BuildError, PipelineError, SpecdeployError
 from specdeploy.runtime.engine import Engine
-from specdeploy.runtime.scheduler import Scheduler
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.spec.request import NO_END_ID, GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
@@ -163,17 +162,7 @@ def test_greedy_eagle_equals_plain_alone(eagle_engine):
 
 
 def test_greedy_eagle_equals_plain_in_a_continuous_batch(eagle_engine):
-    engine = Engine(eagle_engine)
-    expected = [engine.start(GenerationRequest(p, 30, SamplingParams(), 0, end_id=NO_END_ID)).run() for p in PROMPTS]
-    scheduler = Scheduler(lambda: Engine(eagle_engine, batch_size=4))
-    try:
-        collectors = [Collector() for _ in PROMPTS * 2]
-        for collector, prompt in zip(collectors, PROMPTS * 2):
-            scheduler.submit(GenerationRequest(prompt, 30, SamplingParams(), None, end_id=NO_END_ID), collector)
-        for collector, tokens in zip(collectors, expected * 2):
-            assert collector.done.wait(60) and collector.tokens == tokens
-    finally:
-        scheduler.stop()
+    assert_continuous_batch_equals_alone(eagle_engine)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.collector import Collector
+from helpers.batch import assert_continuous_batch_equals_alone
 from helpers.pipelines import write_pipeline
 from helpers.prompts import PROMPTS
 from safetensors.torch import load_file
@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from specdeploy.build.torch_engine import build
 from specdeploy.errors import BuildError, PipelineError
 from specdeploy.runtime.engine import Engine
-from specdeploy.runtime.scheduler import Scheduler
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.spec.request import NO_END_ID, GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
@@ -114,17 +113,7 @@ def test_greedy_medusa_equals_plain_alone(medusa_engine):
 
 
 def test_greedy_medusa_equals_plain_in_a_continuous_batch(medusa_engine):
-    engine = Engine(medusa_engine)
-    expected = [engine.start(GenerationRequest(p, 30, SamplingParams(), 0, end_id=NO_END_ID)).run() for p in PROMPTS]
-    scheduler = Scheduler(lambda: Engine(medusa_engine, batch_size=4))
-    try:
-        collectors = [Collector() for _ in PROMPTS * 2]
-        for collector, prompt in zip(collectors, PROMPTS * 2):
-            scheduler.submit(GenerationRequest(prompt, 30, SamplingParams(), None, end_id=NO_END_ID), collector)
-        for collector, tokens in zip(collectors, expected * 2):
-            assert collector.done.wait(60) and collector.tokens == tokens
-    finally:
-        scheduler.stop()
+    assert_continuous_batch_equals_alone(medusa_engine)
 
 
 def test_sampled_medusa_is_seeded(medusa_engine):
