@@ -72,7 +72,7 @@ def run_concurrent_streams(server, engine, count: int, bursts: bool = True) -> N
         thread.join(300)
     assert not errors
     assert {i: text for i, (text, _) in results.items()} == {i: expected[PROMPTS[i % 4]] for i in range(count)}
-    labels = {"model": "speculative", "method": "draft_target"}
+    labels = {"model": "speculative", "method": engine.method}
     for name, key in (("specdeploy_drafted_tokens_total", "total_draft_tokens"),
                       ("specdeploy_accepted_tokens_total", "total_accepted_draft_tokens")):
         deadline = time.monotonic() + 10
