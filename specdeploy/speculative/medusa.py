@@ -138,6 +138,7 @@ class MedusaProposer(Proposer):
         self.head_of_node = from_host([len(path) - 1 for path in tree.paths], device)
         self.rank_of_node = from_host([path[-1] for path in tree.paths], device)
         self.top = max(path[-1] for path in tree.paths) + 1
+        self.shapes: dict[tuple[int, ...], RowTrees] = {}  # counts per row → the batch's tree shapes
 
     @classmethod
     def from_engine(cls, parts: EngineParts) -> MedusaProposer:
@@ -167,7 +168,10 @@ class MedusaProposer(Proposer):
         top = candidates.gather(1, ranks).view(batch, depth, self.top)  # [B, depth, top], best first
         tokens = top[:, self.head_of_node, self.rank_of_node]  # [B, N]
         counts = [self.tree.nodes_up_to(gamma) for gamma in gammas]
-        return Proposal(tokens, None, counts, RowTrees.of(self.tree, counts))
+        key = tuple(counts)
+        if key not in self.shapes:  # a few shapes recur: their masks are built once, not at every step
+            self.shapes[key] = RowTrees.of(self.tree, counts)
+        return Proposal(tokens, None, counts, self.shapes[key])
 
 
 def write_heads_config(directory: Path, heads: MedusaHeads) -> None:

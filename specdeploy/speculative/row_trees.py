@@ -8,7 +8,7 @@ valid (the rules mask everything past a row's count).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,6 +21,8 @@ class RowTrees:
     """parents[r][i]: the verify index of row r's node i's parent (host lists, one per row, each its own length)."""
 
     parents: list[list[int]]
+    # `tensors`' result per device, kept: Medusa proposes the same few shapes at every step
+    made: dict[str, TreeTensors] = field(default_factory=dict, repr=False, compare=False)
 
     @staticmethod
     def of(tree: TokenTree, counts: list[int]) -> RowTrees:
@@ -58,16 +60,19 @@ class RowTrees:
         return rows
 
     def tensors(self, device: torch.device | str) -> TreeTensors:
-        """The batch's shape as device tensors (one host-to-device copy each)."""
+        """The batch's shape as device tensors (one host-to-device copy each; made once per device)."""
+        if str(device) in self.made:
+            return self.made[str(device)]
         width = self.width
         parents = [row + [0] * (width - 1 - len(row)) for row in self.parents]
         depths = [self.depths(r) + [1] * (width - 1 - len(self.parents[r])) for r in range(len(self.parents))]
-        return TreeTensors(
+        made = self.made[str(device)] = TreeTensors(
             parents=from_host(parents, device, torch.long).view(len(parents), width - 1),
             depths=from_host(depths, device, torch.long).view(len(depths), width),
             ancestry=from_host([self.ancestry(r) for r in range(len(self.parents))], device,
                                torch.bool).view(len(parents), width, width),
             max_depth=max((self.max_depth(r) for r in range(len(self.parents))), default=0))
+        return made
 
 
 @dataclass
