@@ -23,7 +23,7 @@ from specdeploy.decoding.stats import decode_tokens, mean_accepted_length
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.compile_engine import compile_engine, is_compiled
 from specdeploy.runtime.engine import Engine
-from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock, measured_gamma_cap
+from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock, measured_exit_layer, measured_gamma_cap
 from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.training.eagle_options import EagleTrainingOptions
@@ -71,10 +71,21 @@ def build_torch_engine(pipeline: PipelineSpec, engines_dir: Path, force: bool = 
                        quiet: bool = False) -> BuildResult:
     """Build the pipeline's torch engine if it is missing or stale, then finish what the pipeline asks of a build
     unless an earlier build did: for backend.torch.compile, compile its steps into the engine's cache; for
-    serving.policy.gamma_cap: measured, measure the cap on this machine (a fresh build never serves uncapped)."""
+    serving.policy.gamma_cap: measured, measure the cap on this machine (a fresh build never serves uncapped); for
+    speculation.early_exit.exit_layer: measured, the exit layer (bench/exit_layer.py), before the cap."""
     result = build(pipeline, engines_dir, force=force, quiet=quiet)
     if pipeline.backend.compiles and (result.built or not is_compiled(result.directory)):
         compile_engine(pipeline, result.directory, quiet)
+    if (pipeline.speculation.drafts_with_own_layers and pipeline.speculation.early_exit.exit_layer == "measured"
+            and measured_exit_layer(result.directory) is None):
+        from specdeploy.bench.exit_layer import measure_exit_layer
+
+        if not quiet:
+            print("measuring the early exit's layer (speculation.early_exit.exit_layer: measured) on calibration "
+                  "prompts")
+        message = measure_exit_layer(result.directory, quiet)
+        if not quiet:
+            print(message)
     if pipeline.serving.policy.gamma_cap == "measured" and measured_gamma_cap(result.directory) is None:
         from specdeploy.bench.gamma_cap import measure_gamma_cap
 

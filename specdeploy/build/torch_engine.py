@@ -24,15 +24,17 @@ from safetensors.torch import save_file
 import specdeploy
 from specdeploy.build.checkpoints import Checkpoint, check_tokenizers_match, load_checkpoint, pipeline_sources
 from specdeploy.build.moe_derive import derive_target
+from specdeploy.build.text_corpus import documentation_passages, stdlib_functions
 from specdeploy.errors import BuildError, SpecdeployError
 from specdeploy.models.quantize import GROUP_SIZE, INT4_KERNEL_ROWS, quantize_int4, quantize_int8
 from specdeploy.models.registry import DTYPES, projection_key
-from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, staging_dir
+from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, staging_dir, write_json
 from specdeploy.spec.manifest import build_unless_current, fingerprint, write_manifest
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.speculative.eagle import EAGLE_DIR
 from specdeploy.speculative.eagle_head import REPORT_FILE as EAGLE_REPORT_FILE
 from specdeploy.speculative.eagle_head import Eagle3Head
+from specdeploy.speculative.early_exit import EARLY_EXIT_FILE, draft_vocabulary
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
 ENGINE_FORMAT = 7  # bump whenever what a build writes changes, so existing engines are rebuilt
@@ -153,6 +155,24 @@ def write_eagle(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> 
         shutil.copyfile(report, directory / EAGLE_REPORT_FILE)
 
 
+def write_early_exit(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> None:
+    """An early exit's draft vocabulary (the target tokens most frequent in the shipped text corpus, where fewer
+    than all; ties and unseen tokens by id, which for a BPE vocabulary is its merge order) into EARLY_EXIT_FILE,
+    after checking its layers against the target's."""
+    spec, layers = pipeline.speculation.early_exit, target.config.num_layers
+    if spec.exit_layer != "measured" and spec.exit_layer >= layers:
+        raise BuildError(f"speculation.early_exit.exit_layer: {spec.exit_layer} must be below the target's "
+                         f"{layers} layers")
+    if spec.exit_layer == "measured" and not any(layer < layers for layer in spec.sweep):
+        raise BuildError(f"speculation.early_exit.sweep: {list(spec.sweep)} has no layer count below the target's "
+                         f"{layers} layers")
+    texts = documentation_passages() + stdlib_functions()
+    ids = draft_vocabulary([target.tokenizer.encode(text) for text in texts], spec.draft_vocab,
+                           target.config.vocab_size)
+    write_json(directory / EARLY_EXIT_FILE, {"draft_vocab": ids, "source": f"{len(texts)} texts of "
+                                                                            f"build/text_corpus.py"})
+
+
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
     """Build the pipeline's engines under engines_root/<name>/, unless they are up to date."""
     if pipeline.backend.kind != "torch":
@@ -229,5 +249,8 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
         if speculation.uses_features:
             progress.update(task, description=f"[{pipeline.name}] writing the EAGLE-3 head")
             write_eagle(staging / EAGLE_DIR, pipeline, target)
+        if speculation.drafts_with_own_layers:
+            progress.update(task, description=f"[{pipeline.name}] writing the early exit's draft vocabulary")
+            write_early_exit(staging, pipeline, target)
         write_manifest(staging, inputs, started)
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")

@@ -231,7 +231,8 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None,
-                row_lengths: list[int] | None = None) -> torch.Tensor:
+                row_lengths: list[int] | None = None, layers: range | None = None,
+                hidden: torch.Tensor | None = None) -> torch.Tensor:
         """Hidden states after the final norm.
 
         tokens, positions: [B, T] long. attention_mask: [B, T, S] bool (True = may attend) over the first S cache
@@ -240,6 +241,11 @@ class LlamaModel(nn.Module):
         length). row_lengths: a decode step's real tokens per row (the rest is padding at its end), which a
         row-invariant model attends with (models/row_invariance.py); None for a call of one row's own tokens (a
         prefill), which no other row changes. Returns [B, T, hidden].
+
+        layers: run only these consecutive layers (default all), writing only their cache entries; a range that stops
+        before the last layer returns the raw hidden states entering layer `layers.stop` (no final norm). hidden:
+        the states entering layer `layers.start` [B, T, hidden], instead of the tokens' embeddings (an early-exit
+        verify resumes where the draft's forwards stopped: speculative/early_exit.py).
         """
         length = tokens.shape[1]
         spans = None
@@ -262,15 +268,17 @@ class LlamaModel(nn.Module):
             mask = mask[:, None].expand(-1, group, -1, -1).reshape(mask.shape[0], 1, -1, kv_len)
         slots = positions if cache_slots is None else cache_slots
         rotation = self.rotation_at(positions)
-        x = self.embed[tokens]
+        layers = range(len(self.layers)) if layers is None else layers
+        x = self.embed[tokens] if hidden is None else hidden
         captured = {}
-        for index, layer in enumerate(self.layers):
+        for index in layers:
             if index in self.feature_layers:
                 captured[index] = x
-            x = layer.forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len, spans)  # skip __call__
+            # skip __call__
+            x = self.layers[index].forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len, spans)
         if captured:
             self.features = torch.cat([captured[index] for index in self.feature_layers], dim=-1)
-        return self.norm(x)
+        return self.norm(x) if layers.stop == len(self.layers) else x
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] → fp32 logits [..., vocab]."""
@@ -291,18 +299,25 @@ def pad_rows(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
 
 
 def ragged_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],
-                       lengths: list[int] | None = None) -> torch.Tensor:
+                       lengths: list[int] | None = None,
+                       resume: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
     """One forward over rows fed at different positions: row r feeds tokens[r] [B, W] at positions starts[r]..
     into cache row r, attending causally to the row's first starts[r] entries and to itself.
 
     A row with fewer real tokens than W (lengths[r]; None: all W) carries padding at its end; the padding is written
     past the row's real tokens, where the next write overwrites it before anything attends to it (the cache has
-    headroom for it). Returns every position's hidden state: [B, W, hidden] (padding positions included).
+    headroom for it). resume: (layer, states [B, W, hidden]): run only the layers from `layer` on, from the states
+    entering it (the layers before it already ran over these positions and wrote their cache entries). Returns
+    every position's hidden state: [B, W, hidden] (padding positions included).
     """
     width = tokens.shape[1]
     positions = from_host(starts, tokens.device)[:, None] + torch.arange(width, device=tokens.device)
     cache.lengths = list(starts)
-    return model(tokens, positions, cache, row_lengths=lengths)
+    if resume is None:
+        return model(tokens, positions, cache, row_lengths=lengths)
+    layer, states = resume
+    return model(tokens, positions, cache, row_lengths=lengths, layers=range(layer, len(model.layers)),
+                 hidden=states)
 
 
 def ragged_forward(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],

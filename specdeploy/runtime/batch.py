@@ -65,6 +65,7 @@ class Verdict:
     tokens: list[list[int]]
     hidden: torch.Tensor
     paths: list[list[int]] | None = None
+    guesses: list[list[int]] | None = None  # for a proposer that reads_guesses: the target's argmax by verify index
 
     def kept(self, row: int) -> list[int]:
         """The verify indices of row `row` whose tokens were committed (in order)."""
@@ -175,7 +176,7 @@ class BatchDecoder:
         tokens = self._step_tokens(sequences, proposal)  # [B, W]
         hidden = ragged_forward_all(self.target, self.cache.rows(0, len(sequences)), tokens,
                                     [s.cache_length for s in sequences],
-                                    [count + 1 for count in proposal.counts])  # [B, W, H]
+                                    [count + 1 for count in proposal.counts], proposal.resume)  # [B, W, H]
         scores = self._scores(sequences, proposal, hidden, None)
         num_drafted = from_host(proposal.counts, self.device)
         greedy, sampled = self._rows(sequences)
@@ -216,10 +217,17 @@ class BatchDecoder:
             result = self.tree_rule(tree.select(sampled.tensor), tokens[sampled.tensor, 1:], target_probs,
                                     num_drafted[sampled.tensor], streams)
             outcomes.append((sampled.tensor, outcome_rows(result)))
+        guesses = None
+        if self.proposer.reads_guesses:  # the argmax at every verify index, in the same host read
+            guesses = self._target_tokens(scores, list(range(len(sequences))))
+            outcomes = [(rows, torch.cat([part, guesses[rows]], dim=1)) for rows, part in outcomes]
         read = self._read(outcomes, scores.logits, len(sequences))
+        if guesses is not None:
+            guesses = [row[-scores.width:][:count + 1] for row, count in zip(read, scores.counts)]
+            read = [row[:-scores.width] for row in read]
         depth = (len(read[0]) - 2) // 2  # a row reads [accepted count, D + 1 tokens, D path indices]
         return Verdict([row[1:row[0] + 2] for row in read], features,
-                       [[0] + row[depth + 2:depth + 2 + row[0]] for row in read])
+                       [[0] + row[depth + 2:depth + 2 + row[0]] for row in read], guesses)
 
     def _features(self, hidden: torch.Tensor) -> torch.Tensor:
         """What the proposer reads of a target forward whose final hidden states are `hidden` [.., T, H]: the hidden
@@ -309,6 +317,8 @@ class BatchDecoder:
         """Append row `row`'s verified tokens; statistics count only what was committed. positions: how many
         successive positions were proposed (default drafted; a tree's depth)."""
         tokens, kept = verdict.tokens[row], verdict.kept(row)
+        if verdict.guesses is not None:
+            self.proposer.observe(row, verdict.guesses[row])
         start = sequence.cache_length
         # A tree's accepted nodes were written at their node's slot: move them to the positions they now hold.
         self.cache.move_entries(row, [start + index for index in kept], list(range(start, start + len(kept))))

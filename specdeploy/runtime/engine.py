@@ -111,17 +111,20 @@ def check_device(device: str) -> None:
 class Engine:
     def __init__(self, engine_dir: str | Path, device: str | None = None, method: Method | None = None,
                  batch_size: int = 1, max_sequence_length: int | None = None,
-                 determinism: Determinism | None = None) -> None:
+                 determinism: Determinism | None = None, exit_layer: int | None = None) -> None:
         """device: "cpu", "cuda" or "cuda:N" (None: the pipeline's backend.torch.device). method: run with another
         speculation method than the one built ("ngram" and "none" need no draft). batch_size: cache rows, i.e. how
         many sequences `decoder` can step together (a server uses limits.max_batch_size; one in-process generation
         needs one). max_sequence_length: room for longer sequences than the pipeline's limits (bench --context);
         the weights do not depend on it, only the cache's size and what requests may ask. determinism: instead of
-        the pipeline's serving.determinism (bench compares both)."""
+        the pipeline's serving.determinism (bench compares both). exit_layer: an early-exit engine's draft layers
+        instead of its own (the build's sweep, bench/exit_layer.py)."""
         from transformers import AutoTokenizer
 
         self.dir = Path(engine_dir)
         pipeline = engine_pipeline(self.dir)
+        if exit_layer is not None:
+            pipeline = pipeline.with_exit_layer(exit_layer)
         self.pipeline = with_determinism(with_sequence_length(
             pipeline if method is None else with_method(pipeline, method), max_sequence_length), determinism)
         check_outputs(self.dir, components(self.speculation))

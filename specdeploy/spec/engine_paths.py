@@ -4,7 +4,8 @@ An engine directory `engines/<pipeline name>/` holds one folder per component (`
 validated pipeline it was built from (`pipeline.json`, which every later stage re-parses) and the build manifest,
 written last, whose presence marks the engine complete. For serving.policy.gamma_cap: measured, `specdeploy build`
 then adds `measured_policy.json`: the gamma cap it measured for this engine on this machine (a rebuild measures it
-again; `bench --measure-gamma-cap` measures it again on the bench's prompts).
+again; `bench --measure-gamma-cap` measures it again on the bench's prompts), and for
+speculation.early_exit.exit_layer: measured, `measured_exit_layer.json` (bench/exit_layer.py).
 
 Beside an engine (and a packaged model repository): `.<name>.lock`, which a build holds while it writes (it stays),
 and while one writes, `.<name>.partial-<random>`, the staging directory renamed into place at the end.
@@ -33,6 +34,8 @@ MODEL_REPOSITORIES_DIR = Path("model_repository")  # the default root of `specde
 PIPELINE_FILE = "pipeline.json"
 MANIFEST_FILE = "build_manifest.json"
 MEASURED_POLICY_FILE = "measured_policy.json"
+# speculation.early_exit.exit_layer: measured: the exit layer `specdeploy build` picked on this machine
+MEASURED_EXIT_FILE = "measured_exit_layer.json"
 # How long a build waits for another build of the same output before refusing: longer than any build we know takes
 # (a TensorRT-LLM build of a 405B target takes hours), short enough that a Job waiting on a stuck one ends.
 LOCK_TIMEOUT_S = 6 * 3600.0
@@ -66,9 +69,28 @@ def engine_pipeline(directory: Path) -> PipelineSpec:
     """The validated pipeline an engine was built from, a gamma cap of "measured" replaced by the engine's
     measurement (None while it has none)."""
     pipeline = load_pipeline(check_engine(directory) / PIPELINE_FILE)
+    if pipeline.speculation.early_exit.exit_layer == "measured" and pipeline.speculation.drafts_with_own_layers:
+        layer = measured_exit_layer(directory)
+        if layer is not None:
+            pipeline = pipeline.with_exit_layer(layer)
     if pipeline.serving.policy.gamma_cap != "measured":
         return pipeline
     return pipeline.with_gamma_cap(measured_gamma_cap(directory))
+
+
+def measured_exit_layer(directory: Path) -> int | None:
+    """The early-exit layer `specdeploy build` measured into the engine at `directory`, None if none was."""
+    path = Path(directory) / MEASURED_EXIT_FILE
+    if not path.is_file():
+        return None
+    try:
+        layer = json.loads(path.read_text())["exit_layer"]
+    except (ValueError, KeyError, TypeError):
+        raise SpecdeployError(f"{path}: not a measured exit layer (no exit_layer); delete it and rerun "
+                              f"specdeploy build, which measures it again") from None
+    if type(layer) is not int or layer < 1:
+        raise SpecdeployError(f"{path}: exit_layer must be an integer ≥ 1, got {layer!r}")
+    return layer
 
 
 def measured_gamma_cap(directory: Path) -> int | None:

@@ -26,7 +26,7 @@ DType = Literal["float32", "bfloat16"]
 # serves and sizes a pipeline asks SpeculationSpec's predicates, which read that row, never the name), its settings
 # section in SpeculationSpec if it has settings, its proposer module in speculative/ and one line in
 # speculative/registry.py.
-Method = Literal["draft_target", "ngram", "medusa", "eagle", "none"]
+Method = Literal["draft_target", "ngram", "medusa", "eagle", "early_exit", "lookahead", "none"]
 # exact: every emitted token is distributed as the target's. typical: Medusa's typical acceptance, LOSSY (it accepts
 # more and changes the distribution); only for medusa, and never the default.
 Acceptance = Literal["exact", "typical"]
@@ -48,6 +48,8 @@ class MethodTraits:
     from_context: bool = False  # proposals are looked up in the sequence itself: no model proposes
     tree: bool = False  # proposals form a token tree verified in one step, not a chain of up to gamma tokens
     features: bool = False  # a one-layer draft fed by the target's own hidden states proposes (EAGLE-3)
+    own_layers: bool = False  # the target's own first layers propose (early exit): no weights beside the target's
+    lookahead: bool = False  # the target guesses ahead in its own verify forward (Jacobi), pooling the n-grams
 
 
 METHODS: dict[str, MethodTraits] = {
@@ -56,6 +58,8 @@ METHODS: dict[str, MethodTraits] = {
     "ngram": MethodTraits(from_context=True),
     "medusa": MethodTraits(heads=True, tree=True),
     "eagle": MethodTraits(features=True, tree=True),
+    "early_exit": MethodTraits(own_layers=True),
+    "lookahead": MethodTraits(lookahead=True, tree=True),
 }
 
 _NEUTRAL = SamplingParams()
@@ -241,6 +245,56 @@ class EagleSpec(Section):
             raise Problem("max_nodes", f"must be ≥ 1, got {self.max_nodes}")
 
 
+# The exit layers an early-exit build tries when exit_layer is "measured" (those below the target's layer count).
+DEFAULT_EXIT_SWEEP = (4, 6, 8, 10, 12)
+
+
+@dataclass(frozen=True)
+class EarlyExitSpec(Section):
+    """Self-speculation: the draft is the target's first `exit_layer` layers, then the target's own final norm and
+    its head's rows of the `draft_vocab` most frequent tokens (0: the whole head; a full head costs a fifth of a
+    SmolLM2 step per drafted token). The draft's cache entries are the target's for those layers, and the verify
+    forward resumes at `exit_layer` (speculative/early_exit.py). exit_layer "measured": `specdeploy build` decodes
+    calibration prompts at each layer of `sweep` and keeps the one with the best realized speedup."""
+
+    exit_layer: int | Literal["measured"] = "measured"
+    sweep: tuple[int, ...] = DEFAULT_EXIT_SWEEP
+    draft_vocab: int = 4096
+
+    def check(self) -> None:
+        if self.exit_layer != "measured" and not (type(self.exit_layer) is int and self.exit_layer >= 1):
+            raise Problem("exit_layer", f"must be ≥ 1 or 'measured', got {quoted(self.exit_layer)}")
+        if not self.sweep or any(type(layer) is not int or layer < 1 for layer in self.sweep):
+            raise Problem("sweep", f"must be one or more layer counts ≥ 1, got {quoted(list(self.sweep))}")
+        if self.draft_vocab < 0:
+            raise Problem("draft_vocab", f"must be ≥ 0 (0: the whole head), got {self.draft_vocab}")
+
+
+@dataclass(frozen=True)
+class LookaheadSpec(Section):
+    """Lookahead decoding with TensorRT-LLM's parameters: a window of `window` (W) columns guessed ahead over
+    ngram - 1 levels in the target's own verify forward (Jacobi iterations), the n-grams of `ngram` (N) tokens
+    their trajectories yield kept in a pool keyed by their first token, and up to `verification_set` (G) of the
+    pool's n-grams that start with the pending token verified in the same forward (speculative/lookahead.py)."""
+
+    window: int = 4
+    ngram: int = 3
+    verification_set: int = 4
+
+    def check(self) -> None:
+        for key in ("window", "verification_set"):
+            if getattr(self, key) < 1:
+                raise Problem(key, f"must be ≥ 1, got {getattr(self, key)}")
+        if self.ngram < 2:
+            raise Problem("ngram", f"must be ≥ 2 (an n-gram is a key token and what follows it), got {self.ngram}")
+
+    @property
+    def nodes(self) -> int:
+        """Tokens one verify forward carries besides the pending one, at most: the window's (N - 1) × W guesses and
+        G candidates of N - 1 tokens."""
+        return (self.ngram - 1) * (self.window + self.verification_set)
+
+
 @dataclass(frozen=True)
 class SpeculationSpec(Section):
     method: Method = "none"
@@ -251,6 +305,8 @@ class SpeculationSpec(Section):
     ngram: NgramSpec = field(default_factory=NgramSpec)
     medusa: MedusaSpec = field(default_factory=MedusaSpec)
     eagle: EagleSpec = field(default_factory=EagleSpec)
+    early_exit: EarlyExitSpec = field(default_factory=EarlyExitSpec)
+    lookahead: LookaheadSpec = field(default_factory=LookaheadSpec)
 
     def check(self) -> None:
         if self.method not in METHODS:  # a spec built in code: a file's value is checked against Method already
@@ -297,6 +353,18 @@ class SpeculationSpec(Section):
         """A one-layer draft fed by the target's hidden states proposes (the `eagle` section): trained apart, built
         into the engine beside the target, sized with it; the target hands it three layers' hidden states."""
         return METHODS[self.method].features
+
+    @property
+    def drafts_with_own_layers(self) -> bool:
+        """The target's own first layers propose (the `early_exit` section): nothing is built beside the target;
+        the draft writes the target's cache for those layers and the verify resumes after them."""
+        return METHODS[self.method].own_layers
+
+    @property
+    def drafts_by_lookahead(self) -> bool:
+        """The target guesses ahead in its own verify forward and verifies n-grams pooled from those guesses (the
+        `lookahead` section): nothing is built beside the target."""
+        return METHODS[self.method].lookahead
 
     @property
     def drafts_from_context(self) -> bool:
@@ -544,6 +612,10 @@ class PipelineSpec(Section):
         if self.backend.compiles and self.serving.determinism == "batch_invariant":
             raise Problem("serving.determinism", "batch_invariant attends row by row, which compiled steps do not "
                                                  "(set batch_dependent with backend.torch.compile)")
+        if self.backend.compiles and self.speculation.drafts_with_own_layers:
+            raise Problem("backend.torch.compile", "compiled steps run the whole target at each forward; an early "
+                                                   "exit's draft and verify run parts of it, eagerly (leave compile "
+                                                   "off for method early_exit)")
         if self.backend.compiles and self.speculation.drafts_tree:
             raise Problem("backend.torch.compile", f"compiled steps run chains of drafts; a token tree's masked "
                                                    f"verify runs eagerly (leave compile off for method "
@@ -553,6 +625,10 @@ class PipelineSpec(Section):
         if self.speculation.uses_features and self.speculation.eagle.max_nodes > limit:
             raise Problem("speculation.eagle.max_nodes", f"{self.speculation.eagle.max_nodes} nodes are above "
                                                          f"limits.max_draft_tokens ({limit})")
+        if self.speculation.drafts_by_lookahead and self.speculation.lookahead.nodes > limit:
+            raise Problem("speculation.lookahead", f"(ngram - 1) × (window + verification_set) = "
+                                                   f"{self.speculation.lookahead.nodes} tokens per verify are above "
+                                                   f"limits.max_draft_tokens ({limit})")
         nodes = len(self.speculation.medusa.choices)
         if self.speculation.uses_heads and nodes > limit:
             # a tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens
@@ -562,6 +638,10 @@ class PipelineSpec(Section):
         """The combinations TensorRT-LLM cannot serve (facts in docs/tensorrt-llm.md). The checks that need the
         model's head and expert counts run at build (build/trtllm/plan.check_model_fits)."""
         settings, speculation, method = self.backend.settings, self.speculation, self.speculation.method
+        if speculation.drafts_with_own_layers:
+            raise Problem("speculation.method", "early_exit has no TensorRT-LLM path (neither trtllm-build nor the "
+                                                "LLM API drafts with a model's own early layers): use backend.kind: "
+                                                "torch, or lookahead for speculation without a draft on TensorRT-LLM")
         if speculation.uses_heads and self.target.moe is not None:
             raise Problem("speculation.method", "medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "
                                                 "converter has no expert mapping); use draft_target or ngram")
@@ -616,6 +696,11 @@ class PipelineSpec(Section):
         """The same spec with serving.policy.gamma_cap set to `cap`."""
         policy = dataclasses.replace(self.serving.policy, gamma_cap=cap)
         return dataclasses.replace(self, serving=dataclasses.replace(self.serving, policy=policy))
+
+    def with_exit_layer(self, layer: int) -> PipelineSpec:
+        """The same spec with speculation.early_exit.exit_layer set to `layer`."""
+        early_exit = dataclasses.replace(self.speculation.early_exit, exit_layer=layer)
+        return dataclasses.replace(self, speculation=dataclasses.replace(self.speculation, early_exit=early_exit))
 
     def resolved(self) -> PipelineSpec:
         """The same spec with file checkpoints as absolute paths, so it means the same wherever it is saved."""

@@ -40,6 +40,9 @@ class Proposal:
     q: torch.Tensor | None  # [B, G, V] the distributions they were sampled from; None: point masses on `tokens`
     counts: list[int]  # [B] tokens drafted per row
     tree: RowTrees | None = None  # the shape of each row's tree proposal (q is then None)
+    # (layer, states [B, W, H]): the target's layers before `layer` already ran over the W verified positions while
+    # drafting (early exit), so the verify resumes there from the states entering it
+    resume: tuple[int, torch.Tensor] | None = None
 
     def positions(self, row: int) -> int:
         """How many successive positions row `row` proposes: its drafted tokens, or its tree nodes' deepest depth."""
@@ -72,9 +75,12 @@ class EngineParts:
 
 
 class Proposer:
-    """Base class: every hook is a no-op and nothing is proposed. `forwards` counts draft-model forwards."""
+    """Base class: every hook is a no-op and nothing is proposed. `forwards` counts draft-model forwards.
+    reads_guesses: the proposer is handed the target's argmax at every verified position (`observe`), read in the
+    step's one host read (lookahead's Jacobi guesses)."""
 
     forwards: int = 0
+    reads_guesses: bool = False
 
     @classmethod
     def from_engine(cls, parts: EngineParts) -> Proposer:
@@ -90,6 +96,10 @@ class Proposer:
 
     def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
         return Proposal.empty(len(sequences), "cpu")
+
+    def observe(self, row: int, guesses: list[int]) -> None:
+        """With reads_guesses: the target's argmax at each of row `row`'s verify indices (0: its pending token), the
+        step's final logits (penalties applied), before `on_commit`."""
 
     def on_commit(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
         pass

@@ -13,6 +13,8 @@ from __future__ import annotations
 from specdeploy.errors import SpecdeployError
 from specdeploy.speculative.draft_model import DraftModelProposer
 from specdeploy.speculative.eagle import EagleProposer
+from specdeploy.speculative.early_exit import EarlyExitProposer
+from specdeploy.speculative.lookahead import LookaheadProposer
 from specdeploy.speculative.medusa import MedusaProposer
 from specdeploy.speculative.ngram import NgramProposer
 from specdeploy.speculative.proposer import EngineParts, Proposer
@@ -23,6 +25,8 @@ PROPOSERS: dict[str, type[Proposer]] = {
     "ngram": NgramProposer,
     "medusa": MedusaProposer,
     "eagle": EagleProposer,
+    "early_exit": EarlyExitProposer,
+    "lookahead": LookaheadProposer,
 }
 
 

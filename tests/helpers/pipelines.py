@@ -14,8 +14,10 @@ def write_pipeline(path: Path, **sections) -> Path:
 
 def tiny_pipeline(directory: Path, name: str, target: Path, method: str = "draft_target", draft: Path | None = None,
                   gamma: int = 3, dtype: str = "float32", schedule: str = "constant", derive: str = "int4",
-                  target_weight_only: str | None = None, max_batch_size: int = 8, **extra) -> Path:
-    speculation: dict = {"method": method, "num_draft_tokens": gamma, "schedule": schedule}
+                  target_weight_only: str | None = None, max_batch_size: int = 8,
+                  speculation_extra: dict | None = None, **extra) -> Path:
+    speculation: dict = {"method": method, "num_draft_tokens": gamma, "schedule": schedule,
+                         **(speculation_extra or {})}
     if method == "draft_target":
         speculation["draft"] = ({"derive": "none", "checkpoint": {"source": "hf_dir", "path": str(draft)},
                                  "dtype": "float32"} if draft else {"derive": derive})

@@ -18,15 +18,17 @@ PACKAGE = REPO / "specdeploy"
 # Where a comparison may still name a method: the predicates' definitions and the proposers' registry.
 ALLOWED = {"spec/pipeline.py", "speculative/registry.py"}
 
-PREDICATES = ("speculates", "uses_draft_model", "uses_heads", "drafts_from_context", "drafts_outside_target",
-              "drafts_tree")
+PREDICATES = ("speculates", "uses_draft_model", "uses_heads", "uses_features", "drafts_with_own_layers",
+              "drafts_by_lookahead", "drafts_from_context", "drafts_outside_target", "drafts_tree")
 # method -> the predicates above, in order, written out by hand
 EXPECTED = {
-    "none": (False, False, False, False, False, False),
-    "draft_target": (True, True, False, False, True, False),
-    "ngram": (True, False, False, True, True, False),
-    "medusa": (True, False, True, False, False, True),
-    "eagle": (True, False, False, False, False, True),
+    "none": (False, False, False, False, False, False, False, False, False),
+    "draft_target": (True, True, False, False, False, False, False, True, False),
+    "ngram": (True, False, False, False, False, False, True, True, False),
+    "medusa": (True, False, True, False, False, False, False, False, True),
+    "eagle": (True, False, False, True, False, False, False, False, True),
+    "early_exit": (True, False, False, False, True, False, False, False, False),
+    "lookahead": (True, False, False, False, False, True, False, False, True),
 }
 
 
@@ -74,9 +76,9 @@ def test_the_sections_follow_the_predicates():
 
 
 def test_an_unknown_method_built_in_code_is_refused():
-    with pytest.raises(PipelineError, match="method: must be one of none, draft_target, ngram, medusa, eagle, got "
-                                            "'lookahead'"):
-        SpeculationSpec(method="lookahead")  # type: ignore[arg-type]
+    with pytest.raises(PipelineError, match="method: must be one of none, draft_target, ngram, medusa, eagle, "
+                                            "early_exit, lookahead, got 'jacobi'"):
+        SpeculationSpec(method="jacobi")  # type: ignore[arg-type]
 
 
 # ------------------------------------------------------------------------------- no comparison names a method

@@ -11,12 +11,12 @@ import torch
 from helpers.batch import assert_continuous_batch_equals_alone
 from helpers.eagle_heads import DRAFT_VOCAB, HIDDEN, VOCAB, tiny_config, trained_tiny_head
 from helpers.goodness_of_fit import goodness_of_fit
+from helpers.marginals import exact_marginals, sampled_positions
 from helpers.pipelines import write_pipeline
 from helpers.prompts import PROMPTS
 from safetensors.torch import load_file, save_file
 
 from specdeploy.build.torch_engine import build
-from specdeploy.decoding.sampling import sampling_distribution
 from specdeploy.errors import BuildError, PipelineError, SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import load_pipeline
@@ -173,43 +173,6 @@ SAMPLED = SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2)
 GENERATIONS, LENGTH = 3000, 3
 
 
-def exact_marginals(engine: Engine, prompt: list[int], params: SamplingParams, length: int) -> list[torch.Tensor]:
-    """The target's distribution of each of the first `length` emitted tokens, summed over every prefix (top-k
-    keeps the prefixes few), with the repetition penalty over prompt and prefix."""
-    target = engine.target
-    marginals = []
-    prefixes = {(): 1.0}
-    for _ in range(length):
-        marginal = torch.zeros(engine.vocab_size, dtype=torch.float64)
-        following = {}
-        for prefix, weight in prefixes.items():
-            sequence = prompt + list(prefix)
-            cache = target.new_cache(1, len(sequence) + 1)
-            logits = target.logits(target(torch.tensor([sequence]), torch.arange(len(sequence))[None], cache))[0, -1:]
-            seen = torch.zeros(1, engine.vocab_size, dtype=torch.bool)
-            seen[0, sequence] = True
-            p = sampling_distribution(logits, params, seen)[0].double()
-            marginal += weight * p
-            for token in p.nonzero().flatten().tolist():
-                following[prefix + (token,)] = following.get(prefix + (token,), 0.0) + weight * float(p[token])
-        marginals.append(marginal)
-        prefixes = following
-    return marginals
-
-
-def sampled_positions(engine: Engine, prompt: list[int]) -> tuple[torch.Tensor, int]:
-    """[GENERATIONS, LENGTH]: the first tokens of seeded generations through the engine's speculative steps, and
-    how many drafted tokens they accepted in all."""
-    rows, accepted = [], 0
-    for seed in range(GENERATIONS):
-        params = SamplingParams(temperature=SAMPLED.temperature, top_k=SAMPLED.top_k,
-                                repetition_penalty=SAMPLED.repetition_penalty, seed=seed)
-        generation = engine.start(GenerationRequest(prompt, LENGTH, params, None, end_id=NO_END_ID))
-        rows.append(generation.run())
-        accepted += generation.stats.accepted
-    return torch.tensor(rows), accepted
-
-
 @pytest.fixture(scope="module")
 def marginals(eagle_engine):
     engine = Engine(eagle_engine)
@@ -218,7 +181,7 @@ def marginals(eagle_engine):
 
 def test_sampled_eagle_emits_the_targets_distribution(eagle_engine, marginals):
     engine = Engine(eagle_engine)
-    samples, accepted = sampled_positions(engine, PROMPTS[1])
+    samples, accepted = sampled_positions(engine, PROMPTS[1], SAMPLED, GENERATIONS, LENGTH)
     assert accepted > GENERATIONS // 4  # the later positions were often emitted from accepted tree nodes
     checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
     assert all(check.ok for check in checks), "\n".join(map(str, checks))
@@ -228,7 +191,7 @@ def test_a_wrong_rule_fails_the_same_test(eagle_engine, marginals):
     """Negative control: Medusa's lossy typical acceptance in place of the exact rule is caught."""
     engine = Engine(eagle_engine)
     engine.decoder.tree_rule = accept_tree_typical
-    samples, _ = sampled_positions(engine, PROMPTS[1])
+    samples, _ = sampled_positions(engine, PROMPTS[1], SAMPLED, GENERATIONS, LENGTH)
     checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
     assert not all(check.ok for check in checks), "\n".join(map(str, checks))
 

@@ -1,0 +1,137 @@
+"""Early-exit self-speculation: the target's first L layers, its final norm and its head draft a chain.
+
+The draft is a view of the target, not a second model: a draft forward runs layers 0..L-1 of the target on the
+pending or last drafted token, writing those layers' keys and values into the target's own cache at the token's
+slot, then the final norm and the head's rows of a draft vocabulary (the most frequent tokens, engine file
+EARLY_EXIT_FILE) give the draft's distribution. That is the cache's second bookkeeping path (models/kv_cache.py):
+after drafting, layers < L hold entries up to the last drafted token while layers ≥ L hold only the committed
+prefix.
+
+The verify forward does not run layers < L again: the draft keeps the hidden states entering layer L at every
+position it ran (the pending token, then each drafted token, the last one fed once more without its head), and the
+target resumes there (`Proposal.resume`), writing layers ≥ L at the same slots. A rejection rewinds the row's
+length, which covers both paths: every entry past the committed prefix, in every layer, is overwritten before
+anything attends to it. Exactness does not depend on L: q is the early exit's distribution, and the chain rule
+corrects for it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from specdeploy.decoding.sequence import Sequence
+from specdeploy.errors import SpecdeployError
+from specdeploy.models.device_transfer import from_host
+from specdeploy.models.kv_cache import KVCache
+from specdeploy.models.llama import WHOLE_MATRIX_LINEARS, DenseLinear, LlamaModel
+from specdeploy.speculative.draft_model import DraftModelProposer
+from specdeploy.speculative.proposer import EngineParts, Proposal
+
+EARLY_EXIT_FILE = "early_exit.json"  # in the engine: {"draft_vocab": [ids], "source": how they were counted}
+
+
+def draft_vocabulary(token_lists: list[list[int]], size: int, vocab_size: int) -> list[int]:
+    """The `size` target ids most frequent in `token_lists` (ties and unseen ids by id, lowest first), ascending;
+    every id when size is 0 or covers the vocabulary."""
+    if size == 0 or size >= vocab_size:
+        return list(range(vocab_size))
+    counts = Counter(token for tokens in token_lists for token in tokens)
+    ranked = sorted(range(vocab_size), key=lambda token: (-counts.get(token, 0), token))
+    return sorted(ranked[:size])
+
+
+def read_early_exit(engine_dir: Path) -> dict:
+    """The engine's early-exit file; an error saying how to get it when it is missing."""
+    path = Path(engine_dir) / EARLY_EXIT_FILE
+    if not path.is_file():
+        raise SpecdeployError(f"{engine_dir}: no {EARLY_EXIT_FILE}, which an early_exit build writes (run specdeploy "
+                              f"build --force with this pipeline)")
+    return json.loads(path.read_text())
+
+
+class EarlyExitDraft:
+    """The target's first `exit_layer` layers as a draft model, with the interface the draft-model proposer calls
+    (config, embed, a forward, logits). Each forward keeps the raw hidden states entering layer `exit_layer`
+    ([B, T, H]) in `states`, which the proposer hands to the verify."""
+
+    def __init__(self, target: LlamaModel, exit_layer: int, draft_ids: torch.Tensor) -> None:
+        """draft_ids: the target ids the draft's head covers [Vd] long (every id: the whole head)."""
+        if not 1 <= exit_layer < target.config.num_layers:
+            raise SpecdeployError(f"speculation.early_exit.exit_layer: {exit_layer} is not a layer count below the "
+                                  f"target's {target.config.num_layers} layers")
+        self.target, self.exit_layer = target, exit_layer
+        self.config, self.embed = target.config, target.embed
+        self.whole_head = len(draft_ids) == target.config.vocab_size
+        self.draft_ids = draft_ids
+        self.rows = None if self.whole_head else head_rows(target, draft_ids)
+        self.states: list[torch.Tensor] = []
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 row_lengths: list[int] | None = None) -> torch.Tensor:
+        """Layers 0..exit_layer-1 over tokens [B, T] at positions [B, T]; returns the normed states [B, T, H]."""
+        raw = self.target(tokens, positions, cache, row_lengths=row_lengths, layers=range(self.exit_layer))
+        self.states.append(raw)
+        return self.target.norm(raw)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [B, H] → fp32 logits [B, V], -inf outside the draft vocabulary (so the draft never proposes a
+        token there, and its q is 0 there)."""
+        if self.whole_head:
+            return self.target.logits(hidden)
+        logits = torch.full((*hidden.shape[:-1], self.config.vocab_size), float("-inf"), device=hidden.device)
+        logits[..., self.draft_ids] = self.rows(hidden).float()
+        return logits
+
+
+def head_rows(target: LlamaModel, ids: torch.Tensor) -> DenseLinear:
+    """The target head's rows of `ids` as a linear [H] → [Vd], prepacked like the target's own. Read as the head's
+    output for the unit vectors of its input, which is exact for a head that reads its whole matrix (dense, int4 or
+    int8 weight-only) whatever its packing; a rescored head is not linear, so it is refused."""
+    if not isinstance(target.lm_head, WHOLE_MATRIX_LINEARS):
+        raise SpecdeployError(f"speculation.early_exit.draft_vocab: the target's head ({type(target.lm_head).__name__}"
+                              f") is not one matrix whose rows can be taken; set draft_vocab: 0 (the whole head)")
+    eye = torch.eye(target.config.hidden_size, dtype=target.dtype, device=target.embed.device)
+    with torch.inference_mode():
+        rows = DenseLinear(target.lm_head(eye)[:, ids].T.contiguous())  # [H, V] → [Vd, H]
+    rows.prepack()
+    return rows
+
+
+class EarlyExitProposer(DraftModelProposer):
+    """Drafts a chain with the target's early layers (see the module docstring); shares the target's cache."""
+
+    model: EarlyExitDraft
+
+    @classmethod
+    def from_engine(cls, parts: EngineParts) -> EarlyExitProposer:
+        exit_layer = parts.pipeline.speculation.early_exit.exit_layer
+        if exit_layer == "measured":
+            raise SpecdeployError(f"{parts.directory}: speculation.early_exit.exit_layer is 'measured' and this "
+                                  f"engine has no measurement yet (specdeploy build measures it)")
+        ids = from_host(read_early_exit(parts.directory)["draft_vocab"], parts.device, torch.long)
+        return cls(EarlyExitDraft(parts.target, exit_layer, ids), parts.cache, shared=True, early_stop_threshold=0.0)
+
+    def stepped_models(self) -> list:
+        return []  # the draft's forwards are the target's own layers
+
+    def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
+        pass  # the prompt's entries are the target's, in every layer
+
+    def propose(self, sequences: list[Sequence], gammas: list[int]) -> Proposal:
+        """The draft-model chain, then the last drafted token through the early layers (its head unused), so the
+        verify finds every position's state entering the exit layer: Proposal.resume [B, W, H]."""
+        self.model.states = []
+        proposal = super().propose(sequences, gammas)
+        width = len(self.model.states)  # positions fed: the pending token and drafted tokens 1..width-1
+        starts = from_host([s.cache_length + width for s in sequences], self.device)[:, None]
+        cache = self.cache.rows(0, len(sequences))
+        cache.lengths = [s.cache_length + width for s in sequences]
+        self.model(proposal.tokens[:, width - 1:width], starts, cache, row_lengths=[1] * len(sequences))
+        self.forwards += 1
+        proposal.resume = (self.model.exit_layer, torch.cat(self.model.states, dim=1))
+        self.model.states = []
+        return proposal
