@@ -290,9 +290,11 @@ class LookaheadSpec(Section):
 
     @property
     def nodes(self) -> int:
-        """Tokens one verify forward carries besides the pending one, at most: the window's (N - 1) × W guesses and
-        G candidates of N - 1 tokens."""
-        return (self.ngram - 1) * (self.window + self.verification_set)
+        """Tokens one verify forward carries besides the pending one, at most: the window's (N - 2) + (W - 1)(N - 1)
+        guesses (row 0's first level is the pending token) and G candidates of N - 1 tokens. TensorRT-LLM's
+        max_draft_len for (W, N, G), by its own formula (LookaheadDecodingConfig::calculateSpeculativeResourceTuple,
+        docs/lookahead.md)."""
+        return (self.ngram - 2) + (self.window - 1 + self.verification_set) * (self.ngram - 1)
 
 
 @dataclass(frozen=True)
@@ -626,7 +628,7 @@ class PipelineSpec(Section):
             raise Problem("speculation.eagle.max_nodes", f"{self.speculation.eagle.max_nodes} nodes are above "
                                                          f"limits.max_draft_tokens ({limit})")
         if self.speculation.drafts_by_lookahead and self.speculation.lookahead.nodes > limit:
-            raise Problem("speculation.lookahead", f"(ngram - 1) × (window + verification_set) = "
+            raise Problem("speculation.lookahead", f"(N - 2) + (W - 1 + G)(N - 1) = "
                                                    f"{self.speculation.lookahead.nodes} tokens per verify are above "
                                                    f"limits.max_draft_tokens ({limit})")
         nodes = len(self.speculation.medusa.choices)
