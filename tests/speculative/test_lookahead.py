@@ -1,0 +1,161 @@
+"""Lookahead decoding: the n-gram pool as TensorRT-LLM keeps it, the window's tree and its Jacobi step, and the
+engine: greedy lookahead equals plain greedy (fp32, alone and in a continuous batch), one host read per batched
+step (the guesses ride with the outcome), and sampled lookahead emits the target's distribution while a wrong
+rule fails the same test."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from helpers.batch import HostReads, assert_continuous_batch_equals_alone, mixed_requests
+from helpers.goodness_of_fit import goodness_of_fit
+from helpers.marginals import exact_marginals, sampled_positions
+from helpers.pipelines import tiny_pipeline
+from helpers.prompts import PROMPTS
+
+from specdeploy.build.torch_engine import build
+from specdeploy.errors import PipelineError
+from specdeploy.runtime.engine import Engine
+from specdeploy.spec.pipeline import LookaheadSpec, load_pipeline
+from specdeploy.spec.request import NO_END_ID, GenerationRequest
+from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.speculative.lookahead import LookaheadProposer, NgramPool
+from specdeploy.speculative.tree import accept_tree_typical
+
+
+def test_the_pool_keeps_the_newest_g_ngrams_per_first_token():
+    pool = NgramPool(ngram=3, per_key=2)
+    pool.insert(5, (1, 2))
+    pool.insert(5, (3, 4))
+    pool.insert(5, (1, 2))  # a repeat moves to the newest
+    pool.insert(5, (6, 7))  # evicts the oldest, (3, 4)
+    pool.insert(5, (8,))  # not N - 1 tokens: ignored
+    assert pool.guesses(5, 4) == [(6, 7), (1, 2)]
+    assert pool.guesses(5, 1) == [(6, 7)]
+    assert pool.guesses(9, 4) == []
+    text = NgramPool(ngram=3, per_key=4)
+    text.insert_text([1, 2, 3, 1, 2, 4])
+    assert text.guesses(1, 4) == [(2, 4), (2, 3)] and text.guesses(2, 4) == [(3, 1)]
+    assert text.guesses(3, 4) == [(1, 2)]
+    assert NgramPool(ngram=3, per_key=0).guesses(1, 4) == []
+
+
+def sequence_of(tokens: list[int]) -> SimpleNamespace:
+    """What the proposer reads of a sequence: its committed tokens (the last one pending)."""
+    return SimpleNamespace(committed=list(tokens))
+
+
+def test_the_window_is_a_tree_below_the_pending_token():
+    """W 3, N 3, G 2 after warm-up: row 0's level 1 below the root; rows 1 and 2 chain their level 0 below the root
+    and hang their level 1 below it; the pool's guesses for the root's token are chains of N - 1 below it, identical
+    prefixes merged."""
+    proposer = LookaheadProposer(LookaheadSpec(window=3, ngram=3, verification_set=2), "cpu")
+    sequence = sequence_of([10, 11, 12, 13, 10, 11, 14, 10])
+    proposer.prefill(0, sequence, torch.zeros(0))
+    state = proposer.states[0]
+    state.rows = [[10, 20], [21, 22], [23, 24]]
+    state.filled = 2
+    proposal = proposer.propose([sequence], [8])
+    parents, tokens = proposal.tree.parents[0], proposal.tokens[0].tolist()
+    # pool for 10 (the prompt's n-grams, newest first): (11, 14), (11, 12); (11, ...) merged below the root
+    nodes = list(zip(tokens, parents))
+    assert nodes == [(20, 0), (21, 0), (22, 2), (23, 2), (24, 4), (11, 0), (14, 6), (12, 6)]
+    assert proposal.tree.depths(0) == [0, 1, 1, 2, 2, 3, 1, 2, 2]
+    assert state.placed == {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3, (2, 0): 4, (2, 1): 5}
+    # a gamma of 1 keeps the depth-1 nodes only
+    shallow = proposer.propose([sequence], [1])
+    assert shallow.tree.depths(0) == [0, 1, 1, 1]
+
+
+def test_the_jacobi_step_slides_each_row_and_pools_its_trajectory():
+    proposer = LookaheadProposer(LookaheadSpec(window=2, ngram=3, verification_set=4), "cpu")
+    sequence = sequence_of([1, 2, 3, 4])
+    proposer.prefill(0, sequence, torch.zeros(0))
+    state = proposer.states[0]
+    state.rows[1] = [7]
+    proposer.propose([sequence], [8])  # warm-up: level 0 only; row 0's is the root (token 4)
+    assert state.placed == {(0, 0): 0, (1, 0): 1}
+    proposer.observe(0, [30, 31])  # the target's argmax at the root and at row 1's level 0
+    assert state.rows == [[4, 30], [7, 31]] and state.filled == 2
+    proposer.propose([sequence], [8])
+    guesses = [0] * (1 + len(proposer.states[0].placed))
+    guesses[state.placed[(0, 1)]], guesses[state.placed[(1, 1)]] = 40, 41
+    proposer.observe(0, guesses)
+    assert state.rows == [[30, 40], [31, 41]]
+    assert proposer.states[0].pool.guesses(4, 4)[0] == (30, 40) and proposer.states[0].pool.guesses(7, 4) == [(31, 41)]
+
+
+@pytest.fixture(scope="module")
+def engine_dir(tiny_checkpoints, tmp_path_factory):
+    root = tmp_path_factory.mktemp("lookahead")
+    path = tiny_pipeline(root, "tiny-lookahead", tiny_checkpoints["target"], method="lookahead", gamma=4,
+                         speculation_extra={"lookahead": {"window": 2, "ngram": 3, "verification_set": 2}})
+    return build(load_pipeline(path), root / "engines", quiet=True).directory
+
+
+def test_greedy_lookahead_equals_plain_alone(engine_dir):
+    engine = Engine(engine_dir)
+    accepted = 0
+    for prompt in PROMPTS:
+        plain = engine.start(GenerationRequest(prompt, 60, SamplingParams(), 0, end_id=NO_END_ID)).run()
+        generation = engine.start(GenerationRequest(prompt, 60, SamplingParams(), None, end_id=NO_END_ID))
+        assert generation.run() == plain
+        accepted += generation.stats.accepted
+    assert accepted > 0
+
+
+def test_greedy_lookahead_equals_plain_in_a_continuous_batch(engine_dir):
+    assert_continuous_batch_equals_alone(engine_dir)
+
+
+def test_one_host_read_per_batched_step(engine_dir):
+    """Greedy, sampled and penalised rows: the outcome and every node's guess come back in one read."""
+    engine = Engine(engine_dir, batch_size=4)
+    sequences = [engine.new_sequence(request) for request in mixed_requests()]
+    for row, sequence in enumerate(sequences):
+        engine.decoder.prefill(sequence, row)
+    for _ in range(4):
+        with HostReads() as reads:
+            engine.decoder.step(sequences)
+        assert reads.count == 1
+    assert all(s.stats.drafted > 0 for s in sequences)
+
+
+SAMPLED = SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2)
+GENERATIONS, LENGTH = 2000, 5  # lookahead accepts from its second step on: five tokens reach it
+
+
+@pytest.fixture(scope="module")
+def marginals(engine_dir):
+    return exact_marginals(Engine(engine_dir), PROMPTS[2], SAMPLED, LENGTH)
+
+
+def test_sampled_lookahead_emits_the_targets_distribution(engine_dir, marginals):
+    samples, accepted = sampled_positions(Engine(engine_dir), PROMPTS[2], SAMPLED, GENERATIONS, LENGTH)
+    assert accepted > GENERATIONS // 4
+    checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
+    assert all(check.ok for check in checks), "\n".join(map(str, checks))
+
+
+def test_a_wrong_rule_fails_the_same_test(engine_dir, marginals):
+    """Negative control: Medusa's lossy typical acceptance in place of the exact tree rule is caught."""
+    engine = Engine(engine_dir)
+    engine.decoder.tree_rule = accept_tree_typical
+    samples, _ = sampled_positions(engine, PROMPTS[2], SAMPLED, GENERATIONS, LENGTH)
+    checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
+    assert not all(check.ok for check in checks), "\n".join(map(str, checks))
+
+
+@pytest.mark.parametrize("lookahead, message", [
+    ({"window": 0}, "lookahead.window: must be ≥ 1, got 0"),
+    ({"ngram": 1}, "lookahead.ngram: must be ≥ 2"),
+    ({"window": 7, "ngram": 7, "verification_set": 7}, r"\(N - 2\) \+ \(W - 1 \+ G\)\(N - 1\) = 83 tokens per "
+                                                       r"verify are above limits.max_draft_tokens \(8\)"),
+])
+def test_lookahead_settings_are_checked(tiny_checkpoints, tmp_path, lookahead, message):
+    path = tiny_pipeline(tmp_path, "bad", tiny_checkpoints["target"], method="lookahead",
+                         speculation_extra={"lookahead": lookahead})
+    with pytest.raises(PipelineError, match=message):
+        load_pipeline(path)
