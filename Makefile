@@ -68,6 +68,7 @@ k8s: venv
 	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama70b-draft-target.yaml --output k8s --name gpu-draft-target --weights-gib 134 --gpu-product $(GPU_PRODUCT)
 	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-medusa.yaml --output k8s --name gpu-medusa --weights-gib 15.3 --gpu-product $(GPU_PRODUCT)
 	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-eagle3.yaml --output k8s --name gpu-eagle --weights-gib 15.8 --gpu-product $(GPU_PRODUCT)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-lookahead.yaml --output k8s --name gpu-lookahead --weights-gib 15 --gpu-product $(GPU_PRODUCT)
 	$(VENV)/bin/specdeploy k8s pipelines/gpu/mixtral-draft-target.yaml --output k8s --name gpu-moe --weights-gib 111 --gpu-product $(GPU_PRODUCT)
 	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama405b-ngram.yaml --output k8s --name multinode --weights-gib 755 --gpu-product $(GPU_PRODUCT)
 

@@ -13,22 +13,30 @@
 # the package step takes from the image's /app. Its server cannot decode plainly on request, so the slice builds a
 # plain twin of the target too, serves the two in turn and makes the same three checks between them
 # (scripts/trtllm_check.py llmapi-run, llmapi-compare).
+# Lookahead decoding (SmolLM2 from smollm2-ngram.yaml, W/N/G 4/4/4, on the engine line) speculates on every request
+# and greedily only, so its slice also serves a plain twin in turn: greedy text and speed against it, and a
+# refusal check (the lookahead server must refuse a sampled request naming temperature rather than answer it
+# greedily; the plain server serves it) in place of the distribution check (trtllm_check.py lookahead-run,
+# lookahead-compare).
 #   scripts/trtllm-check.sh [--dry-run] [--only METHOD[,METHOD]] [OUTPUT_DIR]     (default trtllm-check/)
-# METHOD: draft-target, ngram, medusa, eagle (default: each whose pipelines/smollm2-METHOD.yaml exists; eagle's needs
-# a trained head). --dry-run prints every step and runs none. TRTLLM_CHECK_PIPELINES: the folder of those shipped
-# pipelines (default pipelines/).
+# METHOD: draft-target, ngram, medusa, eagle, lookahead (default: each whose pipelines/smollm2-METHOD.yaml exists,
+# lookahead where smollm2-ngram.yaml does; eagle's needs a trained head). --dry-run prints every step and runs none.
+# TRTLLM_CHECK_PIPELINES: the folder of those shipped pipelines (default pipelines/).
 # Duration on one H100-class GPU: about 25 minutes for all three (an estimate, never run: four engine builds of a
 # 135M model, three torch builds on the CPU, three server starts, about 12,300 short requests, 12,000 of them the two
 # distribution checks); --only draft-target about 10, and TRTLLM_CHECK_TRIALS=1000 (requests per arm, default 3000)
-# shortens the distribution checks. The container needs shared memory for the Python models' tensors (the draft
+# shortens the distribution checks; --only lookahead adds two engine builds and two server starts (a few minutes, also
+# an estimate). The container needs shared memory for the Python models' tensors (the draft
 # logits are about 1 MB a step): docker run --shm-size=2g.
 set -uo pipefail
 cd "$(dirname "$0")/.."
+# source_of METHOD: the shipped pipeline a method's slice starts from (lookahead borrows the n-gram pipeline's target)
+source_of() { if [[ $1 == lookahead ]]; then echo ngram; else echo "$1"; fi; }
 DRY_RUN=0
 SHIPPED=${TRTLLM_CHECK_PIPELINES:-pipelines}
 METHODS=""
-for method in draft-target ngram medusa eagle; do
-    [[ -f $SHIPPED/smollm2-$method.yaml ]] && METHODS="$METHODS $method"
+for method in draft-target ngram medusa eagle lookahead; do
+    [[ -f $SHIPPED/smollm2-$(source_of "$method").yaml ]] && METHODS="$METHODS $method"
 done
 while [[ ${1:-} == --* ]]; do
     case $1 in
@@ -135,14 +143,46 @@ check_llm_api() {
         "$OUT/$name/plain-run.json" "$OUT/$name"
 }
 
+# The lookahead slice: one lookahead and one plain engine of the same target, served in turn (see the header).
+check_lookahead() {
+    local shipped=$1 name=smollm2-lookahead-trtllm plain=smollm2-lookahead-plain-trtllm
+    local pipeline=$OUT/pipelines/$name.yaml twin=$OUT/pipelines/$plain.yaml
+    [[ $DRY_RUN == 1 ]] || rm -rf "${OUT:?}/$name"
+    step variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" --lookahead || return
+    step plain-variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" --lookahead --plain || return
+    step build "$name" $SPECDEPLOY build "$pipeline" --engines-dir "$OUT/engines" || return
+    step plain-build "$name" $SPECDEPLOY build "$twin" --engines-dir "$OUT/engines" || return
+    step torch-build "$name" $SPECDEPLOY build "$shipped" --engines-dir "$OUT/engines" || return
+    step package "$name" $SPECDEPLOY package "$pipeline" --engines-dir "$OUT/engines" \
+        --output "$OUT/models/$name" || return
+    step plain-package "$name" $SPECDEPLOY package "$twin" --engines-dir "$OUT/engines" \
+        --output "$OUT/models/$plain" || return
+    for arm in speculative plain; do
+        local served=$pipeline repository=$OUT/models/$name
+        [[ $arm == plain ]] && { served=$twin; repository=$OUT/models/$plain; }
+        serve "$name" "$served" "$repository" || return
+        if ready "$name"; then
+            step "$arm-run" "$name" $HELPER lookahead-run "$GRPC" "$OUT/prompts.jsonl" "$OUT/$name/$arm-run.json"
+        fi
+        stop "$name"
+    done
+    step compare "$name" $HELPER lookahead-compare "$shipped" "$OUT/$name/speculative-run.json" \
+        "$OUT/$name/plain-run.json" "$OUT/$name"
+}
+
 for method in $METHODS; do
-    shipped=$SHIPPED/smollm2-$method.yaml
+    shipped=$SHIPPED/smollm2-$(source_of "$method").yaml
     name=smollm2-$method-trtllm
     pipeline=$OUT/pipelines/$name.yaml
     repository=$OUT/models/$name
-    [[ -f $shipped ]] || { say "unknown method $method (draft-target, ngram, medusa, eagle)"; status=1; continue; }
+    [[ -f $shipped ]] || { say "unknown method $method (draft-target, ngram, medusa, eagle, lookahead)"; status=1
+                           continue; }
     if [[ $method == eagle ]]; then
         check_llm_api "$shipped" "$method"
+        continue
+    fi
+    if [[ $method == lookahead ]]; then
+        check_lookahead "$shipped"
         continue
     fi
     [[ $DRY_RUN == 1 ]] || rm -rf "${OUT:?}/$name"  # a rerun's results are its own

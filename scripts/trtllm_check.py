@@ -29,6 +29,18 @@ it serves two repositories in turn, the speculative one and a plain one of the s
   python3 scripts/trtllm_check.py llmapi-compare SHIPPED.yaml SPECULATIVE.json PLAIN.json OUT_DIR
       greedy.json, distribution.json and speed.json in OUT_DIR from the two runs (greedy also against the torch
       engine of the shipped pipeline), in the formats `summary` reads
+
+The lookahead slice runs on the engine line, but its engine speculates on every request (num_draft_tokens 0 does not
+turn it off) and only greedily (a sampled request is refused), so it too serves a plain twin in turn and compares:
+  python3 scripts/trtllm_check.py pipeline SHIPPED.yaml OUT_DIR --lookahead [--plain]
+      SHIPPED's target with lookahead decoding (W, N, G = LOOKAHEAD_SIZES) on the engine line; --plain, the same
+      target without speculation (SHIPPED: smollm2-ngram.yaml, whose target the slice borrows)
+  python3 scripts/trtllm_check.py lookahead-run GRPC_URL PROMPTS.jsonl OUT.json
+      on one server: each prompt's greedy tokens and drafts, a sampled request (refused or not, and the message),
+      and tokens/s at concurrency 1 and 8
+  python3 scripts/trtllm_check.py lookahead-compare SHIPPED.yaml SPECULATIVE.json PLAIN.json OUT_DIR
+      greedy.json (speculative against plain and the torch engine, every prompt drafted), refusal.json (the
+      lookahead server refused the sampled request naming temperature, the plain one served it) and speed.json
 """
 
 from __future__ import annotations
@@ -56,18 +68,29 @@ DISTRIBUTION_TRIALS = int(os.environ.get("TRTLLM_CHECK_TRIALS", 3000))  # per ar
 DISTRIBUTION_PROMPT = "Once upon a time"
 DISTRIBUTION_P_VALUE = 1e-3  # below this, speculative sampling differs from plain
 MIN_PER_PREFIX = 30  # trials of each arm a prefix needs to enter the test
-CHECK_FILES = ("greedy.json", "distribution.json", "speed.json")  # what trtllm-check.sh writes per pipeline
+CHECK_FILES = ("greedy.json", "distribution.json", "refusal.json", "speed.json")  # what trtllm-check.sh writes
+# The lookahead slice's (W, N, G): the LLM API example's, as in pipelines/gpu/llama8b-lookahead.yaml (23 draft tokens)
+LOOKAHEAD_SIZES = {"window": 4, "ngram": 4, "verification_set": 4}
+REFUSAL_REQUEST = {"temperature": 0.7, "top_k": 4, "random_seed": 1}  # what a lookahead server must refuse
 
 
-def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False) -> Path:
+def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False, lookahead: bool = False) -> Path:
     """The shipped torch pipeline as a TensorRT-LLM pipeline: same models and speculation, bf16, relative paths made
     absolute (the copy lives elsewhere), and a policy that speculates at any load (the shipped one stops above 4
     running requests, and the checks send 16 at once). The engine line, but for an EAGLE-3 pipeline the llm_api line
-    (its head drafting the chain TensorRT-LLM drafts: top_k 1). plain: the same target without speculation."""
-    from specdeploy.spec.pipeline import load_pipeline
+    (its head drafting the chain TensorRT-LLM drafts: top_k 1). lookahead: the shipped pipeline's target with
+    lookahead decoding instead of its method (LOOKAHEAD_SIZES, greedy defaults), named smollm2-lookahead-trtllm.
+    plain: the same target without speculation."""
+    from specdeploy.spec.pipeline import LookaheadSpec, load_pipeline
 
     llm_api = load_pipeline(shipped).speculation.uses_features
     spec = yaml.safe_load(shipped.read_text())
+    if lookahead:
+        spec["name"] = "smollm2-lookahead"
+        spec["speculation"] = {"method": "lookahead", "lookahead": dict(LOOKAHEAD_SIZES)}
+        spec["sampling"] = {**spec.get("sampling", {}), "temperature": 0.0, "repetition_penalty": 1.0}
+        nodes = LookaheadSpec(**LOOKAHEAD_SIZES).nodes
+        spec["limits"]["max_draft_tokens"] = max(spec["limits"].get("max_draft_tokens", 0), nodes)
     spec["name"] = f"{spec['name']}{'-plain' if plain else ''}-trtllm"
     spec["backend"] = {"kind": "trtllm", "trtllm": {"line": "llm_api" if llm_api else "engine",
                                                     "dtype": "bfloat16"}}
@@ -122,6 +145,12 @@ def wait_ready(url: str, seconds: float, pid: int) -> None:
 def generate_ids(url: str, prompt: str, max_tokens: int, **fields) -> tuple[list[int], int]:
     """The new token ids of one request to the `speculative` model (it answers ids when output_ids is asked) and the
     tokens it drafted."""
+    ids, drafted, _ = generate_counted(url, prompt, max_tokens, **fields)
+    return ids, drafted
+
+
+def generate_counted(url: str, prompt: str, max_tokens: int, **fields) -> tuple[list[int], int, int]:
+    """generate_ids, and the drafted tokens the request accepted."""
     import tritonclient.grpc as grpcclient
 
     from specdeploy.serve.client import ENTRY_MODEL, build_inputs
@@ -130,11 +159,12 @@ def generate_ids(url: str, prompt: str, max_tokens: int, **fields) -> tuple[list
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     ids: list[int] = []
-    drafted = 0
+    drafted = accepted = 0
     try:
         client.async_stream_infer(ENTRY_MODEL, build_inputs(prompt, max_tokens, False, **fields),
                                   outputs=[grpcclient.InferRequestedOutput("output_ids"),
-                                           grpcclient.InferRequestedOutput("total_draft_tokens")],
+                                           grpcclient.InferRequestedOutput("total_draft_tokens"),
+                                           grpcclient.InferRequestedOutput("total_accepted_draft_tokens")],
                                   enable_empty_final_response=True)
         while True:
             result, error = responses.get(timeout=600)
@@ -144,8 +174,9 @@ def generate_ids(url: str, prompt: str, max_tokens: int, **fields) -> tuple[list
             if response.outputs:
                 ids += result.as_numpy("output_ids").reshape(-1).tolist()
                 drafted = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
+                accepted = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
             if response.parameters["triton_final_response"].bool_param:
-                return ids, drafted
+                return ids, drafted, accepted
     finally:
         client.stop_stream()
         client.close()
@@ -281,22 +312,7 @@ def llmapi_run(url: str, tokenizer_dir: Path, prompts_file: Path, seed_offset: i
         samples = list(pool.map(lambda seed: llmapi_generate(
             url, tokenizer, DISTRIBUTION_PROMPT, 4, temperature=0.7, top_k=4, seed=seed),
             range(seed_offset, seed_offset + DISTRIBUTION_TRIALS)))
-    speed = []
-    for concurrency in (1, 8):
-        started, failed = time.perf_counter(), 0
-        with ThreadPoolExecutor(concurrency) as pool:
-            futures = [pool.submit(llmapi_generate, url, tokenizer, prompt, max_tokens, temperature=0.0)
-                       for prompt in prompts * concurrency]
-            results = []
-            for future in futures:
-                try:
-                    results.append(future.result())
-                except (OSError, RuntimeError):
-                    failed += 1
-        seconds = time.perf_counter() - started
-        speed.append({"concurrency": concurrency, "tokens_per_s": sum(len(ids) for ids, *_ in results) / seconds,
-                      "drafted": sum(d for _, d, _ in results), "accepted": sum(a for *_, a in results),
-                      "failed": failed})
+    speed = speed_run(lambda prompt: llmapi_generate(url, tokenizer, prompt, max_tokens, temperature=0.0), prompts)
     report = {"greedy": [{"prompt": prompt, "ids": ids, "drafted": drafted}
                          for prompt, (ids, drafted, _) in zip(prompts, greedy)],
               "samples": [{"ids": ids, "drafted": drafted} for ids, drafted, _ in samples], "speed": speed}
@@ -307,27 +323,8 @@ def llmapi_run(url: str, tokenizer_dir: Path, prompts_file: Path, seed_offset: i
 def llmapi_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_dir: Path,
                    max_tokens: int = 64) -> bool:
     """The checks of the EAGLE-3 slice from its two runs, written as the engine slices write theirs."""
-    from specdeploy.spec.sampling_params import SamplingParams
-    from specdeploy.workflows import load_engine
-
     speculative, plain = json.loads(speculative_file.read_text()), json.loads(plain_file.read_text())
-    engine = load_engine(shipped, Path(os.environ.get("SPECDEPLOY_ENGINES", "engines")),
-                         device=os.environ.get("SPECDEPLOY_DEVICE", "cpu"))
-    rows = []
-    for spec_row, plain_row in zip(speculative["greedy"], plain["greedy"]):
-        torch_engine = engine.generate(engine.encode_prompt(spec_row["prompt"]), SamplingParams(), max_tokens,
-                                       num_draft_tokens=0).run()
-        rows.append({"prompt": spec_row["prompt"], "tokens": len(spec_row["ids"]), "drafted": spec_row["drafted"],
-                     "speculative_vs_plain": common_prefix_length(spec_row["ids"], plain_row["ids"]),
-                     "server_vs_torch": common_prefix_length(spec_row["ids"], torch_engine),
-                     "ok": agrees(spec_row["ids"], plain_row["ids"]) and agrees(spec_row["ids"], torch_engine)})
-    drafted = sum(row["drafted"] > 0 for row in rows)
-    fewest = min(min(r["speculative_vs_plain"], r["server_vs_torch"]) for r in rows)
-    greedy_report = {"check": "greedy", "pipeline": shipped.stem, "prompts": rows,
-                     "ok": all(r["ok"] for r in rows) and drafted == len(rows),
-                     "detail": f"{sum(r['speculative_vs_plain'] == r['tokens'] for r in rows)}/{len(rows)} "
-                               f"speculative = plain, {sum(r['server_vs_torch'] == r['tokens'] for r in rows)}/"
-                               f"{len(rows)} = torch; {drafted}/{len(rows)} drafted; fewest shared tokens {fewest}"}
+    greedy_report = twin_greedy_report(shipped, speculative["greedy"], plain["greedy"], max_tokens)
     spec_samples, plain_samples = speculative["samples"], plain["samples"]
     drafting = sum(s["drafted"] > 0 for s in spec_samples) / len(spec_samples)
     p_value, dof, tested = homogeneity([tuple(s["ids"]) for s in spec_samples],
@@ -337,15 +334,104 @@ def llmapi_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_
         "ok": p_value > DISTRIBUTION_P_VALUE and tested > 0 and drafting >= 0.9,
         "detail": f"p = {p_value:.3g} (χ², {dof} dof, {tested} tokens), {drafting:.0%} of speculative requests "
                   f"drafted; speculative and plain servers at T 0.7 top-k 4"}
-    levels = [{"concurrency": s["concurrency"], "speculative_tokens_per_s": s["tokens_per_s"],
-               "plain_tokens_per_s": p["tokens_per_s"], "speedup": s["tokens_per_s"] / max(p["tokens_per_s"], 1e-9),
-               "acceptance_rate": s["accepted"] / max(s["drafted"], 1), "failed": s["failed"] + p["failed"]}
-              for s, p in zip(speculative["speed"], plain["speed"])]
+    levels = twin_speed_levels(speculative["speed"], plain["speed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "greedy.json").write_text(json.dumps(greedy_report, indent=2))
     (out_dir / "distribution.json").write_text(json.dumps(distribution_report, indent=2))
     (out_dir / "speed.json").write_text(json.dumps({"levels": levels}, indent=2))
     return greedy_report["ok"] and distribution_report["ok"] and all(level["failed"] == 0 for level in levels)
+
+
+def twin_greedy_report(shipped: Path, speculative: list[dict], plain: list[dict], max_tokens: int) -> dict:
+    """The greedy check between a speculative and a plain server's runs ({"prompt", "ids", "drafted"} per prompt),
+    each also against the torch engine of the shipped pipeline; every prompt must have drafted."""
+    from specdeploy.spec.sampling_params import SamplingParams
+    from specdeploy.workflows import load_engine
+
+    engine = load_engine(shipped, Path(os.environ.get("SPECDEPLOY_ENGINES", "engines")),
+                         device=os.environ.get("SPECDEPLOY_DEVICE", "cpu"))
+    rows = []
+    for spec_row, plain_row in zip(speculative, plain):
+        torch_engine = engine.generate(engine.encode_prompt(spec_row["prompt"]), SamplingParams(), max_tokens,
+                                       num_draft_tokens=0).run()
+        rows.append({"prompt": spec_row["prompt"], "tokens": len(spec_row["ids"]), "drafted": spec_row["drafted"],
+                     "speculative_vs_plain": common_prefix_length(spec_row["ids"], plain_row["ids"]),
+                     "server_vs_torch": common_prefix_length(spec_row["ids"], torch_engine),
+                     "ok": agrees(spec_row["ids"], plain_row["ids"]) and agrees(spec_row["ids"], torch_engine)})
+    drafted = sum(row["drafted"] > 0 for row in rows)
+    fewest = min(min(r["speculative_vs_plain"], r["server_vs_torch"]) for r in rows)
+    return {"check": "greedy", "pipeline": shipped.stem, "prompts": rows,
+            "ok": all(r["ok"] for r in rows) and drafted == len(rows),
+            "detail": f"{sum(r['speculative_vs_plain'] == r['tokens'] for r in rows)}/{len(rows)} speculative = "
+                      f"plain, {sum(r['server_vs_torch'] == r['tokens'] for r in rows)}/{len(rows)} = torch; "
+                      f"{drafted}/{len(rows)} drafted; fewest shared tokens {fewest}"}
+
+
+def twin_speed_levels(speculative: list[dict], plain: list[dict]) -> list[dict]:
+    """speed.json's levels from two servers' runs ({"concurrency", "tokens_per_s", "drafted", "accepted",
+    "failed"} per level)."""
+    return [{"concurrency": s["concurrency"], "speculative_tokens_per_s": s["tokens_per_s"],
+             "plain_tokens_per_s": p["tokens_per_s"], "speedup": s["tokens_per_s"] / max(p["tokens_per_s"], 1e-9),
+             "acceptance_rate": s["accepted"] / max(s["drafted"], 1), "failed": s["failed"] + p["failed"]}
+            for s, p in zip(speculative, plain)]
+
+
+def speed_run(ask, prompts: list[str]) -> list[dict]:
+    """Tokens/s at concurrency 1 and 8 over the prompts (each prompt concurrency times), with the drafts counted;
+    ask(prompt) → (ids, drafted, accepted), raising OSError or RuntimeError for a failed request."""
+    speed = []
+    for concurrency in (1, 8):
+        started, failed = time.perf_counter(), 0
+        with ThreadPoolExecutor(concurrency) as pool:
+            futures = [pool.submit(ask, prompt) for prompt in prompts * concurrency]
+            results = []
+            for future in futures:
+                try:
+                    results.append(future.result())
+                except (OSError, RuntimeError):
+                    failed += 1
+        seconds = time.perf_counter() - started
+        speed.append({"concurrency": concurrency, "tokens_per_s": sum(len(ids) for ids, *_ in results) / seconds,
+                      "drafted": sum(d for _, d, _ in results), "accepted": sum(a for *_, a in results),
+                      "failed": failed})
+    return speed
+
+
+def lookahead_run(url: str, prompts_file: Path, out: Path, max_tokens: int = 64) -> dict:
+    """Everything the lookahead comparison needs from one server, through the `speculative` model (gRPC)."""
+    prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]
+    greedy = [generate_counted(url, prompt, max_tokens, temperature=0.0) for prompt in prompts]
+    try:
+        generate_ids(url, DISTRIBUTION_PROMPT, 4, **REFUSAL_REQUEST)
+        refusal = {"refused": False, "message": ""}
+    except RuntimeError as exc:
+        refusal = {"refused": True, "message": str(exc)}
+    speed = speed_run(lambda prompt: generate_counted(url, prompt, max_tokens, temperature=0.0), prompts)
+    report = {"greedy": [{"prompt": prompt, "ids": ids, "drafted": drafted}
+                         for prompt, (ids, drafted, _) in zip(prompts, greedy)],
+              "refusal": refusal, "speed": speed}
+    out.write_text(json.dumps(report))
+    return report
+
+
+def lookahead_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_dir: Path,
+                      max_tokens: int = 64) -> bool:
+    """The lookahead slice's checks from its two runs: greedy and speed as the other slices write them, and
+    refusal: TensorRT-LLM's lookahead decodes a sampled request greedily without a word, so the lookahead server
+    must refuse one naming temperature, while the plain server (the control) serves it."""
+    speculative, plain = json.loads(speculative_file.read_text()), json.loads(plain_file.read_text())
+    greedy_report = twin_greedy_report(shipped, speculative["greedy"], plain["greedy"], max_tokens)
+    refused, served = speculative["refusal"], plain["refusal"]
+    refusal_ok = refused["refused"] and "temperature" in refused["message"] and not served["refused"]
+    refusal_report = {"check": "refusal", "ok": refusal_ok,
+                      "detail": f"lookahead server: {refused['message'][:100] or 'served it (greedily?)'}; plain "
+                                f"server: {'refused: ' + served['message'][:60] if served['refused'] else 'served'}"}
+    levels = twin_speed_levels(speculative["speed"], plain["speed"])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "greedy.json").write_text(json.dumps(greedy_report, indent=2))
+    (out_dir / "refusal.json").write_text(json.dumps(refusal_report, indent=2))
+    (out_dir / "speed.json").write_text(json.dumps({"levels": levels}, indent=2))
+    return greedy_report["ok"] and refusal_ok and all(level["failed"] == 0 for level in levels)
 
 
 def summary(directory: Path) -> int:
@@ -372,7 +458,8 @@ def summary(directory: Path) -> int:
 def main(argv: list[str]) -> int:
     command, arguments = argv[0], argv[1:]
     if command == "pipeline":
-        print(trtllm_variant(Path(arguments[0]), Path(arguments[1]), plain="--plain" in arguments[2:]))
+        print(trtllm_variant(Path(arguments[0]), Path(arguments[1]), plain="--plain" in arguments[2:],
+                             lookahead="--lookahead" in arguments[2:]))
     elif command == "serve-command":
         print(serve_command(Path(arguments[0]), Path(arguments[1])))
     elif command == "wait-ready":
@@ -386,6 +473,11 @@ def main(argv: list[str]) -> int:
     elif command == "llmapi-compare":
         return 0 if llmapi_compare(Path(arguments[0]), Path(arguments[1]), Path(arguments[2]),
                                    Path(arguments[3])) else 1
+    elif command == "lookahead-run":
+        lookahead_run(arguments[0], Path(arguments[1]), Path(arguments[2]))
+    elif command == "lookahead-compare":
+        return 0 if lookahead_compare(Path(arguments[0]), Path(arguments[1]), Path(arguments[2]),
+                                      Path(arguments[3])) else 1
     elif command == "summary":
         return summary(Path(arguments[0]))
     else:

@@ -98,6 +98,107 @@ def test_the_eagle_slice_serves_a_speculative_and_a_plain_twin_in_turn(tmp_path)
     assert not out.exists()
 
 
+def test_the_lookahead_slice_serves_a_lookahead_and_a_plain_twin_in_turn(tmp_path):
+    """Lookahead's engine speculates on every request, greedily only: the slice borrows the n-gram pipeline's target,
+    builds a lookahead and a plain engine of it, serves them in turn through the engine line's repository (no LLM-API
+    code) and compares; it runs by default where smollm2-ngram.yaml is."""
+    out = tmp_path / "check"
+    result = subprocess.run([str(SCRIPT), "--dry-run", "--only", "lookahead", str(out)], capture_output=True,
+                            text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    name = "smollm2-lookahead-trtllm"
+    steps = [line.split(": ")[1] for line in lines if line.startswith(f"[trtllm-check] {name}: ")]
+    serve_and_stop = ["serve", "ready", "{}-run", "stop the server (SIGTERM to its process group, then wait)"]
+    assert steps == ["variant", "plain-variant", "build", "plain-build", "torch-build", "package", "plain-package",
+                     *(step.format("speculative") for step in serve_and_stop),
+                     *(step.format("plain") for step in serve_and_stop), "compare"]
+    assert "pipeline pipelines/smollm2-ngram.yaml" in result.stdout and "--lookahead --plain" in result.stdout
+    assert f"lookahead-run 127.0.0.1:8001 {out}/prompts.jsonl" in result.stdout
+    assert "--trtllm-source" not in result.stdout and "distribution" not in result.stdout
+    assert not out.exists()
+    default = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True, timeout=60)
+    assert f"[trtllm-check] {name}: compare" in default.stdout
+    shipped = tmp_path / "pipelines"  # without the n-gram pipeline, no lookahead slice
+    shipped.mkdir()
+    (shipped / "smollm2-medusa.yaml").write_text("name: smollm2-medusa\n")
+    only_medusa = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True, timeout=60,
+                                 env={**os.environ, "TRTLLM_CHECK_PIPELINES": str(shipped)})
+    assert name not in only_medusa.stdout and "smollm2-medusa-trtllm" in only_medusa.stdout
+
+
+@pytest.mark.smollm2
+def test_the_lookahead_variants_plan_on_the_engine_line(tmp_path):
+    """The lookahead variant of the n-gram pipeline: its target, lookahead at LOOKAHEAD_SIZES on the engine line,
+    greedy defaults, limits that admit its 23 draft tokens, an engine built for exactly those; its plain twin."""
+    check = helper()
+    pipeline = load_pipeline(check.trtllm_variant(REPO / "pipelines" / "smollm2-ngram.yaml", tmp_path,
+                                                  lookahead=True))
+    assert pipeline.name == "smollm2-lookahead-trtllm" and pipeline.backend.settings.line == "engine"
+    assert pipeline.speculation.drafts_by_lookahead and pipeline.speculation.lookahead.nodes == 23
+    assert pipeline.limits.max_draft_tokens >= 23 and pipeline.sampling.params().greedy
+    steps, notes = plan(pipeline, tmp_path / "engines")
+    assert notes[0].startswith("target: llama, 9 attention heads, 3 key/value heads")
+    build = dict(zip(steps[-1].command[1::2], steps[-1].command[2::2]))
+    assert build["--speculative_decoding_mode"] == "lookahead_decoding" and build["--max_draft_len"] == "23"
+    assert [s.title for s in steps] == ["export the target as a Hugging Face checkpoint", "convert the target",
+                                        "build the target engine"]  # the GGUF exported, nothing else
+    twin = load_pipeline(check.trtllm_variant(REPO / "pipelines" / "smollm2-ngram.yaml", tmp_path, plain=True,
+                                              lookahead=True))
+    assert twin.name == "smollm2-lookahead-plain-trtllm" and not twin.speculation.speculates
+    assert twin.target == pipeline.target and twin.backend == pipeline.backend
+
+
+def test_the_lookahead_runs_and_their_comparison_write_what_the_summary_reads(tmp_path, monkeypatch, capsys):
+    """The lookahead slice's Python against stand-ins of the served `speculative` model and the torch engine: a run
+    records greedy tokens, the sampled request's refusal and speed; the comparison passes when the lookahead server
+    refused the sampled request naming temperature and the plain one served it, and fails when the lookahead server
+    answered it (greedily, as upstream does) or never drafted."""
+    check = helper()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("x=1", "hello")) + "\n")
+    answers = {}
+
+    def counted(url, prompt, max_tokens, **fields):
+        if fields.get("temperature") and answers["refuses"]:
+            raise RuntimeError("temperature: this pipeline runs TensorRT-LLM's lookahead decoding, which decodes "
+                               "greedily whatever a request asks")
+        ids = [ord(c) for c in (prompt * 64)[:max_tokens]]
+        return ids, answers["drafted"], answers["drafted"] // 2
+
+    monkeypatch.setattr(check, "generate_counted", counted)
+    for arm, refuses, drafted in (("speculative", True, 23), ("plain", False, 0)):
+        answers.update(refuses=refuses, drafted=drafted)
+        report = check.lookahead_run("grpc", prompts, tmp_path / f"{arm}.json", max_tokens=20)
+        assert report["refusal"]["refused"] is refuses
+    assert [len(row["ids"]) for row in report["greedy"]] == [20, 20]
+    assert [level["concurrency"] for level in report["speed"]] == [1, 8]
+
+    class Engine:  # the torch engine's plain greedy text: the same as the stand-in's
+        def encode_prompt(self, prompt):
+            return prompt
+
+        def generate(self, prompt, params, max_tokens, num_draft_tokens):
+            ids = [ord(c) for c in (prompt * 64)[:max_tokens]]
+            return type("Run", (), {"run": lambda run_self: ids})()
+
+    monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: Engine())
+    results = tmp_path / "results" / "smollm2-lookahead-trtllm"
+    compare = lambda: check.lookahead_compare(Path("smollm2-ngram.yaml"), tmp_path / "speculative.json",  # noqa: E731
+                                              tmp_path / "plain.json", results, max_tokens=20)
+    assert compare()
+    assert {p.name for p in results.iterdir()} == {"greedy.json", "refusal.json", "speed.json"}
+    assert check.summary(results.parent) == 0
+    assert "refusal" in capsys.readouterr().out
+    speculative = json.loads((tmp_path / "speculative.json").read_text())
+    answered = {**speculative, "refusal": {"refused": False, "message": ""}}  # a sampled request answered greedily
+    (tmp_path / "speculative.json").write_text(json.dumps(answered))
+    assert not compare() and check.summary(results.parent) == 1
+    silent = {**speculative, "greedy": [{**row, "drafted": 0} for row in speculative["greedy"]]}
+    (tmp_path / "speculative.json").write_text(json.dumps(silent))
+    assert not compare()
+
+
 def smollm2_eagle_head(directory: Path) -> Path:
     """A random EAGLE-3 head of SmolLM2-135M's dimensions (30 layers, 576 wide, 9 heads of 64, 3 for keys/values),
     with a small draft vocabulary."""

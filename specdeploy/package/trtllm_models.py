@@ -6,7 +6,12 @@ from __future__ import annotations
 
 from tritonclient.grpc import model_config_pb2 as pb
 
-from specdeploy.build.trtllm.upstream import REQUIRED_INPUTS, TENSORRTLLM_INPUTS, TENSORRTLLM_OUTPUTS
+from specdeploy.build.trtllm.upstream import (
+    LOOKAHEAD_PARAMETERS,
+    REQUIRED_INPUTS,
+    TENSORRTLLM_INPUTS,
+    TENSORRTLLM_OUTPUTS,
+)
 from specdeploy.spec.pipeline import PipelineSpec
 
 
@@ -15,10 +20,27 @@ def medusa_choices(paths: tuple[tuple[int, ...], ...]) -> str:
     return ", ".join("{" + ", ".join(str(i) for i in path) + "}" for path in paths)
 
 
+def decoding_parameters(pipeline: PipelineSpec, draft: bool) -> dict[str, str]:
+    """The model's decoding_mode and what goes with it. A draft engine decodes plainly. The target: medusa with its
+    tree for a Medusa pipeline; lookahead with its W, N and G for a lookahead one (the backend reads the three
+    lookahead_* parameters only under decoding_mode lookahead and silently ignores them otherwise: the executor
+    then runs its default (4, 3, 4), which fails to load on an engine built for other sizes; model_instance_state.cc
+    @ 0c8de69a, getExecutorConfigFromParams); top-k/top-p sampling otherwise (drafts then arrive as
+    draft_input_ids)."""
+    speculation = pipeline.speculation
+    if draft or not (speculation.uses_heads or speculation.drafts_by_lookahead):
+        return {"decoding_mode": "top_k_top_p"}
+    if speculation.uses_heads:
+        return {"decoding_mode": "medusa", "medusa_choices": medusa_choices(speculation.medusa.choices)}
+    lookahead = speculation.lookahead
+    sizes = (lookahead.window, lookahead.ngram, lookahead.verification_set)
+    return {"decoding_mode": "lookahead", **{key: str(size) for key, size in zip(LOOKAHEAD_PARAMETERS, sizes)}}
+
+
 def tensorrtllm_model(name: str, pipeline: PipelineSpec, engine_path: str, draft: bool = False) -> pb.ModelConfig:
-    """engine_path: the engine directory as the server will see it (gpt_model_path). A draft engine decodes
-    plainly; the target's decoding mode is medusa for a Medusa pipeline, top-k/top-p sampling otherwise (drafts
-    then arrive as draft_input_ids)."""
+    """engine_path: the engine directory as the server will see it (gpt_model_path). The decoding mode and its
+    parameters: decoding_parameters. Of the template's inputs only those the orchestration sends are declared
+    (TENSORRTLLM_INPUTS), so Triton refuses any other, the per-request lookahead_* sizes among them."""
     settings = pipeline.backend.settings
     config = pb.ModelConfig(name=name, backend="tensorrtllm", max_batch_size=pipeline.limits.max_batch_size)
     config.model_transaction_policy.decoupled = True
@@ -33,20 +55,17 @@ def tensorrtllm_model(name: str, pipeline: PipelineSpec, engine_path: str, draft
             tensor.allow_ragged_batch = True
     for tensor_name, (kind, dims) in TENSORRTLLM_OUTPUTS.items():
         config.output.add(name=tensor_name, data_type=pb.DataType.Value(kind), dims=dims)
-    medusa = pipeline.speculation.uses_heads and not draft
     parameters = {
         "gpt_model_type": "inflight_fused_batching", "gpt_model_path": engine_path, "max_beam_width": "1",
         "batch_scheduler_policy": "guaranteed_no_evict",
         "kv_cache_free_gpu_mem_fraction": str(settings.kv_cache_free_gpu_mem_fraction),
         "enable_kv_cache_reuse": "true" if settings.enable_kv_cache_reuse else "false",
-        "exclude_input_in_output": "true", "decoding_mode": "medusa" if medusa else "top_k_top_p",
+        "exclude_input_in_output": "true", **decoding_parameters(pipeline, draft),
         # Each call brings the whole sequence, mostly from the reuse cache: a long one is prefilled in chunks.
         "enable_chunked_context": "true",
         # Read without a fallback (a missing one fails the load); empty: guided decoding off, tokenizer unused.
         "tokenizer_dir": "", "xgrammar_tokenizer_info_path": "", "guided_decoding_backend": "",
     }
-    if medusa:
-        parameters["medusa_choices"] = medusa_choices(pipeline.speculation.medusa.choices)
     if draft:
         # Both executors share the GPU and take their fraction of the memory free when each loads, in no fixed
         # order: a draft loading first would take the target's KV space. Its KV cache is capped in tokens instead

@@ -663,6 +663,8 @@ class PipelineSpec(Section):
                                                      f"of num_draft_tokens tokens: set top_k: 1 (a chain) so the "
                                                      f"torch and trtllm flavours draft alike, got "
                                                      f"{speculation.eagle.top_k}")
+        if speculation.drafts_by_lookahead:
+            self.check_trtllm_lookahead()
         if settings.line == "engine" and settings.server == "trtllm_serve" and speculation.drafts_outside_target:
             raise Problem("backend.trtllm.server", f"{method} on the engine line runs through Triton (our "
                                                    f"orchestration model feeds draft tokens to the engine); the "
@@ -680,6 +682,32 @@ class PipelineSpec(Section):
             raise Problem("speculation.draft.derive", f"{draft.derive} needs the engine line (TensorRT-LLM "
                                                       f"quantizes it at conversion); on line: llm_api give the "
                                                       f"draft a checkpoint (derive: none)")
+
+    def check_trtllm_lookahead(self) -> None:
+        """Lookahead decoding on TensorRT-LLM (docs/tensorrt-llm.md, "Lookahead decoding"): TensorRT engines only,
+        served by Triton's tensorrtllm backend, and greedy only, so the pipeline's own sampling defaults must be
+        greedy and unpenalised (each request is checked again when it arrives: serve/trtllm/orchestration.py)."""
+        settings, sampling = self.backend.settings, self.sampling
+        if settings.line == "llm_api":
+            # llm_args.LookaheadDecodingConfig.supports_backend: not pytorch, not _autodeploy
+            raise Problem("backend.trtllm.line", "lookahead runs on line: engine only (trtllm-build "
+                                                 "--speculative_decoding_mode lookahead_decoding); the LLM API's "
+                                                 "PyTorch backend, which the llm_api line serves, refuses it: "
+                                                 "\"Speculation type Lookahead does not support backend pytorch\"")
+        if settings.server == "trtllm_serve":
+            raise Problem("backend.trtllm.server", "lookahead's engine is served by Triton's tensorrtllm backend "
+                                                   "(decoding_mode lookahead and its three lookahead_* "
+                                                   "parameters); trtllm-serve takes the LLM API's options, whose "
+                                                   "PyTorch backend refuses lookahead: use server: triton")
+        if not sampling.params().greedy:
+            raise Problem("sampling.temperature", f"TensorRT-LLM's lookahead decoding is greedy only (it takes the "
+                                                  f"top token at every position and ignores temperature, top_k and "
+                                                  f"top_p), so requests at this default would be refused: set 0, "
+                                                  f"got {sampling.temperature}")
+        if sampling.repetition_penalty != 1:
+            raise Problem("sampling.repetition_penalty", f"TensorRT-LLM's lookahead decoding applies no penalties, "
+                                                         f"so requests at this default would be refused: set 1, got "
+                                                         f"{sampling.repetition_penalty}")
 
     @property
     def kv_capacity_tokens(self) -> int:

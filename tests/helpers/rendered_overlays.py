@@ -27,6 +27,7 @@ OVERLAYS = {
     "gpu-draft-target": ("pipelines/gpu/llama70b-draft-target.yaml", {"weights_gib": 134, "gpu_product": H100}),
     "gpu-medusa": ("pipelines/gpu/llama8b-medusa.yaml", {"weights_gib": 15.3, "gpu_product": H100}),
     "gpu-eagle": ("pipelines/gpu/llama8b-eagle3.yaml", {"weights_gib": 15.8, "gpu_product": H100}),
+    "gpu-lookahead": ("pipelines/gpu/llama8b-lookahead.yaml", {"weights_gib": 15, "gpu_product": H100}),
     "gpu-moe": ("pipelines/gpu/mixtral-draft-target.yaml", {"weights_gib": 111, "gpu_product": H100}),
     "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755, "gpu_product": H100}),
 }

@@ -7,7 +7,8 @@ The converters read a Hugging Face directory. A checkpoint that is one already (
 derivation is read where it is: upstream's converter loads it tensor by tensor, a rank's share at a time, so the
 build never holds the model. Only what TensorRT-LLM cannot read is exported: a GGUF or packaged source (which
 transformers dequantizes whole), an MoE target we derive (written layer by layer), Medusa heads. An EAGLE-3 head
-(the llm_api line) is a Hugging Face-style folder the LLM reads where it is.
+(the llm_api line) is a Hugging Face-style folder the LLM reads where it is. Lookahead decoding builds the target
+alone, its engine sized for the pipeline's (W, N, G) (target_max_draft_len).
 
 Layout under the engine directory (engines/<name>/trtllm/):
   hf/<component>/           our exports, where a component needs one (hf_dirs says which directory each reads)
@@ -23,6 +24,7 @@ import shlex
 from dataclasses import dataclass
 from pathlib import Path
 
+from specdeploy.build.trtllm.upstream import LOOKAHEAD_BUILD_MODE
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
 from specdeploy.spec.pipeline import DraftSpec, PipelineSpec, TrtllmSpec
@@ -162,7 +164,8 @@ def weight_only_flags(weight_only: str | None) -> tuple[str, ...]:
 
 
 def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode: str | None) -> tuple[str, ...]:
-    """trtllm-build for one component; mode: the target's speculative_decoding_mode (None for a draft).
+    """trtllm-build for one component; mode: the target's speculative_decoding_mode (None for a draft), with
+    --max_draft_len from target_max_draft_len.
 
     --max_input_len is the whole sequence, not the prompt limit: the orchestration sends every call the sequence so
     far (the executor finds its prefix in the reuse cache), which grows to max_sequence_length; the models enable
@@ -174,10 +177,36 @@ def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode:
                "--max_num_tokens", str(spec.max_num_tokens), "--use_paged_context_fmha", "enable",
                "--workers", str(build_workers(spec))]
     if mode is not None:
-        command += ["--speculative_decoding_mode", mode, "--max_draft_len", str(limits.max_draft_tokens)]
+        command += ["--speculative_decoding_mode", mode, "--max_draft_len", str(target_max_draft_len(pipeline))]
     if pipeline.speculation.uses_draft_model and exact_sampling_needs_logits(pipeline):
         command.append("--gather_generation_logits")
     return tuple(command)
+
+
+def target_max_draft_len(pipeline: PipelineSpec) -> int:
+    """The target engine's --max_draft_len. Drafts from outside (draft_tokens_external) and Medusa's tree:
+    limits.max_draft_tokens, the most one step may carry. Lookahead: exactly its (W, N, G)'s draft-token count
+    (LookaheadSpec.nodes, upstream's formula), as the engine is served with those three: the executor refuses to
+    load with fewer ("Assertion failed: maxDraftTokens <= mModelConfig.getMaxDecodingDraftTokens()") and its
+    lookahead layer checks tokens per step against the engine's max_draft_len + 1 ("%d != %d";
+    trtGptModelInflightBatching.cpp @ b35ac1b6, lookaheadDecodingLayer.cpp @ 3585984b; examples/lookahead/
+    README.md asks for them equal)."""
+    speculation = pipeline.speculation
+    return speculation.lookahead.nodes if speculation.drafts_by_lookahead else pipeline.limits.max_draft_tokens
+
+
+def target_mode(pipeline: PipelineSpec) -> str | None:
+    """The target engine's --speculative_decoding_mode: medusa (its heads, converted with it), lookahead_decoding
+    (the engine guesses ahead and verifies by itself: no draft, nothing converted but the target),
+    draft_tokens_external (drafts from our orchestration: a draft engine or the text), or None (plain)."""
+    speculation = pipeline.speculation
+    if speculation.uses_heads:
+        return "medusa"
+    if speculation.drafts_by_lookahead:
+        return LOOKAHEAD_BUILD_MODE
+    if speculation.drafts_outside_target:
+        return "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
+    return None
 
 
 def exact_sampling_needs_logits(pipeline: PipelineSpec) -> bool:
@@ -192,7 +221,6 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
     hf, checkpoints, engines = root / "hf", root / "checkpoints", root / "engines"
     sources = hf_dirs(pipeline, root)
     steps = export_steps(pipeline, root)
-    mode = None
     if speculation.uses_heads:
         heads = speculation.medusa
         steps.append(export("write the Medusa heads as medusa_lm_head.safetensors + config.json",
@@ -204,13 +232,10 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
             "--num_medusa_heads", str(heads.num_heads), "--num_medusa_layers", str(heads.num_layers),
             "--max_medusa_token_len", str(pipeline.limits.max_draft_tokens), "--tp_size", str(spec.tp_size),
             "--pp_size", str(spec.pp_size), *weight_only_flags(pipeline.target.weight_only))))
-        mode = "medusa"
     else:
         steps.append(Step("convert the target", checkpoints / "target",
                           convert_command(spec, sources["target"], checkpoints / "target",
                                           pipeline.target.weight_only)))
-        if speculation.drafts_outside_target:
-            mode = "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
     if speculation.uses_draft_model:
         draft = speculation.draft
         steps.append(Step("convert the draft", checkpoints / "draft",
@@ -219,7 +244,7 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
         steps.append(Step("build the draft engine", engines / "draft",
                           engine_command(pipeline, checkpoints / "draft", engines / "draft", None)))
     steps.append(Step("build the target engine", engines / "target",
-                      engine_command(pipeline, checkpoints / "target", engines / "target", mode)))
+                      engine_command(pipeline, checkpoints / "target", engines / "target", target_mode(pipeline))))
     return steps
 
 

@@ -50,6 +50,24 @@ TENSORRTLLM_PARAMETER_KEYS = frozenset({
 })
 DECODING_MODES = ("top_k", "top_p", "top_k_top_p", "beam_search", "medusa", "redrafter", "lookahead", "eagle")
 
+# Lookahead decoding on the engine line (docs/tensorrt-llm.md, "Lookahead decoding"). The model's parameters, read
+# with GetParameter<uint32_t> only when decoding_mode is "lookahead" (getExecutorConfigFromParams,
+# triton_backend/inflight_batcher_llm/src/model_instance_state.cc @ 0c8de69a): W, N, G in that order.
+LOOKAHEAD_PARAMETERS = ("lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size")
+# ... and a load that finds decoding_mode lookahead without all three (same function):
+LOOKAHEAD_PARAMETERS_MISSING = ("Decoding mode is set to lookahead but lookahead parameters are not specified. "
+                                "Please set parameters lookahead_window_size, lookahead_ngram_size, and "
+                                "lookahead_verification_set_size.")
+# The template's optional per-request inputs of the same names (TYPE_INT32, dims [1]; the names in utils.h @
+# 14c3afec, InputFieldsNames::requestLookaheadDecoding*). Our tensorrt_llm models do not declare them, so Triton
+# itself refuses a request that carries one: the backend would not check w ≤ W, n ≤ N, g ≤ G at enqueue, and a
+# larger value fails inside the executor's step (lookaheadAlgorithm.cpp @ 3585984b, LookaheadAlgorithm::setup).
+LOOKAHEAD_REQUEST_INPUTS = LOOKAHEAD_PARAMETERS
+# trtllm-build's mode for it (tensorrt_llm/commands/build.py @ 008b2b8d); --max_draft_len must then be the draft-token
+# count of the serving (W, N, G) (LookaheadSpec.nodes).
+LOOKAHEAD_BUILD_MODE = "lookahead_decoding"
+
+
 # The parameters the model instance reads with GetParameter<std::string> outside any try: a config without one fails
 # to load with "unexpected error when creating modelInstanceState: Cannot find parameter with name: <name>". Derived
 # from every GetParameter call of NVIDIA/TensorRT-LLM triton_backend/inflight_batcher_llm/src/model_instance_state.cc

@@ -36,7 +36,7 @@ from specdeploy.decoding.finish import Finish
 from specdeploy.decoding.prompt_lookup import common_prefix_length, prompt_lookup
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.serving_request import ServingCounters, ServingRequest, TokenCallback
-from specdeploy.errors import ShuttingDown
+from specdeploy.errors import RequestError, ShuttingDown
 from specdeploy.serve.trtllm import sampling as trtllm_sampling
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.spec.request import GenerationRequest, check_request
@@ -45,6 +45,50 @@ from specdeploy.spec.sampling_params import SamplingParams
 # Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
 # cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
 STREAM_CHUNK = 16
+# The same for a lookahead engine, longer: each call starts its lookahead state afresh (a window drawn from the text,
+# N - 2 warm-up steps before its rows are full, the n-gram pool seeded from the sequence again; LookaheadAlgorithm::
+# setup, lookaheadAlgorithm.cpp @ 3585984b), so short calls would spend much of their steps warming up. A chosen
+# bound, not a measured one: trtllm-check's lookahead slice measures the speed it gives.
+LOOKAHEAD_CHUNK = 64
+
+
+@dataclass(frozen=True)
+class EngineSteps:
+    """How a target engine that speculates by itself (Medusa's tree, lookahead's window and guesses) is counted:
+    each streamed response is one engine step, its tokens the accepted drafts plus one. nodes: draft tokens one step
+    verifies at most (the tree's nodes; lookahead's (N - 2) + (W - 1 + G)(N - 1)); depth: the most a step accepts;
+    chunk: tokens per streamed call."""
+
+    nodes: int
+    depth: int
+    chunk: int
+
+    @classmethod
+    def of(cls, pipeline: PipelineSpec) -> EngineSteps | None:
+        """None when this loop proposes the drafts (or nothing)."""
+        speculation = pipeline.speculation
+        if speculation.uses_heads:
+            paths = speculation.medusa.choices
+            return cls(len(paths), max(len(path) for path in paths), STREAM_CHUNK)
+        if speculation.drafts_by_lookahead:
+            return cls(speculation.lookahead.nodes, speculation.lookahead.ngram - 1, LOOKAHEAD_CHUNK)
+        return None
+
+
+def check_lookahead_request(request: GenerationRequest) -> None:
+    """RequestError naming the field for a request a TensorRT-LLM lookahead engine would answer as something else,
+    without a word: its lookahead layer takes the top token at every position (invokeBatchTopKSampling with top-k
+    1) and its decoding mode has no temperature, penalty or banned-words bit (lookaheadDecodingLayer.cpp @
+    3585984b; DecodingMode::Lookahead in cpp/include/tensorrt_llm/executor/types.h). So a sampled or penalised
+    request is refused rather than returned greedy and unpenalised. top_k and top_p do nothing at temperature 0."""
+    params = request.sampling
+    if not params.greedy:
+        raise RequestError(f"temperature: this pipeline runs TensorRT-LLM's lookahead decoding, which decodes "
+                           f"greedily whatever a request asks (temperature, top_k and top_p are ignored upstream); "
+                           f"send temperature 0, got {params.temperature}")
+    if params.repetition_penalty != 1:
+        raise RequestError(f"repetition_penalty: this pipeline runs TensorRT-LLM's lookahead decoding, which applies "
+                           f"no penalties; send 1, got {params.repetition_penalty}")
 
 
 @dataclass(frozen=True)
@@ -109,6 +153,7 @@ class Orchestrator:
         self.kv_capacity = pipeline.kv_capacity_tokens
         self.counters = ServingCounters()
         self.ngram = pipeline.speculation.ngram if pipeline.speculation.drafts_from_context else None
+        self.engine_steps = EngineSteps.of(pipeline)
         settings = pipeline.backend.settings
         self.logits_width = trtllm_sampling.padded_vocab_size(vocab_size, settings.tp_size * settings.pp_size)
         self.active: list[Job] = []
@@ -125,6 +170,8 @@ class Orchestrator:
         if self.drain_deadline is not None:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
+        if self.pipeline.speculation.drafts_by_lookahead:
+            check_lookahead_request(request)
         sequence = Sequence.for_request(request, ProposalLength.for_request(request, self.pipeline), self.end_ids,
                                         tokenizer=self.tokenizer)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)
@@ -171,8 +218,8 @@ class Orchestrator:
             while sequence.finish_reason is None:
                 if self._interrupted(job):
                     break
-                if self.pipeline.speculation.uses_heads:
-                    self._medusa(job)  # the engine speculates itself, every step: the policy has nothing to turn
+                if self.engine_steps is not None:
+                    self._engine_steps(job)  # the engine speculates itself, every step: the policy has nothing to turn
                 elif (gamma := self._gamma(job)) == 0:
                     self._plain(job)
                 else:
@@ -236,14 +283,13 @@ class Orchestrator:
         self._stream(job, min(sequence.remaining, STREAM_CHUNK),
                      lambda kept: [sequence.stats.record_step(0, 0) for _ in kept])
 
-    def _medusa(self, job: Job) -> None:
-        """Medusa runs inside the target engine: streamed calls of a chunk each, each response one engine step (the
-        tree's accepted path plus one token; nodes verified per step: the tree's size)."""
-        sequence = job.sequence
-        paths = self.pipeline.speculation.medusa.choices
-        nodes, depth = len(paths), max(len(path) for path in paths)
-        self._stream(job, min(sequence.remaining, STREAM_CHUNK),
-                     lambda kept: sequence.stats.record_step(nodes, len(kept) - 1, positions=depth) if kept else None)
+    def _engine_steps(self, job: Job) -> None:
+        """Medusa or lookahead runs inside the target engine: streamed calls of a chunk each, each response one
+        engine step (the accepted drafts plus one token; drafted per step: the most a step verifies)."""
+        sequence, steps = job.sequence, self.engine_steps
+        self._stream(job, min(sequence.remaining, steps.chunk),
+                     lambda kept: sequence.stats.record_step(steps.nodes, len(kept) - 1, positions=steps.depth)
+                     if kept else None)
 
     def _speculate(self, job: Job, gamma: int) -> None:
         sequence = job.sequence

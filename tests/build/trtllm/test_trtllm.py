@@ -29,6 +29,8 @@ from specdeploy.build.trtllm.upstream import (
     DECODING_MODES,
     GPT_MODEL_TYPES,
     LLAMA_CONVERT_FLAGS,
+    LOOKAHEAD_PARAMETERS,
+    LOOKAHEAD_REQUEST_INPUTS,
     MEDUSA_CONVERT_FLAGS,
     TENSORRTLLM_INPUTS,
     TENSORRTLLM_PARAMETER_KEYS,
@@ -100,10 +102,17 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive
     assert target["--max_seq_len"] == str(pipeline.limits.max_sequence_length)
     # every call brings the whole sequence so far, so an engine's input may be as long as a sequence
     assert all(build["--max_input_len"] == str(pipeline.limits.max_sequence_length) for build in builds.values())
-    assert target["--max_draft_len"] == str(pipeline.limits.max_draft_tokens)
     assert target["--use_paged_context_fmha"] == "enable"
     settings = pipeline.backend.settings
-    if pipeline.speculation.method == "medusa":
+    if pipeline.speculation.drafts_by_lookahead:  # the engine's draft tokens are exactly the (W, N, G)'s
+        assert target["--max_draft_len"] == str(pipeline.speculation.lookahead.nodes)
+    else:
+        assert target["--max_draft_len"] == str(pipeline.limits.max_draft_tokens)
+    if pipeline.speculation.drafts_by_lookahead:  # the target alone, guessing ahead by itself
+        assert target["--speculative_decoding_mode"] == "lookahead_decoding" and set(builds) == {"target"}
+        assert "--gather_generation_logits" not in target
+        assert [s.title for s in steps] == ["convert the target", "build the target engine"]
+    elif pipeline.speculation.method == "medusa":
         assert target["--speculative_decoding_mode"] == "medusa" and set(builds) == {"target"}
         convert = flags(next(s.command for s in steps if s.command and "--medusa_model_dir" in s.command))
         assert convert["--num_medusa_heads"] == str(pipeline.speculation.medusa.num_heads)
@@ -180,6 +189,9 @@ def test_dry_run_prints_the_plan_and_a_torch_pipeline_refuses_it(tmp_path, tiny_
     assert refused.returncode == 2 and "--dry-run" in refused.stderr
 
 
+SMALL_LOOKAHEAD = {"window": 2, "ngram": 3, "verification_set": 2}  # 1 + (2 - 1 + 2) × 2 = 7 draft tokens
+
+
 @pytest.mark.parametrize("changes, key", [
     ({"speculation": {"method": "medusa", "num_draft_tokens": 2,
                       "medusa": {"heads": "h.safetensors", "num_heads": 2, "choices": [[0], [0, 0]]}},
@@ -207,13 +219,54 @@ def test_dry_run_prints_the_plan_and_a_torch_pipeline_refuses_it(tmp_path, tiny_
     # the LLM API's EAGLE-3 drafts one chain (its draft trees are flagged as under development in 1.2)
     ({"speculation": {"method": "eagle", "eagle": {"head": "h"}},
       "backend": {"kind": "trtllm", "trtllm": {"line": "llm_api"}}}, "speculation.eagle.top_k"),
+    # llm_args.LookaheadDecodingConfig.supports_backend: "Speculation type Lookahead does not support backend pytorch"
+    ({"speculation": {"method": "lookahead", "lookahead": SMALL_LOOKAHEAD},
+      "backend": {"kind": "trtllm", "trtllm": {"line": "llm_api"}}}, "backend.trtllm.line"),
+    ({"speculation": {"method": "lookahead", "lookahead": SMALL_LOOKAHEAD},
+      "backend": {"kind": "trtllm", "trtllm": {"server": "trtllm_serve"}}}, "backend.trtllm.server"),
+    # greedy only upstream: a sampled or penalised default would refuse every request that keeps it
+    ({"speculation": {"method": "lookahead", "lookahead": SMALL_LOOKAHEAD}, "sampling": {"temperature": 0.7}},
+     "sampling.temperature"),
+    ({"speculation": {"method": "lookahead", "lookahead": SMALL_LOOKAHEAD}, "sampling": {"repetition_penalty": 1.1}},
+     "sampling.repetition_penalty"),
+    # (N - 2) + (W - 1 + G)(N - 1) = 15 draft tokens for the default (4, 3, 4), above limits.max_draft_tokens (8)
+    ({"speculation": {"method": "lookahead"}}, "speculation.lookahead"),
+    ({"speculation": {"method": "early_exit"}}, "speculation.method"),  # no TensorRT-LLM path upstream
 ], ids=["medusa-on-moe", "medusa-on-llm-api", "draft-target-via-llm-api-on-engines", "int4-draft-on-llm-api",
         "moe-product", "moe-ep-divides-tp", "trtllm-section-on-torch", "kv-fraction", "kv-fraction-1",
-        "target-without-kv-reuse", "above-max-draft-len", "eagle3-on-engines", "eagle3-tree-on-llm-api"])
+        "target-without-kv-reuse", "above-max-draft-len", "eagle3-on-engines", "eagle3-tree-on-llm-api",
+        "lookahead-on-llm-api", "lookahead-via-trtllm-serve", "lookahead-sampled-default",
+        "lookahead-penalised-default", "lookahead-above-max-draft-len", "early-exit"])
 def test_invalid_trtllm_combinations_fail_at_validation_naming_the_key(tmp_path, tiny_checkpoints, changes, key):
     path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], **changes)
     with pytest.raises(PipelineError, match=rf"{key.replace('.', chr(92) + '.')}: "):
         load_pipeline(path)
+
+
+def test_a_lookahead_plan_builds_the_target_alone_for_its_own_sizes(tmp_path, tiny_checkpoints):
+    """Lookahead on the engine line: the target converted and built with lookahead_decoding and --max_draft_len
+    exactly (N - 2) + (W - 1 + G)(N - 1), not limits.max_draft_tokens (an engine built for more fails to load with
+    the sizes it is served with: test_trtllm_double); no draft, no export, no logits gathered; its tensorrtllm model
+    decodes lookahead with the three sizes, and declares none of the per-request lookahead inputs."""
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={
+        "method": "lookahead", "lookahead": SMALL_LOOKAHEAD})
+    pipeline = load_pipeline(path)
+    steps, _ = plan(pipeline, tmp_path / "engines")
+    assert [s.title for s in steps] == ["convert the target", "build the target engine"]
+    for step in steps:
+        check_against(table_for(step.command), step.command)
+    build = flags(steps[1].command)
+    assert build["--speculative_decoding_mode"] == "lookahead_decoding" and build["--max_draft_len"] == "7"
+    assert pipeline.limits.max_draft_tokens == 8 and "--gather_generation_logits" not in build
+    configs = model_configs(pipeline, served_at=Path("/models/la"))
+    assert set(configs) == {"preprocessing", "speculative", "ensemble", "tensorrt_llm"}
+    values = {key: value.string_value for key, value in configs["tensorrt_llm"].parameters.items()}
+    assert {key: values[key] for key in ("decoding_mode", *LOOKAHEAD_PARAMETERS)} == {
+        "decoding_mode": "lookahead", "lookahead_window_size": "2", "lookahead_ngram_size": "3",
+        "lookahead_verification_set_size": "2"}
+    assert values["max_beam_width"] == "1"  # "Lookahead requires beam width = 1"
+    for config in configs.values():  # Triton refuses a request that carries one
+        assert not {t.name for t in config.input} & set(LOOKAHEAD_REQUEST_INPUTS), config.name
 
 
 def test_parallelism_that_does_not_divide_the_model_fails_before_anything_runs(tmp_path, tiny_checkpoints):
@@ -451,11 +504,20 @@ def test_tensorrtllm_model_configs_use_the_upstream_template_keys(path):
     assert values["gpt_model_path"] == "/engines/target"
     served = model_configs(pipeline, served_at=Path("/models/x"))  # where the repository will be on the server
     assert served["tensorrt_llm"].parameters["gpt_model_path"].string_value == "/models/x/tensorrt_llm/1/engine"
+    lookahead = pipeline.speculation.lookahead
     if pipeline.speculation.method == "medusa":
         assert values["decoding_mode"] == "medusa"
         assert parse_choices(values["medusa_choices"]) == [list(p) for p in pipeline.speculation.medusa.choices]
+    elif pipeline.speculation.drafts_by_lookahead:
+        # both the mode and the sizes: upstream reads the sizes only under decoding_mode lookahead
+        assert values["decoding_mode"] == "lookahead" and "medusa_choices" not in values
+        assert [int(values[key]) for key in LOOKAHEAD_PARAMETERS] == [lookahead.window, lookahead.ngram,
+                                                                       lookahead.verification_set]
     else:
         assert "medusa_choices" not in values and values["decoding_mode"] == "top_k_top_p"
+    if not pipeline.speculation.drafts_by_lookahead:
+        assert not set(values) & set(LOOKAHEAD_PARAMETERS)
+    assert not set(draft.parameters) & set(LOOKAHEAD_PARAMETERS)
     # The draft's KV cache: capped at what it can hold, so it never takes the target's share of the GPU.
     draft_values = {key: value.string_value for key, value in draft.parameters.items()}
     limits = pipeline.limits

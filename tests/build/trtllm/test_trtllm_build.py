@@ -126,6 +126,40 @@ def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp
     assert relative.returncode != 0 and "--served-at" in relative.stderr and "absolute" in relative.stderr
 
 
+def test_a_lookahead_pipeline_builds_and_packages_an_engine_its_backend_loads(double, tmp_path, tiny_checkpoints):
+    """The target alone, built with lookahead_decoding for exactly its (W, N, G)'s draft tokens; packaged with
+    decoding_mode lookahead and the three sizes, no draft model; and that config over that engine is one the
+    backend's double loads (running the configured sizes, with no warning)."""
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={
+        "method": "lookahead", "lookahead": {"window": 2, "ngram": 3, "verification_set": 2}})
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 0, result.stderr
+    root = engines / "t" / "trtllm"
+    assert sorted(p.name for p in (root / "engines").iterdir()) == ["target"]
+    assert sorted(p.name for p in (root / "checkpoints").iterdir()) == ["target"]
+    built = json.loads((root / "engines" / "target" / "config.json").read_text())["build_config"]
+    assert built["speculative_decoding_mode"] == "lookahead_decoding" and built["max_draft_len"] == 7
+    assert built["max_seq_len"] == load_pipeline(path).limits.max_sequence_length + 7  # trtllm-build adds it
+
+    repository = tmp_path / "repository"
+    result = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository))
+    assert result.returncode == 0, result.stderr
+    assert sorted(p.name for p in repository.iterdir() if p.is_dir()) == ["ensemble", "preprocessing",
+                                                                         "speculative", "tensorrt_llm"]
+    config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
+    parameters = {key: value.string_value for key, value in config.parameters.items()}
+    assert parameters["decoding_mode"] == "lookahead"
+    sys.path.insert(0, str(DOUBLE / "backend"))
+    try:
+        from tensorrtllm_double import LookaheadConfig, load_settings
+    finally:
+        sys.path.remove(str(DOUBLE / "backend"))
+    settings = load_settings(parameters)
+    assert settings.lookahead == LookaheadConfig(2, 3, 2) and settings.lookahead_configured
+    assert not settings.warnings
+
+
 def test_a_failed_step_names_its_log_and_leaves_nothing_complete(double, tmp_path, tiny_checkpoints, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))  # the converter cannot import tensorrt_llm
     path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"])

@@ -21,14 +21,16 @@ from helpers.repo import REPO
 from scipy import stats
 
 from specdeploy.decoding.finish import Finish
+from specdeploy.errors import RequestError
 from specdeploy.serve.trtllm.engine_calls import BlsCalls
-from specdeploy.serve.trtllm.orchestration import STREAM_CHUNK, Orchestrator
+from specdeploy.serve.trtllm.orchestration import LOOKAHEAD_CHUNK, STREAM_CHUNK, Orchestrator
+from specdeploy.spec.pipeline import BackendSpec, LookaheadSpec
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 
 sys.path.insert(0, str(REPO / "tests" / "trtllm_double" / "backend"))
 from bls_double import BlsDouble, pipeline_doubles  # noqa: E402
-from tensorrtllm_double import Sampling, TensorrtllmDouble  # noqa: E402
+from tensorrtllm_double import LookaheadConfig, Sampling, TensorrtllmDouble  # noqa: E402
 
 TARGET, DRAFT = "tensorrt_llm", "tensorrt_llm_draft"
 
@@ -441,6 +443,61 @@ def test_medusa_streams_the_engines_steps_and_counts_them(tiny_engines):
     assert stats.steps == 5 and stats.accepted == 2 + 0 + 1 + 2 + 1  # the last step was cut to max_tokens
     assert stats.drafted == 5 * 3 and stats.drafted_per_position == [5, 5]  # tree: 3 nodes, depth 2
     orch.stop()
+
+
+def lookahead_pipeline(engine, sizes: tuple[int, int, int] = (2, 3, 2)):
+    """The tiny engine's pipeline as TensorRT-LLM lookahead on the engine line: (W, N, G) = sizes, whose
+    (N - 2) + (W - 1 + G)(N - 1) draft tokens (7 by default) fit the pipeline's limits.max_draft_tokens (8)."""
+    speculation = dataclasses.replace(engine.pipeline.speculation, method="lookahead", draft=None,
+                                      lookahead=LookaheadSpec(*sizes))
+    return dataclasses.replace(engine.pipeline, speculation=speculation, backend=BackendSpec(kind="trtllm"))
+
+
+def test_lookahead_equals_plain_greedy_and_counts_the_engines_steps(tiny_engines, tmp_path):
+    """A lookahead engine (the double, configured as `package` writes it over the engine the plan builds) speculates
+    by itself: the loop streams its steps in calls of LOOKAHEAD_CHUNK tokens, never calls a draft or sends drafts,
+    and counts each step's tokens minus one as accepted of the (W, N, G)'s 7 draft tokens. The text is plain
+    greedy's."""
+    engine = tiny_engines["ngram"]
+    pipeline = lookahead_pipeline(engine)
+    orch, bls = orchestrator(engine, tmp_path, pipeline=pipeline)
+    settings = bls.models[TARGET].settings
+    assert settings.lookahead == LookaheadConfig(2, 3, 2) and settings.lookahead_configured and not settings.warnings
+    for text in PROMPTS:
+        prompt = engine.encode_prompt(text)
+        collector = run(orch, GenerationRequest(prompt, 90, SamplingParams(), end_id=-1))
+        assert collector.tokens == plain(engine, prompt, 90) and collector.reason == "length"
+    counters = orch.counters
+    assert 0 < counters.accepted < counters.drafted and counters.drafted % 7 == 0
+    assert {model for model, _ in bls.requests} == {TARGET}
+    assert all("draft_input_ids" not in inputs for _, inputs in bls.requests)
+    lengths = [int(inputs["request_output_len"][0, 0]) for _, inputs in bls.requests]
+    assert max(lengths) == LOOKAHEAD_CHUNK and len(lengths) == 3 * 3  # a prefill and two calls per request
+    orch.stop()
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(temperature=0.7, top_k=4, seed=1), "temperature"),
+    (SamplingParams(temperature=1.0), "temperature"),
+    (SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
+], ids=["t0.7-topk4", "t1", "greedy-penalised"])
+def test_a_lookahead_pipeline_refuses_what_its_engine_would_silently_decode_greedily(tiny_engines, tmp_path, params,
+                                                                                      field):
+    """TensorRT-LLM's lookahead decodes greedily and unpenalised whatever a request asks (the double does the same:
+    test_trtllm_double), so such a request is refused naming the field before any engine call; a greedy request
+    with top-k or top-p (which do nothing at temperature 0) is served."""
+    engine = tiny_engines["ngram"]
+    orch, bls = orchestrator(engine, tmp_path, pipeline=lookahead_pipeline(engine))
+    prompt = engine.encode_prompt(PROMPTS[0])
+    with pytest.raises(RequestError, match=rf"^{field}: this pipeline runs TensorRT-LLM's lookahead decoding"):
+        orch.submit(GenerationRequest(prompt, 8, params, end_id=-1), Collector())
+    assert bls.requests == [] and orch.counters.outcomes == {}
+    served = run(orch, GenerationRequest(prompt, 8, SamplingParams(top_k=4, top_p=0.5), end_id=-1))
+    assert served.tokens == plain(engine, prompt, 8)
+    orch.stop()
+    draft_target, _ = orchestrator(tiny_engines["draft_target"], tmp_path / "dt")  # other methods sample
+    assert run(draft_target, GenerationRequest(prompt, 8, params, end_id=-1)).reason == "length"
+    draft_target.stop()
 
 
 def test_a_drain_refuses_new_requests_and_ends_running_ones_at_the_deadline(tiny_engines, tmp_path):

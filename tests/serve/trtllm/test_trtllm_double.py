@@ -16,7 +16,7 @@ import torch
 from helpers.repo import REPO
 from scipy import stats
 
-from specdeploy.build.trtllm.upstream import TENSORRTLLM_REQUIRED_PARAMETERS
+from specdeploy.build.trtllm.upstream import LOOKAHEAD_PARAMETERS_MISSING, TENSORRTLLM_REQUIRED_PARAMETERS
 from specdeploy.decoding.sampling import sampling_distribution
 from specdeploy.package.trtllm_models import tensorrtllm_model
 from specdeploy.serve.trtllm.sampling import draft_logits, executor_distribution, point_mass_logits
@@ -25,9 +25,20 @@ from specdeploy.spec.sampling_params import SamplingParams
 
 sys.path.insert(0, str(REPO / "tests" / "trtllm_double" / "backend"))
 from bls_double import build_double  # noqa: E402
-from tensorrtllm_double import DoubleError, LoadError, Sampling, TensorrtllmDouble, load_settings  # noqa: E402
+from tensorrtllm_double import (  # noqa: E402
+    DEFAULT_LOOKAHEAD,
+    BackendSettings,
+    DoubleError,
+    EngineConfig,
+    LoadError,
+    LookaheadConfig,
+    Sampling,
+    TensorrtllmDouble,
+    load_settings,
+)
 
 LLAMA70B = REPO / "pipelines" / "gpu" / "llama70b-draft-target.yaml"
+LOOKAHEAD = REPO / "pipelines" / "gpu" / "llama8b-lookahead.yaml"  # (W, N, G) = (4, 4, 4): 23 draft tokens
 DOUBLE = REPO / "tests" / "trtllm_double"
 
 
@@ -43,9 +54,10 @@ TARGET_FLAGS = ("--max_batch_size", "8", "--max_input_len", "256", "--max_seq_le
                 "--speculative_decoding_mode", "draft_tokens_external", "--max_draft_len", "8")
 
 
-def parameters(engine_dir: Path, draft: bool = False) -> dict[str, str]:
-    """The parameters `package` writes for a tensorrtllm model (the 70B example's settings) over engine_dir."""
-    config = tensorrtllm_model("tensorrt_llm", load_pipeline(LLAMA70B), str(engine_dir), draft=draft)
+def parameters(engine_dir: Path, draft: bool = False, example: Path = LLAMA70B) -> dict[str, str]:
+    """The parameters `package` writes for a tensorrtllm model (the example's settings, the 70B's by default) over
+    engine_dir."""
+    config = tensorrtllm_model("tensorrt_llm", load_pipeline(example), str(engine_dir), draft=draft)
     return {key: value.string_value for key, value in config.parameters.items()}
 
 
@@ -146,6 +158,153 @@ def test_sampling_settings_are_regularised_as_the_executor_does():
     of = Sampling.of(request([1], 1, temperature=0.8, runtime_top_k=4))
     assert (of.top_k, of.top_p, of.seed) == (4, 1.0, 0)
     assert Sampling.of(request([1], 1, runtime_top_k=0, runtime_top_p=0.9)).top_k == 0
+
+
+# ---- lookahead ----------------------------------------------------------------------------------------------------
+
+def lookahead_engine(directory: Path, max_draft_len: int | None) -> Path:
+    """A lookahead engine as the build double writes it (None: --max_draft_len left at its default, 0)."""
+    flags = ("--max_seq_len", "256", "--max_input_len", "256", "--speculative_decoding_mode", "lookahead_decoding")
+    return engine(directory, *flags, *(() if max_draft_len is None else ("--max_draft_len", str(max_draft_len))))
+
+
+def test_the_formula_is_upstreams_and_the_pipelines_node_count():
+    """calculateSpeculativeResourceTuple's draft tokens at the worked values of docs/tensorrt-llm.md, and the
+    pipeline's LookaheadSpec.nodes giving the same count for every (W, N, G) it allows."""
+    from specdeploy.spec.pipeline import LookaheadSpec
+
+    worked = {(1, 1, 0): 0, (2, 2, 1): 2, (4, 3, 4): 15, (3, 3, 3): 11, (4, 4, 4): 23, (5, 5, 5): 39, (7, 7, 7): 83}
+    assert {sizes: LookaheadConfig(*sizes).max_draft_len for sizes in worked} == worked
+    for sizes in [(w, n, g) for w in range(1, 9) for n in range(2, 9) for g in range(1, 9)]:
+        assert LookaheadSpec(*sizes).nodes == LookaheadConfig(*sizes).max_draft_len, sizes
+    assert DEFAULT_LOOKAHEAD.max_draft_len == 15
+
+
+def test_a_lookahead_engine_loads_only_with_the_sizes_it_was_built_for(tmp_path):
+    """The packaged parameters (decoding_mode lookahead and W, N, G) over an engine built with their draft-token
+    count load; every other combination upstream refuses fails the load with its message."""
+    packaged = parameters(lookahead_engine(tmp_path / "built", 23), example=LOOKAHEAD)
+    settings = load_settings(packaged)
+    assert settings.lookahead == LookaheadConfig(4, 4, 4) and settings.lookahead_configured and not settings.warnings
+
+    def refused(change: dict, max_draft_len: int | None = 23) -> str:
+        directory = lookahead_engine(tmp_path / f"engine{len(list(tmp_path.iterdir()))}", max_draft_len)
+        given = {**parameters(directory, example=LOOKAHEAD), **change}
+        given = {key: value for key, value in given.items() if value is not None}
+        with pytest.raises(LoadError) as failed:
+            load_settings(given)
+        return str(failed.value).removeprefix("unexpected error when creating modelInstanceState: ")
+
+    assertion = "[TensorRT-LLM][ERROR] Assertion failed: "
+    # the engine built for fewer draft tokens than (4, 4, 4) needs, or for more
+    assert refused({}, 15) == assertion + "maxDraftTokens <= mModelConfig.getMaxDecodingDraftTokens()"
+    assert refused({}, 40) == assertion + "24 != 41"
+    # trtllm-build takes lookahead_decoding without --max_draft_len (0): the load is where it fails
+    assert refused({}, None) == assertion + "maxDraftTokens <= mModelConfig.getMaxDecodingDraftTokens()"
+    # without decoding_mode lookahead the three sizes are not read: the executor's default (4, 3, 4) runs, 16 tokens
+    # a step against the engine's 24 (tensorrtllm_backend issue #710 shows "16 != 40")
+    assert refused({"decoding_mode": "top_k_top_p"}) == assertion + "16 != 24"
+    assert refused({"decoding_mode": None}) == assertion + "16 != 24"
+    # decoding_mode lookahead without all three, or with the template's unfilled placeholder
+    assert refused({"lookahead_ngram_size": None}) == LOOKAHEAD_PARAMETERS_MISSING
+    assert refused({"lookahead_window_size": "${lookahead_window_size}"}) == LOOKAHEAD_PARAMETERS_MISSING
+    assert refused({"lookahead_ngram_size": "1"}) == assertion + "ngramSize=1 requires verificationSetSize=0"
+    assert refused({"max_beam_width": "2"}) == assertion + "Lookahead requires beam width = 1"
+
+
+def test_without_decoding_mode_lookahead_the_sizes_are_silently_ignored(tmp_path):
+    """On an engine built for the default's 15 draft tokens, a config whose decoding_mode is not lookahead loads
+    and runs (4, 3, 4) whatever its lookahead_* parameters say, with only a warning; decoding_mode lookahead on an
+    engine built without the mode falls back to plain decoding, also with a warning."""
+    given = {**parameters(lookahead_engine(tmp_path / "default", 15), example=LOOKAHEAD),
+             "decoding_mode": "top_k_top_p", "lookahead_window_size": "7", "lookahead_ngram_size": "7",
+             "lookahead_verification_set_size": "7"}
+    settings = load_settings(given)
+    assert settings.lookahead == DEFAULT_LOOKAHEAD and not settings.lookahead_configured
+    assert settings.warnings == ("Model is Lookahead, but decoding mode is not Lookahead. Overwriting decoding mode "
+                                 "to Lookahead.",)
+    plain_engine = engine(tmp_path / "plain", "--max_seq_len", "256", "--max_input_len", "256")
+    fallback = load_settings(parameters(plain_engine, example=LOOKAHEAD))
+    assert not fallback.is_lookahead and fallback.lookahead_configured
+    assert fallback.warnings[0].startswith("Model is not built with Lookahead decoding")
+
+
+def lookahead_double(tiny_engines, tmp_path: Path, sizes: tuple[int, int, int] = (2, 3, 2),
+                     configured: bool = True) -> TensorrtllmDouble:
+    """The double of a lookahead engine over the tiny target, running `sizes`."""
+    config = LookaheadConfig(*sizes)
+    engine_config = EngineConfig(256, 256 + config.max_draft_len, config.max_draft_len, "lookahead_decoding", False)
+    return TensorrtllmDouble(tiny_engines["ngram"].dir / "target",
+                             BackendSettings(engine_config, True, True, config, configured))
+
+
+def greedy_reference(tiny_engines, prompt: list[int], count: int) -> list[int]:
+    engine = tiny_engines["ngram"]
+    return engine.generate(prompt, SamplingParams(), count, num_draft_tokens=0).run()
+
+
+def test_lookahead_decodes_greedily_whatever_the_request_samples(tiny_engines, tmp_path):
+    """LookaheadDecodingLayer takes the top token at every position: a request at temperature 0.9 with top-k 50, a
+    top-p and a repetition penalty gets the greedy text, with no error (the orchestration refuses such requests
+    for that reason). Steps carry more than one token where the pool's guesses hold."""
+    double = lookahead_double(tiny_engines, tmp_path)
+    prompt = tiny_engines["ngram"].encode_prompt("abcabcabc")
+    expected = greedy_reference(tiny_engines, prompt, 60)
+    steps = [step.tokens for step in double.run(request(prompt, 60, runtime_top_k=1, streaming=True))]
+    assert [token for step in steps for token in step] == expected
+    assert max(len(step) for step in steps) > 1 and all(len(step) <= 3 for step in steps)  # at most N tokens
+    sampled = new_tokens(double, request(prompt, 60, temperature=0.9, runtime_top_k=50, runtime_top_p=0.9,
+                                         repetition_penalty=1.5, seed=[[7]]))
+    assert sampled == expected
+
+
+class Successor(TensorrtllmDouble):
+    """A target whose argmax after any context is its last token + 1 (so what a guess must be to hold is known)."""
+
+    def logits(self, tokens, last):
+        targets = torch.tensor(tokens[-last:]) + 1
+        return torch.nn.functional.one_hot(targets % self.vocab_size, self.vocab_size).float()
+
+
+def test_lookahead_verifies_min_w_g_guesses(tiny_engines, tmp_path):
+    """NVIDIA/TensorRT-LLM issue #4003: LookaheadAlgorithm::guess asks the pool for W n-grams, and a key keeps at
+    most G, so min(W, G) are verified. Here the only right 3-gram after token 9 is the oldest of four: with G 4 it
+    is verified at W 4 (a first step of three tokens) and not at W 2 (a first step of one)."""
+    prompt = [9, 10, 11, 9, 50, 51, 9, 60, 61, 9, 70, 71, 9]
+    steps = {}
+    for window in (2, 4):
+        double = lookahead_double(tiny_engines, tmp_path, (window, 3, 4))
+        double.__class__ = Successor
+        steps[window] = [step.tokens for step in double.run(request(prompt, 3, runtime_top_k=1, streaming=True))]
+    assert steps[4] == [[10, 11, 12]]
+    assert steps[2][0] == [10] and sum(steps[2], []) == [10, 11, 12]  # the same text, in more steps
+
+
+def test_a_requests_own_lookahead_sizes_are_read_as_the_backend_reads_them(tiny_engines, tmp_path):
+    """getLookaheadDecodingFromTensors keys on lookahead_window_size alone; nothing checks the sizes against the
+    model's until the step runs, which fails there. specdeploy's models never declare these inputs (test_trtllm:
+    Triton refuses them), so this is what a client addressing the engine model directly would meet upstream."""
+    double = lookahead_double(tiny_engines, tmp_path, (2, 3, 2))
+    prompt = tiny_engines["ngram"].encode_prompt("abcabcabc")
+    expected = greedy_reference(tiny_engines, prompt, 12)
+    assert new_tokens(double, request(prompt, 12, runtime_top_k=1, lookahead_ngram_size=9)) == expected  # ignored
+    assert new_tokens(double, request(prompt, 12, runtime_top_k=1, lookahead_window_size=1, lookahead_ngram_size=2,
+                                      lookahead_verification_set_size=1)) == expected  # smaller: served
+    with pytest.raises(DoubleError, match="^Failed to extract lookahead_ngram_size$"):
+        new_tokens(double, request(prompt, 12, lookahead_window_size=2))
+    with pytest.raises(DoubleError, match=r"^\[TensorRT-LLM\]\[ERROR\] Assertion failed: windowSize requires >= 1$"):
+        new_tokens(double, request(prompt, 12, lookahead_window_size=0, lookahead_ngram_size=2,
+                                   lookahead_verification_set_size=1))
+    with pytest.raises(DoubleError) as late:
+        new_tokens(double, request(prompt, 12, lookahead_window_size=5, lookahead_ngram_size=3,
+                                   lookahead_verification_set_size=2))
+    assert str(late.value) == ("Encountered an error in forward function: [TensorRT-LLM][ERROR] Assertion failed: "
+                               "lookahead requires setup w (5) <= max_w (2)")
+    unconfigured = lookahead_double(tiny_engines, tmp_path, (4, 3, 4), configured=False)
+    with pytest.raises(DoubleError, match="Cannot set the request lookahead decoding configuration when model "
+                                          "instance lookahead parameters are not set."):
+        new_tokens(unconfigured, request(prompt, 12, lookahead_window_size=2, lookahead_ngram_size=2,
+                                         lookahead_verification_set_size=1))
 
 
 # ---- sampling and verification --------------------------------------------------------------------------------
@@ -255,6 +414,9 @@ def test_trtllm_build_refuses_and_adjusts_as_upstream():
     assert config["max_input_len"] == 512  # clipped to max_seq_len
     assert config["max_seq_len"] == 512 + 7 and config["max_draft_len"] == 7
     assert config["max_num_tokens"] == 4 * (7 + 1)  # raised to fit a step of every row
+    lookahead = build_config(["--checkpoint_dir", "c", "--output_dir", "o", "--max_seq_len", "512",
+                              "--speculative_decoding_mode", "lookahead_decoding"])  # no check of max_draft_len
+    assert (lookahead["max_draft_len"], lookahead["max_seq_len"]) == (0, 512)
 
 
 def medusa_convert(tmp_path: Path, *flags: str) -> str:

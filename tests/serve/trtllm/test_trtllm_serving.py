@@ -7,13 +7,9 @@ metrics, cancellation, bad requests, and an ensemble clients cannot tell from th
 from __future__ import annotations
 
 import os
-import shutil
-import sys
-from pathlib import Path
 
 import pytest
 import yaml
-from google.protobuf import text_format
 from helpers.pipelines import write_pipeline
 from helpers.repo import REPO
 from helpers.served import (
@@ -26,7 +22,7 @@ from helpers.served import (
     run_concurrent_streams,
     wait_for_idle,
 )
-from tritonclient.grpc import model_config_pb2 as pb
+from helpers.trtllm_served import swap_in_the_double, tensorrtllm_double_bin
 
 from specdeploy.build.trtllm import engine_build as trtllm
 from specdeploy.build.trtllm.engine_build import build as trtllm_build
@@ -45,30 +41,6 @@ from specdeploy.spec.pipeline import load_pipeline
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 DOUBLE = REPO / "tests" / "trtllm_double"
 LABELS = {"model": "speculative", "method": "draft_target"}
-
-
-def tensorrtllm_double_bin(directory: Path) -> Path:
-    """trtllm-build and python3 as the build double's (test_trtllm_build.double, for a module-scoped build)."""
-    directory.mkdir()
-    for name, target in (("trtllm-build", f"{sys.executable} {DOUBLE / 'trtllm_build.py'}"),
-                         ("python3", sys.executable)):
-        (directory / name).write_text(f'#!/bin/sh\nexec {target} "$@"\n')
-        (directory / name).chmod(0o755)
-    return directory
-
-
-def swap_in_the_double(repository: Path, components: dict[str, Path]) -> None:
-    """Each tensorrtllm model becomes the Python double: same tensors and parameters, backend python, plus
-    `double_component` (the torch engine component it runs) and the double's files in its version directory."""
-    for name, component in components.items():
-        path = repository / name / "config.pbtxt"
-        config = text_format.Parse(path.read_text(), pb.ModelConfig())
-        assert config.backend == "tensorrtllm"
-        config.backend = "python"
-        config.parameters["double_component"].string_value = str(component)
-        path.write_text(text_format.MessageToString(config))
-        for file in ("model.py", "tensorrtllm_double.py"):
-            shutil.copy2(DOUBLE / "backend" / file, repository / name / "1" / file)
 
 
 @pytest.fixture(scope="module")

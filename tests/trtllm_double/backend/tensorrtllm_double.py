@@ -5,7 +5,10 @@ It behaves like upstream where upstream is unkind; every behaviour has its sourc
 commit) in tests/trtllm_double/README.md. In short:
 - loading (`load_settings`): the four parameters read without a fallback, upstream's message when one is missing,
   gpt_model_type's values, booleans that silently take their default when misspelled, the KV cache fraction in
-  (0, 1), the engine at gpt_model_path, KV block reuse required by a draft_tokens_external target;
+  (0, 1), the engine at gpt_model_path, KV block reuse required by a draft_tokens_external target; a lookahead
+  engine's (W, N, G): the three lookahead_* parameters read only under decoding_mode lookahead, the executor's
+  default (4, 3, 4) otherwise, and the load failing unless the engine's max_draft_len is that configuration's
+  draft-token count, or with a beam width above 1;
 - requests (`run`): the sequence budget (`LlmRequest::validate`, which reserves the engine's max_draft_len for a
   request without drafts, after trtllm-build added it to max_seq_len), temperature 0 and absent top-k/top-p as the
   sampling config regularises them, seed 0 when none is sent, generation logits only from an engine built to
@@ -15,8 +18,12 @@ commit) in tests/trtllm_double/README.md. In short:
   p(x) > u·q(x), a rejection draws from max(0, p − q); without them, a draft survives when it equals the target's
   own sample, and a rejection draws a fresh sample from p. Either way p is the target's distribution over its
   top-k/top-p set at full mass, and the request ends after that one step, whatever request_output_len says.
+- lookahead (`lookahead_steps`): greedy whatever the request's sampling, a step's tokens the longest guess the
+  target's argmax confirms plus one; a request's own lookahead_* tensors read as the backend reads them (keyed on
+  lookahead_window_size alone) and a size above the model's failing only when its step runs.
 What it does not do: batch requests (one at a time, a lock per call) or page the KV cache (it keeps one cached
-sequence and reuses its prefix, as block reuse would).
+sequence and reuses its prefix, as block reuse would). Its lookahead verifies only the n-gram pool's guesses, not
+the Jacobi window's rows, so its steps accept no more than upstream's would (the text is the same: greedy).
 """
 
 from __future__ import annotations
@@ -34,6 +41,9 @@ from specdeploy.build.trtllm.upstream import (
     BOOLEAN_VALUES,
     GPT_MODEL_TYPES,
     INSTANCE_ERROR,
+    LOOKAHEAD_BUILD_MODE,
+    LOOKAHEAD_PARAMETERS,
+    LOOKAHEAD_PARAMETERS_MISSING,
     MISSING_PARAMETER,
     TENSORRTLLM_REQUIRED_PARAMETERS,
 )
@@ -41,6 +51,7 @@ from specdeploy.decoding.prompt_lookup import common_prefix_length
 from specdeploy.decoding.repetition_penalty import seen_mask
 from specdeploy.models.llama import ragged_forward_all
 from specdeploy.models.registry import load_component
+from specdeploy.speculative.lookahead import NgramPool
 
 REMEMBERED = 4096  # logits of this many recent (sequence, positions) queries are kept
 
@@ -78,11 +89,52 @@ class EngineConfig:
                    build["speculative_decoding_mode"], build["gather_generation_logits"], mapping.get("world_size", 1))
 
 
+ASSERTION = "[TensorRT-LLM][ERROR] Assertion failed: {}"  # TLLM_CHECK / TLLM_CHECK_WITH_INFO's TllmException
+
+
+@dataclass(frozen=True)
+class LookaheadConfig:
+    """executor::LookaheadDecodingConfig (cpp/tensorrt_llm/executor/decodingConfig.cpp @ 0371ba0f): W, N, G."""
+
+    window: int
+    ngram: int
+    verification_set: int
+
+    def problem(self) -> str | None:
+        """The constructor's TLLM_CHECK_WITH_INFO that fails for these sizes, in its order, or None."""
+        w, n, g = self.window, self.ngram, self.verification_set
+        for failed, message in ((n < 1, "ngramSize requires >= 1"), (w < 1, "windowSize requires >= 1"),
+                                (n == 1 and g != 0, "ngramSize=1 requires verificationSetSize=0"),
+                                (n == 1 and w != 1, "ngramSize=1 requires windowSize=1"),
+                                (g < 0, "verificationSetSize requires >=0")):
+            if failed:
+                return ASSERTION.format(message)
+        return None
+
+    @property
+    def max_draft_len(self) -> int:
+        """calculateSpeculativeResourceTuple's draft tokens: (N == 1 ? 0 : N - 2) + (W - 1 + G)(N - 1)."""
+        n = self.ngram
+        return (0 if n == 1 else n - 2) + (self.window - 1 + self.verification_set) * (n - 1)
+
+
+# kDefaultLookaheadDecodingWindow / Ngram / VerificationSet (cpp/include/tensorrt_llm/executor/executor.h): what the
+# executor runs on a lookahead engine that was given no lookahead configuration
+DEFAULT_LOOKAHEAD = LookaheadConfig(4, 3, 4)
+
+
 @dataclass(frozen=True)
 class BackendSettings:
     engine: EngineConfig
     exclude_input_in_output: bool
     enable_kv_cache_reuse: bool
+    lookahead: LookaheadConfig | None = None  # the (W, N, G) a lookahead engine runs (None: not a lookahead engine)
+    lookahead_configured: bool = False  # the backend read the lookahead_* parameters (decoding_mode lookahead)
+    warnings: tuple[str, ...] = ()  # what upstream only logs
+
+    @property
+    def is_lookahead(self) -> bool:
+        return self.lookahead is not None
 
 
 def load_error(error: str) -> LoadError:
@@ -108,6 +160,49 @@ def number(parameters: dict[str, str], name: str) -> float | None:
         return None  # caught upstream: the default
 
 
+def lookahead_parameters(parameters: dict[str, str]) -> LookaheadConfig | None:
+    """getExecutorConfigFromParams (model_instance_state.cc @ 0c8de69a): under decoding_mode "lookahead" the three
+    lookahead_* parameters (GetParameter<uint32_t>; a missing or unparsable one, such as the template's literal
+    ${lookahead_window_size}, fails the load), then the config's own checks; under any other mode they are not
+    read. The double takes only non-negative decimal integers."""
+    if parameters.get("decoding_mode") != "lookahead":
+        return None
+    values = [parameters.get(name, "").strip() for name in LOOKAHEAD_PARAMETERS]
+    if not all(value.isdigit() for value in values):
+        raise load_error(LOOKAHEAD_PARAMETERS_MISSING)
+    config = LookaheadConfig(*(int(value) for value in values))
+    if config.problem():
+        raise load_error(config.problem())
+    return config
+
+
+def lookahead_engine(engine: EngineConfig, configured: LookaheadConfig | None, beam_width: int
+                     ) -> tuple[LookaheadConfig, list[str]]:
+    """What a lookahead engine's executor runs, or the load's failure (trtGptModelInflightBatching.cpp @ b35ac1b6,
+    lookaheadDecodingLayer.cpp @ 3585984b):
+    - without a lookahead configuration (decoding_mode not lookahead): a warning, the mode overwritten, and the
+      layer's default (4, 3, 4), whose 16 tokens per step must equal the engine's max_draft_len + 1 ("16 != 40" in
+      tensorrtllm_backend issue #710);
+    - with one needing more draft tokens than the engine has: "maxDraftTokens <= ..." (setupSpeculativeDecodingModule);
+    - with one needing fewer: "<a> != <b>". The code read shrinks the module to the executor's count first, so this
+      is harsher than that code path; examples/lookahead/README.md asks for them equal and a review of another
+      deployment (Baseten truss PR #1391) reports a non-exact match failing at runtime;
+    - a beam width above 1: "Lookahead requires beam width = 1" (CpuAlgorithmResources)."""
+    warnings = []
+    config = configured
+    if config is None:
+        warnings.append("Model is Lookahead, but decoding mode is not Lookahead. Overwriting decoding mode to "
+                        "Lookahead.")
+        config = DEFAULT_LOOKAHEAD
+    elif config.max_draft_len > engine.max_draft_len:
+        raise load_error(ASSERTION.format("maxDraftTokens <= mModelConfig.getMaxDecodingDraftTokens()"))
+    if config.max_draft_len != engine.max_draft_len:
+        raise load_error(ASSERTION.format(f"{config.max_draft_len + 1} != {engine.max_draft_len + 1}"))
+    if beam_width > 1:
+        raise load_error(ASSERTION.format("Lookahead requires beam width = 1"))
+    return config, warnings
+
+
 def load_settings(parameters: dict[str, str]) -> BackendSettings:
     """The instance constructor's reads, in upstream's order (getExecutorConfigFromParams, then the model path)."""
     if parameter(parameters, "gpt_model_type") not in GPT_MODEL_TYPES:
@@ -119,6 +214,8 @@ def load_settings(parameters: dict[str, str]) -> BackendSettings:
     if max_tokens is not None and max_tokens <= 0:
         raise load_error("[TensorRT-LLM][ERROR] Assertion failed: maxTokens > 0")
     reuse = boolean(parameters, "enable_kv_cache_reuse", True)
+    configured = lookahead_parameters(parameters)
+    beam_width = int(number(parameters, "max_beam_width") or 1)
     guided = {name: parameter(parameters, name) for name, reader in TENSORRTLLM_REQUIRED_PARAMETERS.items()
               if reader.endswith("getGuidedDecodingConfigFromParams")}
     if guided["guided_decoding_backend"] and guided["xgrammar_tokenizer_info_path"] \
@@ -132,7 +229,14 @@ def load_settings(parameters: dict[str, str]) -> BackendSettings:
     if engine.draft_tokens_external and not reuse:
         raise load_error("[TensorRT-LLM][ERROR] Assertion failed: KV cache block reuse must be enabled for "
                          "speculative decoding target model")
-    return BackendSettings(engine, boolean(parameters, "exclude_input_in_output", False), reuse)
+    lookahead, warnings = None, []
+    if engine.speculative_decoding_mode == LOOKAHEAD_BUILD_MODE:
+        lookahead, warnings = lookahead_engine(engine, configured, beam_width)
+    elif configured is not None:  # the executor falls back to top-k/top-p (beam 1) with a warning
+        warnings.append("Model is not built with Lookahead decoding, but decoding mode is Lookahead. Overwriting "
+                        "decoding mode.")
+    return BackendSettings(engine, boolean(parameters, "exclude_input_in_output", False), reuse, lookahead,
+                           configured is not None, tuple(warnings))
 
 
 # ---- requests -------------------------------------------------------------------------------------------------
@@ -320,10 +424,14 @@ class TensorrtllmDouble:
         drafts = inputs.get("draft_input_ids")
         drafts = drafts.reshape(-1).astype(int).tolist() if drafts is not None else []
         count, drafts = self.validate(len(tokens), count, drafts)
+        requested = self.request_lookahead(inputs)
         # the input comes back only in a non-streamed answer (LlmRequest::createResult sends new tokens when streaming)
         streaming = bool(one(inputs, "streaming", False))
         echo = [] if self.settings.exclude_input_in_output or streaming else list(tokens)
         with self.lock:
+            if self.settings.is_lookahead:
+                yield from self.lookahead_steps(tokens, count, end_id, requested or self.settings.lookahead, echo)
+                return
             if drafts:
                 step = self.verify(tokens, drafts, inputs.get("draft_logits"), sampling, generator)
                 if end_id in step.tokens:  # not returned, and nothing after it
@@ -339,6 +447,69 @@ class TensorrtllmDouble:
                 tokens.append(token)
                 yield Step(echo + [token], logits.numpy() if with_logits else None)
                 echo = []
+
+    def request_lookahead(self, inputs: dict) -> LookaheadConfig | None:
+        """A request's own (w, n, g), as the C++ backend reads them at enqueue (getLookaheadDecodingFromTensors,
+        utils.cc @ 19290813): only when lookahead_window_size is there (n and g alone are silently ignored), then
+        all three or "Failed to extract <name>", one value each, the config's own checks, and a model configured for
+        lookahead. Nothing compares them with the model's (W, N, G) there; the decoder does when the request's step
+        runs (LookaheadAlgorithm::setup, lookaheadAlgorithm.cpp @ 3585984b), which fails the step ("Encountered an
+        error in forward function"), not the enqueue."""
+        if "lookahead_window_size" not in inputs:
+            return None
+        values = []
+        for name in LOOKAHEAD_PARAMETERS:
+            if name not in inputs:
+                raise DoubleError(f"Failed to extract {name}")
+            if inputs[name].size != 1:
+                raise DoubleError(f"Invalid size for tensor {name}")
+            values.append(int(inputs[name].reshape(-1)[0]))
+        config = LookaheadConfig(*values)
+        if config.problem():
+            raise DoubleError(config.problem())
+        if not self.settings.lookahead_configured:
+            raise DoubleError("Cannot set the request lookahead decoding configuration when model instance "
+                              "lookahead parameters are not set.")
+        return config
+
+    def lookahead_steps(self, tokens: list[int], count: int, end_id: int, config: LookaheadConfig, echo: list[int]
+                        ) -> Iterator[Step]:
+        """A lookahead engine's steps, greedy whatever the request's sampling (LookaheadDecodingLayer draws top-1
+        at every position; its decoding mode has no temperature or penalty bit). Per step: the pool's newest
+        min(W, G) n-grams keyed by the last token (issue #4003: LookaheadAlgorithm::guess asks the pool for W, and
+        a key keeps at most G), each verified against the target's argmax; the longest confirmed prefix plus the
+        target's next token is the step. The pool (at most G n-grams of N tokens per key, the oldest dropped) is
+        seeded with the prompt's n-grams and takes the committed text's."""
+        model = self.settings.lookahead
+        for key, asked, most in (("w", config.window, model.window), ("n", config.ngram, model.ngram),
+                                 ("g", config.verification_set, model.verification_set)):
+            if asked > most:  # the step fails, as the executor's forward does
+                failed = ASSERTION.format(f"lookahead requires setup {key} ({asked}) <= max_{key} ({most})")
+                raise DoubleError(f"Encountered an error in forward function: {failed}")
+        pool = NgramPool(config.ngram, config.verification_set)
+        pool.insert_text(tokens)
+        pooled, produced = len(tokens), 0
+        while produced < count:
+            best = [int(self.logits(tokens, 1)[0].argmax())]
+            for guess in pool.guesses(tokens[-1], min(config.window, config.verification_set)):
+                if guess[0] != best[0]:
+                    continue
+                targets = self.logits(tokens + list(guess), len(guess) + 1).argmax(-1).tolist()
+                confirmed = targets[:common_prefix_length(list(guess), targets) + 1]
+                if len(confirmed) > len(best):
+                    best = confirmed
+            step = best[:count - produced]
+            if end_id in step:  # not returned, and nothing after it
+                step = step[:step.index(end_id)]
+                if echo or step:
+                    yield Step(echo + step, None)
+                return
+            tokens.extend(step)
+            produced += len(step)
+            pool.insert_text(tokens, pooled)
+            pooled = len(tokens)
+            yield Step(echo + step, None)
+            echo = []
 
     def verify(self, tokens: list[int], drafts: list[int], draft_logits: np.ndarray | None, sampling: Sampling,
                generator: torch.Generator) -> Step:
