@@ -40,6 +40,8 @@ EXPECTED = {
     "smollm2-ngram": ("ngram", 12, "bfloat16"),
     "smollm2-medusa": ("medusa", 4, "bfloat16"),
     "smollm2-eagle": ("eagle", 5, "bfloat16"),
+    "smollm2-early-exit": ("early_exit", 3, "bfloat16"),
+    "smollm2-lookahead": ("lookahead", 4, "bfloat16"),
     "smollm2-moe-draft-target": ("draft_target", 5, "bfloat16"),
 }
 
@@ -253,7 +255,8 @@ def test_unknown_deeply_nested_key(tmp_path: Path):
 
 def test_unknown_method(tmp_path: Path):
     load_error(write(tmp_path, minimal(speculation={"method": "medusa2"})),
-               "speculation.method", "'medusa2'", "not allowed", "'draft_target', 'ngram', 'medusa', 'eagle', 'none'")
+               "speculation.method", "'medusa2'", "not allowed",
+               "'draft_target', 'ngram', 'medusa', 'eagle', 'early_exit', 'lookahead', 'none'")
 
 
 @pytest.mark.parametrize("key_path, data, bad, allowed", [
@@ -268,7 +271,7 @@ def test_unknown_method(tmp_path: Path):
      "'constant', 'heuristic'"),
     ("backend.kind", minimal(backend={"kind": "vllm"}), "'vllm'", "'torch', 'trtllm'"),
     ("speculation.method", minimal(speculation={"method": None}), "None",
-     "'draft_target', 'ngram', 'medusa', 'eagle', 'none'"),
+     "'draft_target', 'ngram', 'medusa', 'eagle', 'early_exit', 'lookahead', 'none'"),
 ], ids=["dtype", "source", "acceptance", "derive", "schedule", "backend", "method-null"])
 def test_literal_not_allowed(tmp_path: Path, key_path: str, data: dict, bad: str, allowed: str):
     load_error(write(tmp_path, data), key_path, bad, "not allowed", allowed)
