@@ -1,6 +1,7 @@
-"""A real tritonserver serving SmolLM2 fp32 with each draft-free self-speculation method (lookahead decoding, and an
-early exit at a fixed layer), driven over gRPC: streamed and single responses equal plain greedy text, concurrent
-streams are batched correctly, and acceptance is counted per request kind under the method's label."""
+"""A real tritonserver serving SmolLM2 fp32 with each method that drafts inside the target's own engine (the shipped
+EAGLE-3 head, lookahead decoding, and an early exit at a fixed layer), driven over gRPC: streamed and single
+responses equal plain greedy text, concurrent streams are batched correctly, and acceptance is counted per request
+kind under the method's label."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 
 # the shipped pipelines in fp32; the early exit at a layer whose drafts are accepted now and then (26 of 30), so no
 # build sweep runs here
-PIPELINES = {"lookahead": ("smollm2-lookahead.yaml", {}),
+PIPELINES = {"eagle": ("smollm2-eagle.yaml", {}),
+             "lookahead": ("smollm2-lookahead.yaml", {}),
              "early_exit": ("smollm2-early-exit.yaml", {"exit_layer": 26})}
 
 
@@ -37,6 +39,8 @@ def served(request, tmp_path_factory):
     spec["name"] = f"{spec['name']}-fp32"
     spec["target"]["dtype"] = "float32"
     spec["speculation"][method] = {**spec["speculation"][method], **changes}
+    if method == "eagle":
+        spec["speculation"]["eagle"]["head"] = str(REPO / "pipelines" / spec["speculation"]["eagle"]["head"])
     spec["serving"] = {"request_kinds": ["code"]}
     engine_dir = build(load_pipeline(write_pipeline(root / f"{method}.yaml", **spec)), root / "engines",
                        quiet=True).directory
