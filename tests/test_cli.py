@@ -110,8 +110,9 @@ def test_missing_checkpoint(tmp_path):
 
 @pytest.mark.parametrize("text, fragments", [
     ("name: [unclosed\n", ["malformed YAML"]),
-    ("name: x\ntarget: {checkpoint: {source: gguf, path: a.gguf}}\nspeculation: {method: lookahead}\n",
-     ["speculation.method", "'lookahead'", "'draft_target', 'ngram', 'medusa', 'eagle', 'none'"]),
+    ("name: x\ntarget: {checkpoint: {source: gguf, path: a.gguf}}\nspeculation: {method: jacobi}\n",
+     ["speculation.method", "'jacobi'", "'draft_target', 'ngram', 'medusa', 'eagle', 'early_exit', 'lookahead', "
+                                        "'none'"]),
     ("name: x\ntarget: {checkpoint: {source: gguf, path: a.gguf}}\nspeculation: {method: ngram, num_draft_tokens: 0}\n",
      ["speculation.num_draft_tokens", "must be ≥ 1"]),
     ("name: x\ntarget: {checkpoint: {source: gguf, path: a.gguf}}\nspeculation: {method: ngram, num_draft_tokens: 40}"
