@@ -80,33 +80,28 @@ def engine_pipeline(directory: Path) -> PipelineSpec:
 
 def measured_exit_layer(directory: Path) -> int | None:
     """The early-exit layer `specdeploy build` measured into the engine at `directory`, None if none was."""
-    path = Path(directory) / MEASURED_EXIT_FILE
-    if not path.is_file():
-        return None
-    try:
-        layer = json.loads(path.read_text())["exit_layer"]
-    except (ValueError, KeyError, TypeError):
-        raise SpecdeployError(f"{path}: not a measured exit layer (no exit_layer); delete it and rerun "
-                              f"specdeploy build, which measures it again") from None
-    if type(layer) is not int or layer < 1:
-        raise SpecdeployError(f"{path}: exit_layer must be an integer ≥ 1, got {layer!r}")
-    return layer
+    return measured_integer(Path(directory) / MEASURED_EXIT_FILE, "exit_layer", "a measured exit layer", 1)
 
 
 def measured_gamma_cap(directory: Path) -> int | None:
     """The gamma cap measured into the engine at `directory` (by build or bench --measure-gamma-cap), None if none
     was."""
-    path = Path(directory) / MEASURED_POLICY_FILE
+    return measured_integer(Path(directory) / MEASURED_POLICY_FILE, "gamma_cap", "a measured policy", 0)
+
+
+def measured_integer(path: Path, key: str, what: str, minimum: int) -> int | None:
+    """`key` of the measurement file at `path` (an integer ≥ minimum), None when there is no such file; an error
+    saying how to measure it again when the file is not what a build writes."""
     if not path.is_file():
         return None
     try:
-        cap = json.loads(path.read_text())["gamma_cap"]
+        value = json.loads(path.read_text())[key]
     except (ValueError, KeyError, TypeError):
-        raise SpecdeployError(f"{path}: not a measured policy (no gamma_cap); delete it and rerun "
-                              f"specdeploy build, which measures it again") from None
-    if type(cap) is not int or cap < 0:
-        raise SpecdeployError(f"{path}: gamma_cap must be an integer ≥ 0, got {cap!r}")
-    return cap
+        raise SpecdeployError(f"{path}: not {what} (no {key}); delete it and rerun specdeploy build, which "
+                              f"measures it again") from None
+    if type(value) is not int or value < minimum:
+        raise SpecdeployError(f"{path}: {key} must be an integer ≥ {minimum}, got {value!r}")
+    return value
 
 
 def write_json(path: Path, data: object) -> None:
