@@ -284,10 +284,12 @@ VERSIONS = ("import importlib.metadata as m, json; "
 
 
 def gpu_containers() -> list[tuple[dict, dict]]:
-    """(pod spec, container) of every container in the GPU overlays: Jobs, Deployments, LeaderWorkerSet groups."""
+    """(pod spec, container) of every container in the GPU overlays (every overlay but the CPU one): Jobs,
+    Deployments, LeaderWorkerSet groups."""
+    overlays = sorted(path for path in (K8S / "overlays").iterdir() if path.name != "cpu")
     return [(template["spec"], container)
-            for overlay in ("gpu-draft-target", "gpu-medusa", "gpu-moe", "multinode")
-            for template in all_templates(kustomize(K8S / "overlays" / overlay))
+            for overlay in overlays
+            for template in all_templates(kustomize(overlay))
             for container in containers(template)]
 
 
