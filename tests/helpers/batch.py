@@ -49,6 +49,22 @@ def mixed_requests() -> list[GenerationRequest]:
                               end_id=NO_END_ID)]
 
 
+def assert_greedy_equals_plain_alone(engine_dir, max_tokens: int) -> tuple[int, int]:
+    """Greedy, with speculation, one request at a time: every prompt gives the tokens plain decode gives it.
+    Returns the drafted and accepted tokens in all, for the caller to assert the drafts were exercised."""
+    from specdeploy.runtime.engine import Engine
+
+    engine = Engine(engine_dir)
+    drafted = accepted = 0
+    for prompt in PROMPTS:
+        plain = engine.start(GenerationRequest(prompt, max_tokens, GREEDY, 0, end_id=NO_END_ID)).run()
+        generation = engine.start(GenerationRequest(prompt, max_tokens, GREEDY, None, end_id=NO_END_ID))
+        assert generation.run() == plain, f"prompt {PROMPTS.index(prompt)}"
+        drafted += generation.stats.drafted
+        accepted += generation.stats.accepted
+    return drafted, accepted
+
+
 def assert_continuous_batch_equals_alone(engine_dir, max_tokens: int = 30, batch_size: int = 4) -> None:
     """Greedy, with speculation: every prompt (each twice, so rows join and leave) through a scheduler of
     `batch_size` rows gives the tokens plain decode gives it alone."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from helpers.goodness_of_fit import PositionCheck, goodness_of_fit
 from specdeploy.decoding.sampling import sampling_distribution
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.request import NO_END_ID, GenerationRequest
@@ -47,3 +48,11 @@ def sampled_positions(engine: Engine, prompt: list[int], params: SamplingParams,
         rows.append(generation.run())
         accepted += generation.stats.accepted
     return torch.tensor(rows), accepted
+
+
+def sampled_checks(engine: Engine, prompt: list[int], params: SamplingParams, generations: int,
+                   marginals: list[torch.Tensor]) -> tuple[list[PositionCheck], int]:
+    """The first len(marginals) tokens of `generations` seeded generations checked against the exact marginals,
+    one check per position, and the drafted tokens they accepted in all."""
+    samples, accepted = sampled_positions(engine, prompt, params, generations, len(marginals))
+    return [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(len(marginals))], accepted

@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
-from helpers.batch import assert_continuous_batch_equals_alone
+from helpers.batch import assert_continuous_batch_equals_alone, assert_greedy_equals_plain_alone
 from helpers.eagle_heads import DRAFT_VOCAB, HIDDEN, VOCAB, tiny_config, trained_tiny_head
-from helpers.goodness_of_fit import goodness_of_fit
-from helpers.marginals import exact_marginals, sampled_positions
+from helpers.marginals import exact_marginals, sampled_checks
 from helpers.pipelines import write_pipeline
 from helpers.prompts import PROMPTS
 from safetensors.torch import load_file, save_file
@@ -151,13 +150,7 @@ def test_trees_are_well_formed_and_follow_the_budget(eagle_engine):
 
 
 def test_greedy_eagle_equals_plain_alone(eagle_engine):
-    engine = Engine(eagle_engine)
-    accepted = 0
-    for prompt in PROMPTS:
-        plain = engine.start(GenerationRequest(prompt, 40, SamplingParams(), 0, end_id=NO_END_ID)).run()
-        generation = engine.start(GenerationRequest(prompt, 40, SamplingParams(), None, end_id=NO_END_ID))
-        assert generation.run() == plain
-        accepted += generation.stats.accepted
+    _, accepted = assert_greedy_equals_plain_alone(eagle_engine, 40)
     assert accepted > 0  # the trees were not all rejected: the walk past the root was exercised
 
 
@@ -181,9 +174,8 @@ def marginals(eagle_engine):
 
 def test_sampled_eagle_emits_the_targets_distribution(eagle_engine, marginals):
     engine = Engine(eagle_engine)
-    samples, accepted = sampled_positions(engine, PROMPTS[1], SAMPLED, GENERATIONS, LENGTH)
+    checks, accepted = sampled_checks(engine, PROMPTS[1], SAMPLED, GENERATIONS, marginals)
     assert accepted > GENERATIONS // 4  # the later positions were often emitted from accepted tree nodes
-    checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
     assert all(check.ok for check in checks), "\n".join(map(str, checks))
 
 
@@ -191,8 +183,7 @@ def test_a_wrong_rule_fails_the_same_test(eagle_engine, marginals):
     """Negative control: Medusa's lossy typical acceptance in place of the exact rule is caught."""
     engine = Engine(eagle_engine)
     engine.decoder.tree_rule = accept_tree_typical
-    samples, _ = sampled_positions(engine, PROMPTS[1], SAMPLED, GENERATIONS, LENGTH)
-    checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
+    checks, _ = sampled_checks(engine, PROMPTS[1], SAMPLED, GENERATIONS, marginals)
     assert not all(check.ok for check in checks), "\n".join(map(str, checks))
 
 

@@ -9,9 +9,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from helpers.batch import HostReads, assert_continuous_batch_equals_alone, mixed_requests
-from helpers.goodness_of_fit import goodness_of_fit
-from helpers.marginals import exact_marginals, sampled_positions
+from helpers.batch import (
+    HostReads,
+    assert_continuous_batch_equals_alone,
+    assert_greedy_equals_plain_alone,
+    mixed_requests,
+)
+from helpers.marginals import exact_marginals, sampled_checks
 from helpers.pipelines import tiny_pipeline
 from helpers.prompts import PROMPTS
 
@@ -19,7 +23,6 @@ from specdeploy.build.torch_engine import build
 from specdeploy.errors import PipelineError
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import LookaheadSpec, load_pipeline
-from specdeploy.spec.request import NO_END_ID, GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.lookahead import LookaheadProposer, NgramPool
 from specdeploy.speculative.tree import accept_tree_typical
@@ -96,13 +99,7 @@ def engine_dir(tiny_checkpoints, tmp_path_factory):
 
 
 def test_greedy_lookahead_equals_plain_alone(engine_dir):
-    engine = Engine(engine_dir)
-    accepted = 0
-    for prompt in PROMPTS:
-        plain = engine.start(GenerationRequest(prompt, 60, SamplingParams(), 0, end_id=NO_END_ID)).run()
-        generation = engine.start(GenerationRequest(prompt, 60, SamplingParams(), None, end_id=NO_END_ID))
-        assert generation.run() == plain
-        accepted += generation.stats.accepted
+    _, accepted = assert_greedy_equals_plain_alone(engine_dir, 60)
     assert accepted > 0
 
 
@@ -133,9 +130,8 @@ def marginals(engine_dir):
 
 
 def test_sampled_lookahead_emits_the_targets_distribution(engine_dir, marginals):
-    samples, accepted = sampled_positions(Engine(engine_dir), PROMPTS[2], SAMPLED, GENERATIONS, LENGTH)
+    checks, accepted = sampled_checks(Engine(engine_dir), PROMPTS[2], SAMPLED, GENERATIONS, marginals)
     assert accepted > GENERATIONS // 4
-    checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
     assert all(check.ok for check in checks), "\n".join(map(str, checks))
 
 
@@ -143,8 +139,7 @@ def test_a_wrong_rule_fails_the_same_test(engine_dir, marginals):
     """Negative control: Medusa's lossy typical acceptance in place of the exact tree rule is caught."""
     engine = Engine(engine_dir)
     engine.decoder.tree_rule = accept_tree_typical
-    samples, _ = sampled_positions(engine, PROMPTS[2], SAMPLED, GENERATIONS, LENGTH)
-    checks = [goodness_of_fit(samples[:, i], marginals[i], i) for i in range(LENGTH)]
+    checks, _ = sampled_checks(engine, PROMPTS[2], SAMPLED, GENERATIONS, marginals)
     assert not all(check.ok for check in checks), "\n".join(map(str, checks))
 
 

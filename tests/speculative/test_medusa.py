@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers.batch import assert_continuous_batch_equals_alone
+from helpers.batch import assert_continuous_batch_equals_alone, assert_greedy_equals_plain_alone
 from helpers.pipelines import write_pipeline
 from helpers.prompts import PROMPTS
 from safetensors.torch import load_file
@@ -102,13 +102,7 @@ def test_a_file_that_is_not_heads_is_refused(tmp_path):
 
 
 def test_greedy_medusa_equals_plain_alone(medusa_engine):
-    engine = Engine(medusa_engine)
-    drafted = 0
-    for prompt in PROMPTS:
-        plain = engine.start(GenerationRequest(prompt, 40, SamplingParams(), 0, end_id=NO_END_ID)).run()
-        generation = engine.start(GenerationRequest(prompt, 40, SamplingParams(), None, end_id=NO_END_ID))
-        assert generation.run() == plain
-        drafted += generation.stats.drafted
+    drafted, _ = assert_greedy_equals_plain_alone(medusa_engine, 40)
     assert drafted > 0
 
 
