@@ -426,6 +426,7 @@ def train_exit_adapter(pipeline_path: str | Path, engines_dir: Path, output: Pat
     import torch
     from rich.console import Console
 
+    from specdeploy.build.checkpoints import target_config
     from specdeploy.build.torch_engine import early_exit_vocabulary
     from specdeploy.models.registry import load_projection
     from specdeploy.speculative.exit_adapter import REPORT_FILE, ExitAdapter, ExitAdapterConfig, target_name
@@ -434,14 +435,16 @@ def train_exit_adapter(pipeline_path: str | Path, engines_dir: Path, output: Pat
 
     console = console or Console()
     started = time.perf_counter()
-    if not load_pipeline(pipeline_path).speculation.drafts_with_own_layers:
+    pipeline = load_pipeline(pipeline_path)
+    if not pipeline.speculation.drafts_with_own_layers:
         raise SpecdeployError(f"{pipeline_path}: train-exit-adapter trains an early exit's adapter, and this "
                               f"pipeline's method is not early_exit")
+    # checked before the answers, which take minutes
+    layers = exit_layers_to_train(pipeline, options, target_config(pipeline).num_layers)
     pipeline, engine_dir, train_prompts, held_out, answers, answers_seconds = distillation_answers(
         pipeline_path, engines_dir, options.work_dir, options.prompts, options.max_tokens, console)
     engine = Engine(engine_dir, method="none")
     config = engine.target.config
-    layers = exit_layers_to_train(pipeline, options, config.num_layers)
 
     def sequences(prompts: list[str]) -> list[tuple[list[int], int]]:
         return [(engine.encode_prompt(p) + answers[p], len(engine.encode_prompt(p)) - 1) for p in prompts]

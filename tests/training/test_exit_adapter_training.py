@@ -14,6 +14,7 @@ from helpers.tiny_models import save_tiny_checkpoint
 
 from specdeploy import workflows
 from specdeploy.build.torch_engine import build, early_exit_vocabulary
+from specdeploy.errors import SpecdeployError
 from specdeploy.models.registry import load_projection
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import load_pipeline
@@ -120,6 +121,16 @@ def test_the_command_writes_the_adapter_and_its_report(distilled, monkeypatch, t
     assert json.loads((output / "training.json").read_text()) == report
     assert (output / "training.png").exists() == (optional_pyplot() is not None)
     ExitAdapter.load(output, distilled["checkpoint"].name, LAYERS, 64, report["exit_layer"])
+
+
+def test_the_command_refuses_layers_past_the_target_before_answering(distilled, monkeypatch, tmp_path):
+    def no_answers(*args):
+        raise AssertionError("the layers are checked first")
+
+    monkeypatch.setattr(workflows, "distillation_answers", no_answers)
+    with pytest.raises(SpecdeployError, match=r"exit layers \[4, 9\] are not layer counts below the target's 4"):
+        workflows.train_exit_adapter(distilled["pipeline"], tmp_path / "engines", tmp_path / "adapter",
+                                     ExitAdapterTrainingOptions(layers=(2, 4, 9)))
 
 
 def test_the_command_line(tmp_path):
