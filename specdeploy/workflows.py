@@ -27,6 +27,7 @@ from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock, mea
 from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.training.eagle_options import EagleTrainingOptions
+from specdeploy.training.exit_adapter_options import ExitAdapterTrainingOptions
 from specdeploy.training.medusa_options import MedusaTrainingOptions
 
 TextCallback = Callable[[str], None]
@@ -267,8 +268,8 @@ def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: b
 
 
 class Distillation(NamedTuple):
-    """What train-medusa and train-eagle start from: the target's own engine, the prompts split into training and
-    held-out ones, and the target's greedy answer to each (prompt text → ids)."""
+    """What the train-* commands start from: the target's own engine, the prompts split into training and held-out
+    ones, and the target's greedy answer to each (prompt text → ids)."""
 
     pipeline: PipelineSpec
     engine_dir: Path
@@ -401,3 +402,91 @@ def train_medusa(pipeline_path: str | Path, engines_dir: Path, output: Path,
                "seconds": {"answers": round(answers_seconds), "total": round(time.perf_counter() - started)}}
     output.with_suffix(".json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def exit_layers_to_train(pipeline: PipelineSpec, options: ExitAdapterTrainingOptions, num_layers: int) -> list[int]:
+    """--layers, or the pipeline's early_exit sweep and its exit layer when that is a number, with --layer; an
+    error naming the layers that are not below the target's."""
+    spec = pipeline.speculation.early_exit
+    layers = set(options.layers or (*spec.sweep, *([spec.exit_layer] if spec.exit_layer != "measured" else [])))
+    layers |= {options.layer} if options.layer is not None else set()
+    outside = sorted(layer for layer in layers if not 1 <= layer < num_layers)
+    if outside:
+        raise SpecdeployError(f"exit layers {outside} are not layer counts below the target's {num_layers} layers "
+                              f"(--layers, --layer or speculation.early_exit.sweep)")
+    return sorted(layers)
+
+
+def train_exit_adapter(pipeline_path: str | Path, engines_dir: Path, output: Path,
+                       options: ExitAdapterTrainingOptions = ExitAdapterTrainingOptions(), console=None) -> dict:
+    """Self-distil an early exit's adapter at each candidate exit layer on the pipeline's frozen target, measure on
+    held-out positions how often the early exit's top token is the target's without and with it, and write the
+    chosen layer's adapter to the folder `output` (config.json, model.safetensors) with training.json and
+    training.png beside them."""
+    import torch
+    from rich.console import Console
+
+    from specdeploy.build.checkpoints import target_config
+    from specdeploy.build.torch_engine import early_exit_vocabulary
+    from specdeploy.models.registry import load_projection
+    from specdeploy.speculative.exit_adapter import REPORT_FILE, ExitAdapter, ExitAdapterConfig, target_name
+    from specdeploy.training import exit_adapter as training
+    from specdeploy.training.medusa import progress_bar
+
+    console = console or Console()
+    started = time.perf_counter()
+    pipeline = load_pipeline(pipeline_path)
+    if not pipeline.speculation.drafts_with_own_layers:
+        raise SpecdeployError(f"{pipeline_path}: train-exit-adapter trains an early exit's adapter, and this "
+                              f"pipeline's method is not early_exit")
+    # checked before the answers, which take minutes
+    layers = exit_layers_to_train(pipeline, options, target_config(pipeline).num_layers)
+    pipeline, engine_dir, train_prompts, held_out, answers, answers_seconds = distillation_answers(
+        pipeline_path, engines_dir, options.work_dir, options.prompts, options.max_tokens, console)
+    engine = Engine(engine_dir, method="none")
+    config = engine.target.config
+
+    def sequences(prompts: list[str]) -> list[tuple[list[int], int]]:
+        return [(engine.encode_prompt(p) + answers[p], len(engine.encode_prompt(p)) - 1) for p in prompts]
+
+    with progress_bar(console) as progress:
+        task = progress.add_task("target states", total=len(train_prompts) + len(held_out))
+        train_data = training.collect(engine.target, sequences(train_prompts), layers, lambda: progress.advance(task))
+        held_data = training.collect(engine.target, sequences(held_out), layers, lambda: progress.advance(task))
+    ids, _ = early_exit_vocabulary(engine.tokenizer, pipeline.speculation.early_exit.draft_vocab, config.vocab_size)
+    ids = torch.tensor(ids)
+    head = training.ExitHead(engine.target.norm.weight.detach().float().cpu(), config.rms_norm_eps,
+                             load_projection(engine_dir / "target")[ids], ids, config.vocab_size)
+    labels = head.labels(train_data.next_tokens)
+    gamma = pipeline.speculation.num_draft_tokens
+    rows, adapters = [], {}
+    for layer in layers:
+        torch.manual_seed(options.seed)
+        adapter = ExitAdapter(ExitAdapterConfig(config.hidden_size, options.inner_size, layer,
+                                                target_name(pipeline.target.checkpoint), config.num_layers,
+                                                config.rms_norm_eps))
+        adapters[layer], losses = training.train_with_progress(adapter, train_data.states[layer], labels, head,
+                                                               options, console)
+        measured = {name: training.agreement(candidate, held_data.states[layer], held_data.next_tokens, head)
+                    for name, candidate in (("without_adapter", None), ("with_adapter", adapters[layer]))}
+        rows.append({"exit_layer": layer, **measured, "epoch_losses": losses,
+                     **{f"modeled_speedup_{name}": training.modeled_speedup(measured[name]["top1"], layer,
+                                                                            config.num_layers, gamma)
+                        for name in measured}})
+    chosen = options.layer or max(rows, key=lambda row: row["modeled_speedup_with_adapter"])["exit_layer"]
+    training.print_agreement(rows, chosen, console)
+    adapters[chosen].save(output)
+    report = {"adapter": str(output), "exit_layer": chosen,
+              "chosen_by": "--layer" if options.layer else f"the best modeled speedup at gamma {gamma}",
+              "layers": rows, "target": target_name(pipeline.target.checkpoint), "target_layers": config.num_layers,
+              "draft_vocab": len(ids), "inner_size": options.inner_size, "epochs": options.epochs,
+              "held_out_next_tokens_in_draft_vocab": round(float(torch.isin(held_data.next_tokens, ids).float()
+                                                                 .mean()), 4),
+              "prompts": {"train": len(train_prompts), "held_out": len(held_out)},
+              "positions": {"train": len(train_data.next_tokens), "held_out": len(held_data.next_tokens)},
+              "max_tokens": options.max_tokens, "lr": options.lr, "batch_size": options.batch_size,
+              "seed": options.seed, "python": platform.python_version(),
+              "seconds": {"answers": round(answers_seconds), "total": round(time.perf_counter() - started)}}
+    (output / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
+    training.write_plot(report, output / "training.png")
+    return report

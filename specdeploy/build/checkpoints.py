@@ -58,7 +58,7 @@ def source_files(spec: CheckpointSpec, pipeline: PipelineSpec) -> list[Path]:
 
 def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
     """Every file a build of the pipeline reads: the target's and the draft's checkpoints, Medusa heads, an EAGLE-3
-    head's folder."""
+    head's folder, an early exit's adapter folder."""
     files = source_files(pipeline.target.checkpoint, pipeline)
     draft = pipeline.speculation.draft
     if draft is not None and draft.checkpoint is not None:
@@ -75,6 +75,13 @@ def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
         if not any(path.name == "config.json" for path in found):
             raise BuildError(f"speculation.eagle.head: {head} holds no EAGLE-3 head (config.json and "
                              f"model.safetensors; train one with specdeploy train-eagle)")
+        files += found
+    if pipeline.speculation.uses_exit_adapter:
+        adapter = pipeline.resolve(pipeline.speculation.early_exit.adapter)
+        found = sorted(adapter.glob("*.json")) + sorted(adapter.glob("*.safetensors")) if adapter.is_dir() else []
+        if not any(path.name == "config.json" for path in found):
+            raise BuildError(f"speculation.early_exit.adapter: {adapter} holds no exit adapter (config.json and "
+                             f"model.safetensors; train one with specdeploy train-exit-adapter)")
         files += found
     return files
 

@@ -35,6 +35,8 @@ from specdeploy.speculative.eagle import EAGLE_DIR
 from specdeploy.speculative.eagle_head import REPORT_FILE as EAGLE_REPORT_FILE
 from specdeploy.speculative.eagle_head import Eagle3Head
 from specdeploy.speculative.early_exit import EARLY_EXIT_FILE, draft_vocabulary
+from specdeploy.speculative.exit_adapter import ADAPTER_DIR, ExitAdapter, target_name
+from specdeploy.speculative.exit_adapter import REPORT_FILE as EXIT_ADAPTER_REPORT_FILE
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
 ENGINE_FORMAT = 7  # bump whenever what a build writes changes, so existing engines are rebuilt
@@ -166,11 +168,32 @@ def write_early_exit(directory: Path, pipeline: PipelineSpec, target: Checkpoint
     if spec.exit_layer == "measured" and not any(layer < layers for layer in spec.sweep):
         raise BuildError(f"speculation.early_exit.sweep: {list(spec.sweep)} has no layer count below the target's "
                          f"{layers} layers")
+    ids, source = early_exit_vocabulary(target.tokenizer, spec.draft_vocab, target.config.vocab_size)
+    write_json(directory / EARLY_EXIT_FILE, {"draft_vocab": ids, "source": source})
+
+
+def early_exit_vocabulary(tokenizer, size: int, vocab_size: int) -> tuple[list[int], str]:
+    """The early exit's draft vocabulary (the `size` target ids most frequent in the shipped text corpus) and where
+    it was counted, in words: what the build writes and what train-exit-adapter trains through."""
     texts = documentation_passages() + stdlib_functions()
-    ids = draft_vocabulary([target.tokenizer.encode(text) for text in texts], spec.draft_vocab,
-                           target.config.vocab_size)
-    write_json(directory / EARLY_EXIT_FILE, {"draft_vocab": ids, "source": f"{len(texts)} texts of "
-                                                                            f"build/text_corpus.py"})
+    ids = draft_vocabulary([tokenizer.encode(text) for text in texts], size, vocab_size)
+    return ids, f"{len(texts)} texts of build/text_corpus.py"
+
+
+def write_exit_adapter(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> None:
+    """The early exit's adapter (checked against the target and the exit layer) and train-exit-adapter's report,
+    in the engine."""
+    source = pipeline.resolve(pipeline.speculation.early_exit.adapter)
+    config = target.config
+    try:
+        adapter = ExitAdapter.load(source, target_name(pipeline.target.checkpoint), config.num_layers,
+                                   config.hidden_size, pipeline.speculation.early_exit.exit_layer)
+    except SpecdeployError as exc:
+        raise BuildError(str(exc)) from None
+    adapter.save(directory)
+    report = source / EXIT_ADAPTER_REPORT_FILE  # what train-exit-adapter measured
+    if report.is_file():
+        shutil.copyfile(report, directory / EXIT_ADAPTER_REPORT_FILE)
 
 
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
@@ -252,5 +275,8 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
         if speculation.drafts_with_own_layers:
             progress.update(task, description=f"[{pipeline.name}] writing the early exit's draft vocabulary")
             write_early_exit(staging, pipeline, target)
+        if speculation.uses_exit_adapter:
+            progress.update(task, description=f"[{pipeline.name}] writing the early exit's adapter")
+            write_exit_adapter(staging / ADAPTER_DIR, pipeline, target)
         write_manifest(staging, inputs, started)
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")

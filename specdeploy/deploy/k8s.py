@@ -89,7 +89,7 @@ def adapter_files(options: OverlayOptions) -> dict[str, Manifest]:
 
 def volume_files(pipeline: PipelineSpec) -> dict[str, str]:
     """The files a build reads from volumes, by pipeline key: checkpoints not embedded in a package, Medusa heads,
-    an EAGLE-3 head's folder."""
+    an EAGLE-3 head's folder, an exit adapter's folder."""
     files = {}
     if pipeline.target.checkpoint.source != "package":
         files["target.checkpoint.path"] = pipeline.target.checkpoint.path
@@ -100,6 +100,8 @@ def volume_files(pipeline: PipelineSpec) -> dict[str, str]:
         files["speculation.medusa.heads"] = pipeline.speculation.medusa.heads
     if pipeline.speculation.uses_features:
         files["speculation.eagle.head"] = pipeline.speculation.eagle.head
+    if pipeline.speculation.uses_exit_adapter:
+        files["speculation.early_exit.adapter"] = pipeline.speculation.early_exit.adapter
     return files
 
 

@@ -30,6 +30,7 @@ from specdeploy.spec.manifest import check_outputs
 from specdeploy.spec.pipeline import METHODS, Determinism, Method, PipelineSpec, SpeculationSpec
 from specdeploy.spec.request import GenerationRequest, check_request
 from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.speculative.exit_adapter import ADAPTER_DIR
 from specdeploy.speculative.proposer import EngineParts
 from specdeploy.speculative.registry import create_proposer
 
@@ -54,9 +55,10 @@ class Generation:
 
 
 def components(speculation: SpeculationSpec) -> list[str]:
-    """The engine's folders a method reads: the target's, and a draft model's or the heads'."""
+    """The engine's folders a method reads: the target's, and a draft model's, the heads' or an exit adapter's."""
     return ["target", *(["draft"] if speculation.uses_draft_model else []),
-            *(["medusa"] if speculation.uses_heads else []), *(["eagle"] if speculation.uses_features else [])]
+            *(["medusa"] if speculation.uses_heads else []), *(["eagle"] if speculation.uses_features else []),
+            *([ADAPTER_DIR] if speculation.uses_exit_adapter else [])]
 
 
 def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:

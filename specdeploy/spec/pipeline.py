@@ -255,15 +255,22 @@ class EarlyExitSpec(Section):
     its head's rows of the `draft_vocab` most frequent tokens (0: the whole head; a full head costs a fifth of a
     SmolLM2 step per drafted token). The draft's cache entries are the target's for those layers, and the verify
     forward resumes at `exit_layer` (speculative/early_exit.py). exit_layer "measured": `specdeploy build` decodes
-    calibration prompts at each layer of `sweep` and keeps the one with the best realized speedup."""
+    calibration prompts at each layer of `sweep` and keeps the one with the best realized speedup. adapter: the
+    folder `specdeploy train-exit-adapter` writes (relative to the YAML; speculative/exit_adapter.py), a small
+    position-wise block the draft's states pass through before the final norm; it was trained at one exit layer,
+    so exit_layer must then be that layer, not "measured" (the build checks it against the adapter's config.json)."""
 
     exit_layer: int | Literal["measured"] = "measured"
     sweep: tuple[int, ...] = DEFAULT_EXIT_SWEEP
     draft_vocab: int = 4096
+    adapter: str = ""
 
     def check(self) -> None:
         if self.exit_layer != "measured" and not (type(self.exit_layer) is int and self.exit_layer >= 1):
             raise Problem("exit_layer", f"must be ≥ 1 or 'measured', got {quoted(self.exit_layer)}")
+        if self.adapter and self.exit_layer == "measured":
+            raise Problem("exit_layer", "an adapter was trained at one exit layer: set exit_layer to that layer (its "
+                                        "config.json's exit_layer), not 'measured'")
         if not self.sweep or any(type(layer) is not int or layer < 1 for layer in self.sweep):
             raise Problem("sweep", f"must be one or more layer counts ≥ 1, got {quoted(list(self.sweep))}")
         if self.draft_vocab < 0:
@@ -358,9 +365,16 @@ class SpeculationSpec(Section):
 
     @property
     def drafts_with_own_layers(self) -> bool:
-        """The target's own first layers propose (the `early_exit` section): nothing is built beside the target;
-        the draft writes the target's cache for those layers and the verify resumes after them."""
+        """The target's own first layers propose (the `early_exit` section): nothing is built beside the target but
+        an optional adapter; the draft writes the target's cache for those layers and the verify resumes after
+        them."""
         return METHODS[self.method].own_layers
+
+    @property
+    def uses_exit_adapter(self) -> bool:
+        """The early exit's draft passes its states through an adapter (early_exit.adapter): trained apart, copied
+        into the engine beside the target."""
+        return self.drafts_with_own_layers and bool(self.early_exit.adapter)
 
     @property
     def drafts_by_lookahead(self) -> bool:
@@ -750,6 +764,10 @@ class PipelineSpec(Section):
         if speculation.eagle.head:
             eagle = dataclasses.replace(speculation.eagle, head=str(self.resolve(speculation.eagle.head)))
             speculation = dataclasses.replace(speculation, eagle=eagle)
+        if speculation.early_exit.adapter:
+            early_exit = dataclasses.replace(speculation.early_exit,
+                                             adapter=str(self.resolve(speculation.early_exit.adapter)))
+            speculation = dataclasses.replace(speculation, early_exit=early_exit)
         target = dataclasses.replace(self.target, checkpoint=absolute(self.target.checkpoint))
         return dataclasses.replace(self, target=target, speculation=speculation)
 

@@ -13,6 +13,10 @@ target resumes there (`Proposal.resume`), writing layers ≥ L at the same slots
 length, which covers both paths: every entry past the committed prefix, in every layer, is overwritten before
 anything attends to it. Exactness does not depend on L: q is the early exit's distribution, and the chain rule
 corrects for it.
+
+With an adapter (speculative/exit_adapter.py, speculation.early_exit.adapter), the draft's logits come from the
+final norm and head over adapter(raw states); the states kept for the verify stay the raw ones, so the adapter
+changes q and never p.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from specdeploy.models.device_transfer import from_host
 from specdeploy.models.kv_cache import KVCache
 from specdeploy.models.llama import WHOLE_MATRIX_LINEARS, DenseLinear, LlamaModel
 from specdeploy.speculative.draft_model import DraftModelProposer
+from specdeploy.speculative.exit_adapter import ADAPTER_DIR, ExitAdapter, target_name
 from specdeploy.speculative.proposer import EngineParts, Proposal
 
 EARLY_EXIT_FILE = "early_exit.json"  # in the engine: {"draft_vocab": [ids], "source": how they were counted}
@@ -58,8 +63,11 @@ class EarlyExitDraft:
     (config, embed, a forward, logits). Each forward keeps the raw hidden states entering layer `exit_layer`
     ([B, T, H]) in `states`, which the proposer hands to the verify."""
 
-    def __init__(self, target: LlamaModel, exit_layer: int, draft_ids: torch.Tensor) -> None:
-        """draft_ids: the target ids the draft's head covers [Vd] long (every id: the whole head)."""
+    def __init__(self, target: LlamaModel, exit_layer: int, draft_ids: torch.Tensor,
+                 adapter: ExitAdapter | None = None) -> None:
+        """draft_ids: the target ids the draft's head covers [Vd] long (every id: the whole head). adapter: applied
+        to the raw states before the final norm (its parameters in the target's dtype and device); None: the plain
+        early exit."""
         if not 1 <= exit_layer < target.config.num_layers:
             raise SpecdeployError(f"speculation.early_exit.exit_layer: {exit_layer} is not a layer count below the "
                                   f"target's {target.config.num_layers} layers")
@@ -68,14 +76,16 @@ class EarlyExitDraft:
         self.whole_head = len(draft_ids) == target.config.vocab_size
         self.draft_ids = draft_ids
         self.rows = None if self.whole_head else head_rows(target, draft_ids)
+        self.adapter = adapter
         self.states: list[torch.Tensor] = []
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  row_lengths: list[int] | None = None) -> torch.Tensor:
-        """Layers 0..exit_layer-1 over tokens [B, T] at positions [B, T]; returns the normed states [B, T, H]."""
+        """Layers 0..exit_layer-1 over tokens [B, T] at positions [B, T]; returns the normed states [B, T, H] (of the
+        adapted states, with an adapter). `states` keeps the raw ones: the verify resumes from the target's own."""
         raw = self.target(tokens, positions, cache, row_lengths=row_lengths, layers=range(self.exit_layer))
         self.states.append(raw)
-        return self.target.norm(raw)
+        return self.target.norm(raw if self.adapter is None else self.adapter(raw))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, H] → fp32 logits [B, V], -inf outside the draft vocabulary (so the draft never proposes a
@@ -101,6 +111,15 @@ def head_rows(target: LlamaModel, ids: torch.Tensor) -> DenseLinear:
     return rows
 
 
+def engine_adapter(parts: EngineParts, exit_layer: int) -> ExitAdapter:
+    """The engine's exit adapter (its ADAPTER_DIR folder), checked against its target and `exit_layer`, in the
+    target's dtype on its device, frozen."""
+    config = parts.target.config
+    adapter = ExitAdapter.load(parts.directory / ADAPTER_DIR, target_name(parts.pipeline.target.checkpoint),
+                               config.num_layers, config.hidden_size, exit_layer)
+    return adapter.to(parts.device, parts.target.dtype).requires_grad_(False).eval()
+
+
 class EarlyExitProposer(DraftModelProposer):
     """Drafts a chain with the target's early layers (see the module docstring); shares the target's cache."""
 
@@ -113,7 +132,9 @@ class EarlyExitProposer(DraftModelProposer):
             raise SpecdeployError(f"{parts.directory}: speculation.early_exit.exit_layer is 'measured' and this "
                                   f"engine has no measurement yet (specdeploy build measures it)")
         ids = from_host(read_early_exit(parts.directory)["draft_vocab"], parts.device, torch.long)
-        return cls(EarlyExitDraft(parts.target, exit_layer, ids), parts.cache, shared=True, early_stop_threshold=0.0)
+        adapter = engine_adapter(parts, exit_layer) if parts.pipeline.speculation.uses_exit_adapter else None
+        return cls(EarlyExitDraft(parts.target, exit_layer, ids, adapter), parts.cache, shared=True,
+                   early_stop_threshold=0.0)
 
     def stepped_models(self) -> list:
         return []  # the draft's forwards are the target's own layers

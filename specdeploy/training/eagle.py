@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specdeploy.speculative.eagle_head import Eagle3Head
+from specdeploy.training.plots import optional_pyplot
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay of the loss over training-time-test steps
 
@@ -212,13 +213,9 @@ def train(head: Eagle3Head, samples: list[Sample], embed: torch.Tensor, draft_ro
 
 def write_plot(report: dict, path: Path) -> bool:
     """training.png: loss by epoch and held-out top-1 agreement by drafting depth; False without matplotlib."""
-    try:
-        import matplotlib
-    except ImportError:
+    plt = optional_pyplot()
+    if plt is None:
         return False
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     figure, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     epochs = report["epoch_losses"]
     left.plot(range(1, len(epochs) + 1), epochs, marker="o")

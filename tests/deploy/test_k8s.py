@@ -118,6 +118,11 @@ def test_the_generator_refuses_what_the_cluster_could_not_run(tmp_path):
         "head: /models/EAGLE3-LLaMA3.1-Instruct-8B", "head: heads/eagle3"))
     with pytest.raises(SpecdeployError, match="speculation.eagle.head .* is relative"):
         write_overlay(eagle, tmp_path / "k8s", OverlayOptions(weights_gib=15.8))
+    adapted = tmp_path / "adapted.yaml"  # so is an early exit's adapter folder
+    adapted.write_text((REPO / "pipelines/smollm2-early-exit.yaml").read_text().replace(
+        "exit_layer: measured", "exit_layer: 16\n    adapter: exit-adapter/smollm2"))
+    with pytest.raises(SpecdeployError, match="speculation.early_exit.adapter .* is relative"):
+        write_overlay(adapted, tmp_path / "k8s")
 
 
 def test_the_llm_api_overlay_packages_triton_s_llm_api_model_from_the_image(rendered):

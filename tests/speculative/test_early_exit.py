@@ -10,12 +10,11 @@ import json
 import pytest
 import torch
 from helpers.batch import assert_continuous_batch_equals_alone
+from helpers.early_exit import LAYERS, early_exit_pipeline, save_shallow_tail
 from helpers.goodness_of_fit import goodness_of_fit
 from helpers.marginals import exact_marginals, sampled_positions
 from helpers.pipelines import tiny_pipeline, trtllm_pipeline
 from helpers.prompts import PROMPTS
-from helpers.tiny_models import save_tiny_checkpoint
-from safetensors.torch import load_file, save_file
 
 from specdeploy.build.torch_engine import build
 from specdeploy.errors import BuildError, PipelineError
@@ -29,27 +28,10 @@ from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.acceptance import accept
 from specdeploy.workflows import build_torch_engine
 
-LAYERS, EXIT = 4, 2
-
 
 @pytest.fixture(scope="module")
 def shallow_tail(tmp_path_factory):
-    """A tiny 4-layer target whose last two layers change its hidden state little, so its first two layers' exit
-    often agrees with it (as a model trained for early exit would)."""
-    directory = save_tiny_checkpoint(tmp_path_factory.mktemp("early-exit") / "target", seed=4,
-                                     num_hidden_layers=LAYERS)
-    weights = directory / "model.safetensors"
-    state = load_file(str(weights))
-    for layer in range(EXIT, LAYERS):
-        for name in ("self_attn.o_proj", "mlp.down_proj"):
-            state[f"model.layers.{layer}.{name}.weight"] *= 0.3
-    save_file(state, str(weights), metadata={"format": "pt"})
-    return directory
-
-
-def early_exit_pipeline(directory, target, name="tiny-early-exit", **early_exit):
-    return tiny_pipeline(directory, name, target, method="early_exit", gamma=3,
-                         speculation_extra={"early_exit": {"exit_layer": EXIT, "draft_vocab": 96, **early_exit}})
+    return save_shallow_tail(tmp_path_factory.mktemp("early-exit") / "target")
 
 
 @pytest.fixture(scope="module")
