@@ -13,7 +13,7 @@ class ExitAdapterTrainingOptions:
     # prompts to distil on, a tenth of them held out: train-eagle's count, so its answers can be reused (--work-dir)
     prompts: int = 600
     max_tokens: int = 128  # length of the target's answers
-    epochs: int = 4
+    epochs: int = 12  # SmolLM2 at exit layer 8: held-out top-1 0.29 after 4 epochs, 0.35 after 12 (about 1 min a layer)
     layers: tuple[int, ...] | None = None  # exit layers to train an adapter at (None: the pipeline's early_exit sweep)
     layer: int | None = None  # the one written to --output (None: the best modeled speedup)
     # the adapter's inner width: its two matrices cost about a fifth of a SmolLM2 layer per drafted token
