@@ -31,6 +31,7 @@ from specdeploy.decoding.stats import RequestStats, decode_rate
 from specdeploy.models import machine
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.request import GenerationRequest
+from specdeploy.speculative.speedup import speedup, tokens_per_step_by_position
 
 
 def run_bench(engine: Engine, prompts: list[dict], max_tokens: int | None, temperature: float | None, seed: int,
@@ -161,4 +162,10 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
     if engine.speculation.uses_features:
         report.eagle = measure_eagle_tree(engine, summary, encoded)
         summary.predicted_speedup = report.eagle.predicted_speedup
+    if engine.speculation.drafts_by_lookahead:
+        # about ten nodes a step, most of them window guesses that are never meant to be accepted: the chain
+        # formula's acceptance over drafted nodes does not describe it; the accepted depth by position does
+        summary.predicted_speedup = speedup(
+            tokens_per_step_by_position(summary.per_position_acceptance, engine.num_draft_tokens),
+            summary.proposal_cost_per_step + summary.verify_cost_ratio)
     return report

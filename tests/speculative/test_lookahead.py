@@ -154,3 +154,21 @@ def test_lookahead_settings_are_checked(tiny_checkpoints, tmp_path, lookahead, m
                          speculation_extra={"lookahead": lookahead})
     with pytest.raises(PipelineError, match=message):
         load_pipeline(path)
+
+
+def test_the_bench_predicts_lookahead_from_its_accepted_depth(engine_dir):
+    """Lookahead verifies about W·(N-1) window nodes a step that are never meant to be accepted, so the chain
+    formula over accepted/drafted would predict far below what is realized; the bench predicts from the accepted
+    depth by position instead, whose tokens per step must describe the run's own."""
+    from specdeploy.bench.run import run_benches
+    from specdeploy.speculative.speedup import tokens_per_step_by_position
+
+    prompts = [{"prompt": "the cat sat on the mat, the cat sat", "kind": "copy"},
+               {"prompt": "Count to ten.", "kind": "open"}]
+    summary = run_benches([Engine(engine_dir)], prompts, 48, temperature=0.0, seed=0, with_transformers=False,
+                          quiet=True)[0].summary
+    modeled = tokens_per_step_by_position(summary.per_position_acceptance, Engine(engine_dir).num_draft_tokens)
+    assert summary.mean_accepted_length > 1
+    assert abs(modeled - summary.mean_accepted_length) < 0.15 * summary.mean_accepted_length
+    assert summary.predicted_speedup == pytest.approx(
+        modeled / (summary.proposal_cost_per_step + summary.verify_cost_ratio))
