@@ -406,7 +406,8 @@ def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: 
 @click.argument("pipeline_path", metavar="PIPELINE.yaml")
 @engines_option
 @click.option("--output", type=click.Path(file_okay=False, path_type=Path), default=None,
-              help="Model repository directory (default: model_repository/<name>).")
+              help="Model repository directory (default: $SPECDEPLOY_REPOSITORIES/<name>, else "
+                   "model_repository/<name>).")
 @click.option("--served-at", type=click.Path(path_type=Path), default=None,
               help="trtllm: where the repository will be mounted on the server, as the tensorrtllm models' engine "
                    "paths must name it (default: the --output directory).")

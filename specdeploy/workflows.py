@@ -23,7 +23,7 @@ from specdeploy.decoding.stats import decode_tokens, mean_accepted_length
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.compile_engine import compile_engine, is_compiled
 from specdeploy.runtime.engine import Engine
-from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, build_lock, measured_exit_layer, measured_gamma_cap
+from specdeploy.spec.engine_paths import build_lock, measured_exit_layer, measured_gamma_cap, model_repositories_dir
 from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.training.eagle_options import EagleTrainingOptions
@@ -148,7 +148,7 @@ def package(pipeline_path: str | Path, engines_dir: Path, output: Path | None = 
 
     pipeline = load_spec(pipeline_path, device)
     engine_dir = build_engine(pipeline, engines_dir).directory
-    output = Path(output or MODEL_REPOSITORIES_DIR / pipeline.name)
+    output = Path(output or model_repositories_dir() / pipeline.name)
     stamp = package_stamp(pipeline_path, engine_dir, served_at or output.resolve(), trtllm_source)
     with build_lock(output):  # checked under the lock: a package run that held it before us may have just written it
         if not force and is_current(output, stamp):

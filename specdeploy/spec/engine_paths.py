@@ -13,6 +13,7 @@ and while one writes, `.<name>.partial-<random>`, the staging directory renamed 
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import os
@@ -31,6 +32,7 @@ from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 
 ENGINES_DIR = Path("engines")  # the default root of engines/<name>/ ($SPECDEPLOY_ENGINES overrides it in the CLI)
 MODEL_REPOSITORIES_DIR = Path("model_repository")  # the default root of `specdeploy package` outputs
+REPOSITORIES_VARIABLE = "SPECDEPLOY_REPOSITORIES"  # overrides MODEL_REPOSITORIES_DIR (the CPU image sets both roots)
 PIPELINE_FILE = "pipeline.json"
 MANIFEST_FILE = "build_manifest.json"
 MEASURED_POLICY_FILE = "measured_policy.json"
@@ -165,6 +167,29 @@ def try_lock(file: TextIO) -> bool:
     return True
 
 
+def model_repositories_dir() -> Path:
+    """The root of default model repositories (<root>/<pipeline name>): $SPECDEPLOY_REPOSITORIES, else
+    ./model_repository."""
+    return Path(os.environ.get(REPOSITORIES_VARIABLE) or MODEL_REPOSITORIES_DIR)
+
+
+def open_in_writable_folder(path: Path) -> TextIO:
+    """`path` opened to append (created, with its folder, if needed); a folder that cannot be written (permissions,
+    a read-only file system) becomes one SpecdeployError naming it and what points the engines and repositories
+    elsewhere, not a traceback."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return open(path, "a+")
+    except OSError as exc:
+        if exc.errno not in (errno.EACCES, errno.EPERM, errno.EROFS):
+            raise
+        raise SpecdeployError(
+            f"{path.parent.resolve()}: cannot write here ({exc.strerror}); engines and model repositories need a "
+            f"writable folder: set SPECDEPLOY_ENGINES and {REPOSITORIES_VARIABLE} (or --engines-dir, --output) to "
+            f"one, or in the image mount a writable volume at /var/lib/specdeploy (podman run -v "
+            f"DIR:/var/lib/specdeploy)") from None
+
+
 @contextmanager
 def build_lock(final: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]:
     """Hold the lock of `final` (the file `.<name>.lock` beside it) while checking whether it is up to date and
@@ -178,10 +203,9 @@ def build_lock(final: Path, timeout_s: float = LOCK_TIMEOUT_S) -> Iterator[None]
     `nolock`). The lock file stays: removing it while another process waits on it would let a third lock a new
     file of the same name."""
     final = Path(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
     path = final.parent / f".{final.name}.lock"
     deadline = time.monotonic() + timeout_s
-    with open(path, "a+") as lock:  # a+: creates the file, never truncates what the holder wrote
+    with open_in_writable_folder(path) as lock:  # a+: creates the file, never truncates what the holder wrote
         if not try_lock(lock):
             holder = path.read_text().strip() or "another process"
             print(f"{final}: another build is writing it ({holder}); waiting up to {timeout_s:g} s for its lock "

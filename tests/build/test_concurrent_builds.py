@@ -227,3 +227,30 @@ def test_no_wait_message_without_contention(tmp_path, capsys):
         pass
     assert capsys.readouterr().err == ""
 
+
+
+def test_a_folder_that_cannot_be_written_is_one_error_naming_it(tmp_path, monkeypatch):
+    """A read-only file system (the image run --read-only without a volume) or a folder of another user: one
+    SpecdeployError naming the folder and what points engines and repositories elsewhere, not an OSError (the
+    image test runs it for real, read-only, as uid 10001)."""
+    import errno
+
+    from specdeploy.errors import SpecdeployError
+
+    def read_only(self, *args, **kwargs):
+        raise OSError(errno.EROFS, "Read-only file system", str(self))
+
+    monkeypatch.setattr(Path, "mkdir", read_only)
+    expected = r"engines: cannot write here \(Read-only file system\).*SPECDEPLOY_REPOSITORIES.*-v DIR"
+    with pytest.raises(SpecdeployError, match=expected):
+        with build_lock(tmp_path / "engines" / "tiny"):
+            pass
+
+
+def test_default_repositories_follow_the_environment(tmp_path, monkeypatch):
+    from specdeploy.spec.engine_paths import MODEL_REPOSITORIES_DIR, model_repositories_dir
+
+    monkeypatch.delenv("SPECDEPLOY_REPOSITORIES", raising=False)
+    assert model_repositories_dir() == MODEL_REPOSITORIES_DIR
+    monkeypatch.setenv("SPECDEPLOY_REPOSITORIES", str(tmp_path / "repos"))
+    assert model_repositories_dir() == tmp_path / "repos"

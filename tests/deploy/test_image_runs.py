@@ -204,6 +204,70 @@ def test_the_image_holds_no_compiler_cache_or_test_dependency(image):
     assert user.stdout.strip() == str(base.UID)
 
 
+class DefaultCommand:
+    """The image run as a user first runs it: no arguments (its own CMD serves the draft-target pipeline on 8000 and
+    8001), with the options a test adds, detached and published on free ports."""
+
+    def __init__(self, image: str, *options: str) -> None:
+        self.name = f"specdeploy-default-{os.getpid()}-{time.monotonic_ns()}"
+        self.http, self.grpc = free_port(), free_port()
+        podman_image.podman("run", "--detach", "--name", self.name, f"--publish=127.0.0.1:{self.http}:8000",
+                            f"--publish=127.0.0.1:{self.grpc}:8001", *options, image, capture=True)
+
+    def died(self) -> str | None:
+        state = podman_image.podman("inspect", "--format", "{{.State.Running}}", self.name, capture=True).stdout
+        return None if state.strip() == "true" else podman_image.podman("logs", self.name, capture=True).stderr[-3000:]
+
+    def serves(self) -> None:
+        """Ready within the time a first build and package take, and a streamed generation comes back."""
+        from specdeploy.serve.client import generate
+
+        wait_until_ready(f"http://127.0.0.1:{self.http}/v2/health/ready", self.died, seconds=900)
+        chunks = list(generate(f"127.0.0.1:{self.grpc}", "Name three colours.", 8, timeout=120))
+        assert chunks and chunks[-1].final and "".join(c.text for c in chunks), chunks
+
+    def remove(self) -> None:
+        podman_image.podman("rm", "--force", "--volumes", "--time", "5", self.name, check=False, capture=True)
+
+
+def test_the_images_own_command_serves_bare_and_read_only(image, tmp_path):
+    """`podman run IMAGE` serves (its VOLUME gives the default command a writable place); so does `--read-only
+    --tmpfs /tmp -v DIR:/var/lib/specdeploy` as uid 10001, and a second run on that volume reuses the built engine;
+    a volume it cannot write fails in one line naming the path and the volume that fixes it."""
+    bare = DefaultCommand(image)
+    try:
+        bare.serves()
+    finally:
+        bare.remove()
+
+    data = tmp_path / "data"
+    data.mkdir()
+    os.chown(data, base.UID, base.UID)
+    read_only = ("--read-only", "--tmpfs", "/tmp:rw,mode=1777", "--volume", f"{data}:/var/lib/specdeploy:rw")
+    manifest = data / "engines" / "smollm2-draft-target" / "build_manifest.json"
+    built = None
+    for _ in range(2):
+        run = DefaultCommand(image, *read_only)
+        try:
+            run.serves()
+            assert manifest.is_file(), sorted(str(p.relative_to(data)) for p in data.rglob("*"))[:20]
+            assert built is None or manifest.stat().st_mtime_ns == built, "the second run built the engine again"
+            built = manifest.stat().st_mtime_ns
+        finally:
+            run.remove()
+
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    refused = podman_image.podman("run", "--rm", "--read-only", "--tmpfs", "/tmp:rw,mode=1777", "--volume",
+                                  f"{empty}:/var/lib/specdeploy:ro", "--network", "none", image, check=False,
+                                  capture=True, timeout=300)
+    message = refused.stderr.strip().splitlines()
+    assert refused.returncode != 0 and message, refused.stdout[-2000:]
+    assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+    assert "/var/lib/specdeploy/engines: cannot write here" in message[-1], message[-3:]
+    assert "-v DIR:/var/lib/specdeploy" in message[-1], message[-1]
+
+
 def test_the_cpu_overlay_runs_in_the_image(cpu_overlay, image, folders):
     job = Pod(one(cpu_overlay, "Job")["spec"]["template"], image, folders)
     build, package = job.spec["initContainers"][0], job.spec["containers"][0]
