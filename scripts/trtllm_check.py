@@ -99,8 +99,12 @@ def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False, lookahead:
     medusa = spec["speculation"].get("medusa")
     if medusa and not Path(medusa["heads"]).is_absolute():
         medusa["heads"] = str((shipped.parent / medusa["heads"]).resolve())
-    if llm_api:  # the LLM API takes checkpoints as they are: no weight-only conversion there
-        spec["target"].pop("weight_only", None)
+    # The target in bf16 on either line, so that greedy text is compared like with like. The shipped torch target's
+    # weight_only: int4 is the GGUF's own Q4_1 groups (lossless against the file); TensorRT-LLM's weight-only int4
+    # re-quantizes the dequantized weights per channel (W4A16, build/trtllm/convert.py), a lossier model whose text
+    # may part from the torch engine's early on a sound path. bf16 holds the dequantized weights as the torch engine
+    # computes with them (the LLM API line takes checkpoints as they are anyway).
+    spec["target"].pop("weight_only", None)
     eagle = spec["speculation"].get("eagle")
     if eagle:
         eagle["head"] = str((shipped.parent / eagle["head"]).resolve())

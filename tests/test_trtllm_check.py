@@ -317,6 +317,10 @@ def test_the_trtllm_variants_of_the_shipped_pipelines_plan(tmp_path, method):
     assert notes[0].startswith("target: llama, 9 attention heads, 3 key/value heads")
     builds = [step for step in steps if step.command and step.command[0] == "trtllm-build"]
     assert len(builds) == (2 if method == "draft-target" else 1)
+    # like with like: the shipped n-gram target's int4 is the GGUF's Q4_1 groups, TensorRT-LLM's would be per channel
+    assert pipeline.target.weight_only is None
+    assert not any("--use_weight_only" in step.command for step in steps if step.command and "checkpoints/target"
+                   in str(step.output))
     if method == "medusa":
         assert Path(pipeline.speculation.medusa.heads).is_file()  # made absolute: the copy lives elsewhere
 

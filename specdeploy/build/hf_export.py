@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -21,6 +22,8 @@ from specdeploy.errors import SpecdeployError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.registry import component_config
 
+EMBEDDINGS = "model.embed_tokens.weight"  # the Hugging Face name of a Llama's (and Mixtral's) input embeddings
+
 
 def hf_model_class(config: ModelConfig) -> type:
     """The transformers class of a component's architecture: MixtralForCausalLM or LlamaForCausalLM."""
@@ -29,13 +32,24 @@ def hf_model_class(config: ModelConfig) -> type:
     return MixtralForCausalLM if config.architecture == "mixtral" else LlamaForCausalLM
 
 
+def untied(config: ModelConfig, state: dict[str, torch.Tensor]) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """A tied model as an untied one: `lm_head.weight` a copy of the embeddings, `tie_word_embeddings` false. The
+    same function, for readers that look the head up by name among a model's parameters, where transformers lists a
+    tied head only once, under the embeddings (TensorRT-LLM's Medusa converter: build/trtllm/plan.py)."""
+    if not config.tie_word_embeddings:
+        return config, state
+    return replace(config, tie_word_embeddings=False), {**state, "lm_head.weight": state[EMBEDDINGS].clone()}
+
+
 def export_model(config: ModelConfig, state: dict[str, torch.Tensor], tokenizer, output: Path,
-                 dtype: torch.dtype = torch.bfloat16, source: str = "model") -> Path:
+                 dtype: torch.dtype = torch.bfloat16, source: str = "model", untie: bool = False) -> Path:
     """Write weights under our canonical names (`state`, with `config`) and the tokenizer to `output` as a Hugging
-    Face directory in `dtype`; `source` names them in errors. It builds a transformers model of them, so memory
-    holds the fp32 state and the model's own fp32 copy before it is cast: about four times the model's bf16 size
-    (measured by scripts/measure_build_memory.py: docs/benchmarks.md, "Build memory"), which is why only sources
-    loaded whole anyway come here."""
+    Face directory in `dtype`; `source` names them in errors; `untie` writes a tied model untied (`untied`). It
+    builds a transformers model of them, so memory holds the fp32 state and the model's own fp32 copy before it is
+    cast: about four times the model's bf16 size (measured by scripts/measure_build_memory.py: docs/benchmarks.md,
+    "Build memory"), which is why only sources loaded whole anyway come here."""
+    if untie:
+        config, state = untied(config, state)
     family = hf_model_class(config)
     model = family(config.to_hf())
     missing, unexpected = model.load_state_dict(state, strict=False)

@@ -2,7 +2,10 @@
 specdeploy's upstream table; upstream's integer defaults), refuses what it asserts, and reads the heads as it does:
 medusa_num_layers from the heads' config.json, the head count from the command line (its default 4 always wins over
 the config), every head's weights from medusa_lm_head.safetensors, and the weight-only quantization it records in
-config.json (examples/medusa/convert_checkpoint.py @ b93e14ca)."""
+config.json (examples/medusa/convert_checkpoint.py @ b93e14ca). Like upstream it fails on a base whose config ties
+the output head to the embeddings: `convert_hf_llama` (tensorrt_llm/models/medusa/weight.py, the 1.2-era copy)
+takes `lm_head` from `dict(hf_model.named_parameters())` whatever the tie, and transformers lists a tied head only
+under the embeddings, so the lookup raises KeyError 'lm_head.weight'."""
 
 import argparse
 import json
@@ -55,7 +58,9 @@ def main(argv: list[str]) -> None:
         for layer in range(layers):
             weights[f"{head}.{layer}.linear.weight"], weights[f"{head}.{layer}.linear.bias"]  # noqa: B018
         weights[f"{head}.{layers}.weight"]  # noqa: B018
-    assert (Path(args.model_dir) / "config.json").is_file()
+    base = json.loads((Path(args.model_dir) / "config.json").read_text())
+    if base.get("tie_word_embeddings", False):  # named_parameters() lists a tied head only as the embeddings
+        raise KeyError("lm_head.weight")
     output = Path(args.output_dir)
     output.mkdir(parents=True)
     for rank in range(args.tp_size * args.pp_size):

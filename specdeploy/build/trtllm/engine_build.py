@@ -115,7 +115,9 @@ def run_action(step: Step, pipeline: PipelineSpec, final: Path, output: Path, so
         export_derived_target(pipeline.target.moe, dense, output, dtype)
     elif step.action in exports:
         model = sources.get(exports[step.action])
-        export_model(model.config, model.state, model.tokenizer, output, dtype, step.action.removeprefix("export "))
+        untie = step.action == "export target" and pipeline.speculation.uses_heads  # plan.ties_embeddings
+        export_model(model.config, model.state, model.tokenizer, output, dtype, step.action.removeprefix("export "),
+                     untie=untie)
     elif step.action == "export medusa heads":
         heads = MedusaHeads.load(pipeline.resolve(pipeline.speculation.medusa.heads))
         target_dir = readable_checkpoint(pipeline, "target")

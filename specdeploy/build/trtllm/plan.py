@@ -89,7 +89,24 @@ def readable_checkpoint(pipeline: PipelineSpec, component: str) -> Path | None:
     target = pipeline.target
     spec = {"target": None if target.moe is not None else target.checkpoint, "dense_source": target.checkpoint,
             "draft": pipeline.speculation.draft.checkpoint if pipeline.speculation.draft else None}[component]
-    return pipeline.resolve(spec.path) if spec is not None and spec.source == "hf_dir" else None
+    if spec is None or spec.source != "hf_dir":
+        return None
+    directory = pipeline.resolve(spec.path)
+    if component == "target" and pipeline.speculation.uses_heads and ties_embeddings(directory):
+        return None  # exported untied: see ties_embeddings
+    return directory
+
+
+def ties_embeddings(directory: Path) -> bool:
+    """Whether a Hugging Face checkpoint ties its output head to its embeddings (SmolLM2, Llama-3.2-1B/3B).
+    TensorRT-LLM's Medusa converter cannot read such a target: it looks `lm_head.weight` up among the model's
+    named_parameters(), which list a tied head only under the embeddings, so it fails with KeyError
+    'lm_head.weight' (tensorrt_llm/models/medusa/weight.py `convert_hf_llama`, the 1.2-era copy; the same pattern as
+    NVIDIA/TensorRT-LLM#1733). A Medusa build therefore exports a tied target untied. transformers' Llama
+    configuration defaults the key to false; a checkpoint not on this machine reads as untied (the build, where it
+    is, plans again)."""
+    config = Path(directory) / "config.json"
+    return config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
 
 
 def hf_dirs(pipeline: PipelineSpec, root: Path) -> dict[str, Path]:

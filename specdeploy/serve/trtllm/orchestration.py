@@ -91,6 +91,31 @@ def check_lookahead_request(request: GenerationRequest) -> None:
                            f"no penalties; send 1, got {params.repetition_penalty}")
 
 
+def check_medusa_request(request: GenerationRequest) -> None:
+    """RequestError naming the field for a request a TensorRT-LLM Medusa engine would answer as something else,
+    without a word. DecodingMode::Medusa has neither the temperature nor an occurrence-penalty bit (cpp/include/
+    tensorrt_llm/executor/types.h; the penalty layer applies each only under its bit, penaltyLayer.cpp), and its
+    layer samples the target's tokens with top-k alone (samplePrimeHeadTokens, medusaDecodingLayer.cpp @ 015884d6),
+    where a top-k of 0 makes the kernel write nothing (samplingTopKKernels.cu @ 03961722). So a penalty is refused
+    at any temperature; sampling is served only as the engine runs it: temperature 1, top_p 1, and a top_k of 1 to
+    trtllm_sampling.TOP_K_MAX (the kernel's most). Greedy (temperature 0) is sent as top-k 1 and is exact."""
+    params = request.sampling
+    medusa = "this pipeline runs TensorRT-LLM's Medusa decoding, which"
+    if params.repetition_penalty != 1:
+        raise RequestError(f"repetition_penalty: {medusa} applies no penalties (its decoding mode has no penalty); "
+                           f"send 1, got {params.repetition_penalty}")
+    if params.greedy:
+        return
+    if params.temperature != 1:
+        raise RequestError(f"temperature: {medusa} samples the unscaled logits (its decoding mode has no "
+                           f"temperature); send 1 or 0 (greedy), got {params.temperature}")
+    if params.top_p != 1:
+        raise RequestError(f"top_p: {medusa} samples with top-k alone and ignores top-p; send 1, got {params.top_p}")
+    if not 1 <= params.top_k <= trtllm_sampling.TOP_K_MAX:
+        raise RequestError(f"top_k: {medusa} samples with top-k alone, and its kernel takes 1 to "
+                           f"{trtllm_sampling.TOP_K_MAX} (0, no limit, makes it write no token); got {params.top_k}")
+
+
 @dataclass(frozen=True)
 class Sampling:
     """What an engine call samples with: the request's processing and this call's own seed. Engines get no end
@@ -172,6 +197,8 @@ class Orchestrator:
         check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
         if self.pipeline.speculation.drafts_by_lookahead:
             check_lookahead_request(request)
+        if self.pipeline.speculation.uses_heads:
+            check_medusa_request(request)
         sequence = Sequence.for_request(request, ProposalLength.for_request(request, self.pipeline), self.end_ids,
                                         tokenizer=self.tokenizer)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)

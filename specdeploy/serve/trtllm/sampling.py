@@ -30,6 +30,10 @@ from specdeploy.spec.sampling_params import SamplingParams
 
 LOWEST_LOGIT = float(np.finfo(np.float32).min)  # softmax gives it 0 (the kernels mask with -FLT_MAX too)
 TEMPERATURE_EPSILON = 1e-6  # penaltyKernels.cu: invTemperature = 1 / (T + 1e-6)
+# The most top-k the executor's sampling runs: its layers clamp a larger one to it (clampTopK with TOP_K_MAX,
+# externalDraftTokensLayer.cpp @ 1d263f15) and the top-k kernel's workspace is sized for it
+# (medusaDecodingLayer.cpp @ 015884d6 allocates with TOP_K_MAX).
+TOP_K_MAX = 1024
 
 
 def padded_vocab_size(vocab_size: int, world_size: int) -> int:

@@ -15,7 +15,8 @@ from google.protobuf import json_format, text_format
 from helpers.cli import run_cli
 from helpers.pipelines import trtllm_pipeline
 from helpers.repo import REPO
-from helpers.tiny_models import save_tiny_eagle_head
+from helpers.tiny_models import save_tiny_checkpoint, save_tiny_eagle_head
+from safetensors.torch import load_file
 from transformers import MixtralForCausalLM
 from tritonclient.grpc import model_config_pb2 as pb
 from trtllm_double.llmapi_speculative import eagle_setup
@@ -124,6 +125,26 @@ def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp
     relative = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository),
                        "--served-at", "models")
     assert relative.returncode != 0 and "--served-at" in relative.stderr and "absolute" in relative.stderr
+
+
+def test_a_tied_medusa_target_is_exported_untied_for_the_converter(double, tmp_path):
+    """Upstream's Medusa converter looks lm_head.weight up among named_parameters(), where a tied head is missing
+    (KeyError, as the double raises: SmolLM2, Llama-3.2-1B/3B tie), so a tied Hugging Face target is not read where
+    it is: the build exports it untied, the same function, and converts that."""
+    tied = save_tiny_checkpoint(tmp_path / "tied", seed=4, tie_word_embeddings=True)
+    heads_file = tmp_path / "heads.safetensors"
+    MedusaHeads(64, 2).save(heads_file)
+    path = trtllm_pipeline(tmp_path, tied, speculation={
+        "method": "medusa", "num_draft_tokens": 2,
+        "medusa": {"heads": str(heads_file), "num_heads": 2, "choices": [[0], [0, 0]]}},
+        backend={"kind": "trtllm", "trtllm": {"medusa_converter": str(MEDUSA_DOUBLE)}})
+    engines = tmp_path / "engines"
+    result = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert result.returncode == 0, result.stderr
+    exported = engines / "t" / "trtllm" / "hf" / "target"
+    assert json.loads((exported / "config.json").read_text())["tie_word_embeddings"] is False
+    weights = load_file(str(exported / "model.safetensors"))
+    assert weights["lm_head.weight"].equal(weights["model.embed_tokens.weight"])
 
 
 def test_a_lookahead_pipeline_builds_and_packages_an_engine_its_backend_loads(double, tmp_path, tiny_checkpoints):

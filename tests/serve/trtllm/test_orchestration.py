@@ -422,10 +422,7 @@ class MedusaEngine:
 def test_medusa_streams_the_engines_steps_and_counts_them(tiny_engines):
     """Each streamed response of a Medusa engine is one step: its tokens minus one were accepted from the tree."""
     engine = tiny_engines["draft_target"]
-    pipeline = dataclasses.replace(engine.pipeline, speculation=dataclasses.replace(
-        engine.pipeline.speculation, method="medusa", draft=None,
-        medusa=dataclasses.replace(engine.pipeline.speculation.medusa, heads="heads.safetensors",
-                                   choices=((0,), (0, 0), (1,)))))
+    pipeline = medusa_pipeline(engine)
     prompt = [5, 6, 7]
     script = [prompt, [10], [11, 12, 13], [14], [15, 16], [17, 18, 19], [20, 21]]
     calls = MedusaEngine(script)
@@ -442,6 +439,37 @@ def test_medusa_streams_the_engines_steps_and_counts_them(tiny_engines):
     stats = collector.stats
     assert stats.steps == 5 and stats.accepted == 2 + 0 + 1 + 2 + 1  # the last step was cut to max_tokens
     assert stats.drafted == 5 * 3 and stats.drafted_per_position == [5, 5]  # tree: 3 nodes, depth 2
+    orch.stop()
+
+
+def medusa_pipeline(engine):
+    """The tiny engine's pipeline as TensorRT-LLM Medusa (a tree of 3 nodes, depth 2)."""
+    return dataclasses.replace(engine.pipeline, speculation=dataclasses.replace(
+        engine.pipeline.speculation, method="medusa", draft=None,
+        medusa=dataclasses.replace(engine.pipeline.speculation.medusa, heads="heads.safetensors",
+                                   choices=((0,), (0, 0), (1,)))))
+
+
+@pytest.mark.parametrize("params, field", [
+    (SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
+    (SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2), "repetition_penalty"),
+    (SamplingParams(temperature=0.7, top_k=4), "temperature"),
+    (SamplingParams(temperature=1.0, top_k=4, top_p=0.9), "top_p"),
+    (SamplingParams(temperature=1.0), "top_k"),
+    (SamplingParams(temperature=1.0, top_k=1025), "top_k"),
+], ids=["greedy-penalised", "t1-penalised", "t0.7", "top-p", "top-k-0", "top-k-over-1024"])
+def test_a_medusa_pipeline_refuses_what_its_engine_would_silently_ignore(tiny_engines, params, field):
+    """TensorRT-LLM's Medusa decoding has no temperature or penalty, samples with top-k alone and writes nothing at
+    top-k 0 (the double does the same: test_trtllm_double), so such a request is refused naming the field before
+    any engine call; greedy and temperature 1 with a top-k of 1 to 1024 are served."""
+    engine = tiny_engines["draft_target"]
+    calls = MedusaEngine([[5, 6, 7], [10], [11, 12]])
+    orch = Orchestrator(medusa_pipeline(engine), calls, engine.vocab_size, engine.end_ids)
+    with pytest.raises(RequestError, match=rf"^{field}: this pipeline runs TensorRT-LLM's Medusa decoding"):
+        orch.submit(GenerationRequest([5, 6, 7], 3, params, end_id=-1), Collector())
+    assert calls.calls == []
+    for served in (SamplingParams(top_p=0.5), SamplingParams(temperature=1.0, top_k=1024, seed=1)):
+        assert run(orch, GenerationRequest([5, 6, 7], 3, served, end_id=-1)).tokens == [10, 11, 12]
     orch.stop()
 
 

@@ -258,6 +258,28 @@ def test_lookahead_decodes_greedily_whatever_the_request_samples(tiny_engines, t
     assert sampled == expected
 
 
+def medusa_double(tiny_engines) -> TensorrtllmDouble:
+    """The double of a Medusa engine over the tiny target (its max_draft_len the tree's nodes)."""
+    engine_config = EngineConfig(256, 256 + 8, 8, "medusa", False)
+    return TensorrtllmDouble(tiny_engines["ngram"].dir / "target", BackendSettings(engine_config, True, True))
+
+
+def test_medusa_samples_with_top_k_alone_whatever_else_the_request_says(tiny_engines):
+    """DecodingMode::Medusa has no temperature or penalty bit and its layer samples with top-k alone: a greedy
+    request's penalty and a sampled request's temperature and top-p change nothing (the same seed gives the same
+    tokens), and a top-k of 0 writes no token (the orchestration refuses all of these: test_orchestration)."""
+    double = medusa_double(tiny_engines)
+    prompt = tiny_engines["ngram"].encode_prompt("abcabcabc")
+    greedy = greedy_reference(tiny_engines, prompt, 30)
+    assert new_tokens(double, request(prompt, 30, runtime_top_k=1, repetition_penalty=1.5)) == greedy
+    plain = new_tokens(double, request(prompt, 30, temperature=1.0, runtime_top_k=8, runtime_top_p=1.0, seed=[[3]]))
+    assert plain != greedy
+    for changed in ({"temperature": 0.3}, {"runtime_top_p": 0.5}, {"repetition_penalty": 1.5}):
+        fields = {"temperature": 1.0, "runtime_top_k": 8, "runtime_top_p": 1.0, "seed": [[3]], **changed}
+        assert new_tokens(double, request(prompt, 30, **fields)) == plain, changed
+    assert set(new_tokens(double, request(prompt, 5, temperature=1.0, runtime_top_k=0, runtime_top_p=1.0))) == {0}
+
+
 class Successor(TensorrtllmDouble):
     """A target whose argmax after any context is its last token + 1 (so what a guess must be to hold is known)."""
 

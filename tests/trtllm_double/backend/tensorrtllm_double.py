@@ -21,6 +21,8 @@ commit) in tests/trtllm_double/README.md. In short:
 - lookahead (`lookahead_steps`): greedy whatever the request's sampling, a step's tokens the longest guess the
   target's argmax confirms plus one; a request's own lookahead_* tensors read as the backend reads them (keyed on
   lookahead_window_size alone) and a size above the model's failing only when its step runs.
+- Medusa (`medusa_token`): each token sampled with top-k alone from the unscaled, unpenalised logits (temperature,
+  repetition penalty and top-p dropped), nothing written (token 0 here) at a top-k of 0; the tree is not emulated.
 What it does not do: batch requests (one at a time, a lock per call) or page the KV cache (it keeps one cached
 sequence and reuses its prefix, as block reuse would). Its lookahead verifies only the n-gram pool's guesses, not
 the Jacobi window's rows, so its steps accept no more than upstream's would (the text is the same: greedy).
@@ -332,6 +334,19 @@ class Sampling:
         return kept / kept.sum()
 
 
+def medusa_token(sampling: Sampling, logits: torch.Tensor, generator: torch.Generator) -> int:
+    """A Medusa engine's token (its tree is not emulated: a step's tokens are those its target samples, each
+    accepted draft equal to them). DecodingMode::Medusa has neither the temperature nor an occurrence-penalty bit
+    (cpp/include/tensorrt_llm/executor/types.h, index), and the penalty layer applies each only under its bit
+    (penaltyLayer.cpp, index): temperature and repetition penalty are dropped. samplePrimeHeadTokens passes top-k
+    alone (medusaDecodingLayer.cpp @ 015884d6): top-p is dropped. A top-k of 0 (sent, not absent) makes the top-k
+    kernel write nothing (samplingTopKKernels.cu @ 03961722): the token is whatever the buffer held, here 0."""
+    if sampling.top_k == 0:
+        return 0
+    plain = Sampling(1.0, sampling.top_k, 1.0, 1.0, sampling.seed)
+    return plain.draw(logits.double().softmax(-1), generator)
+
+
 def uniform(generator: torch.Generator) -> float:
     return 1.0 - float(torch.rand((), generator=generator, dtype=torch.float64))  # curand_uniform: (0, 1]
 
@@ -439,9 +454,13 @@ class TensorrtllmDouble:
                 if echo or step.tokens:
                     yield Step(echo + step.tokens, None)
                 return  # a target request that brought drafts ends after this one step
+            medusa = self.engine.speculative_decoding_mode == "medusa"
             for _ in range(count):
                 logits = self.logits(tokens, 1)
-                token = sampling.draw(sampling.probabilities(logits[0], self.seen(tokens)), generator)
+                if medusa:
+                    token = medusa_token(sampling, logits[0], generator)
+                else:
+                    token = sampling.draw(sampling.probabilities(logits[0], self.seen(tokens)), generator)
                 if token == end_id:
                     return  # the executor stops at the end token without returning it
                 tokens.append(token)
