@@ -268,6 +268,20 @@ def test_the_images_own_command_serves_bare_and_read_only(image, tmp_path):
     assert "-v DIR:/var/lib/specdeploy" in message[-1], message[-1]
 
 
+def test_both_images_keep_what_specdeploy_writes_in_their_data_volume(image):
+    """The CPU image and the GPU layer declare /var/lib/specdeploy a VOLUME, owned by their user, and point
+    specdeploy's engines and default repositories into it, so neither writes into the image's read-only root."""
+    for name in (image, podman_image.GPU_LAYER_IMAGE):
+        assert podman_image.image_exists(name), f"build it first: {name}"
+        inspected = podman_image.podman("image", "inspect", "--format", "{{json .Config}}", name, capture=True)
+        config = json.loads(inspected.stdout)
+        assert "/var/lib/specdeploy" in (config.get("Volumes") or {}), (name, config.get("Volumes"))
+        variables = dict(entry.split("=", 1) for entry in config["Env"])
+        for variable in ("SPECDEPLOY_ENGINES", "SPECDEPLOY_REPOSITORIES"):
+            assert variables[variable].startswith("/var/lib/specdeploy/"), (name, variable, variables.get(variable))
+        assert config["User"] == str(base.UID), name
+
+
 def test_the_cpu_overlay_runs_in_the_image(cpu_overlay, image, folders):
     job = Pod(one(cpu_overlay, "Job")["spec"]["template"], image, folders)
     build, package = job.spec["initContainers"][0], job.spec["containers"][0]
