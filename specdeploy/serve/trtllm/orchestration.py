@@ -90,6 +90,18 @@ def check_plain_request(request: GenerationRequest, method: str) -> None:
                            f"num_draft_tokens out here")
 
 
+def check_top_k(request: GenerationRequest) -> None:
+    """RequestError naming top_k for a sampled request whose top-k the executor would not run as asked: its layers
+    clamp a top-k above trtllm_sampling.TOP_K_MAX to it (clampTopK, externalDraftTokensLayer.cpp @ 1d263f15), so
+    the target would sample from the top 1,024 while the q sent with the drafts (draft_logits) was computed with
+    the requested k: acceptance would no longer follow the target's distribution. Greedy requests ignore top_k."""
+    params = request.sampling
+    if not params.greedy and params.top_k > trtllm_sampling.TOP_K_MAX:
+        raise RequestError(f"top_k: TensorRT-LLM samples with a top-k of at most {trtllm_sampling.TOP_K_MAX} (its "
+                           f"layers clamp a larger one); send 0 (no limit) or 1 to {trtllm_sampling.TOP_K_MAX}, got "
+                           f"{params.top_k}")
+
+
 def check_lookahead_request(request: GenerationRequest) -> None:
     """RequestError naming the field for a request a TensorRT-LLM lookahead engine would answer as something else,
     without a word: its lookahead layer takes the top token at every position (invokeBatchTopKSampling with top-k
@@ -216,6 +228,7 @@ class Orchestrator:
         if self.pipeline.speculation.uses_heads:
             check_plain_request(request, "Medusa")
             check_medusa_request(request)
+        check_top_k(request)  # after Medusa's, whose message says why its engine needs a top-k
         sequence = Sequence.for_request(request, ProposalLength.for_request(request, self.pipeline), self.end_ids,
                                         tokenizer=self.tokenizer)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)

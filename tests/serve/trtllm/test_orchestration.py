@@ -473,6 +473,20 @@ def test_a_medusa_pipeline_refuses_what_its_engine_would_silently_ignore(tiny_en
     orch.stop()
 
 
+@pytest.mark.parametrize("method", ["draft_target", "ngram"])
+def test_a_top_k_above_the_executors_clamp_is_refused_when_sampling(tiny_engines, tmp_path, method):
+    """The executor clamps top-k to 1,024 while q would be computed with the requested k (inexact acceptance), so a
+    sampled request above it is refused naming top_k before any engine call; greedy ignores top_k and is served."""
+    engine = tiny_engines[method]
+    orch, bls = orchestrator(engine, tmp_path)
+    prompt = engine.encode_prompt(PROMPTS[0])
+    with pytest.raises(RequestError, match=r"^top_k: TensorRT-LLM samples with a top-k of at most 1024"):
+        orch.submit(GenerationRequest(prompt, 4, SamplingParams(temperature=1.0, top_k=1025), end_id=-1), Collector())
+    assert bls.requests == []
+    assert run(orch, GenerationRequest(prompt, 4, SamplingParams(top_k=1025), end_id=-1)).reason == "length"
+    orch.stop()
+
+
 def test_a_medusa_pipeline_refuses_plain_decoding_naming_num_draft_tokens(tiny_engines):
     """A Medusa engine speculates on every request (its tree is the model's), so num_draft_tokens 0 would come back
     as Medusa under a plain label; it is refused before any engine call. A positive value, or none, is served."""
