@@ -13,17 +13,18 @@
 # the package step takes from the image's /app. Its server cannot decode plainly on request, so the slice builds a
 # plain twin of the target too, serves the two in turn and makes the same three checks between them
 # (scripts/trtllm_check.py llmapi-run, llmapi-compare).
-# Lookahead decoding (SmolLM2 from smollm2-ngram.yaml, W/N/G 4/4/4, on the engine line) speculates on every request
-# and greedily only, so its slice also serves a plain twin in turn: greedy text and speed against it, and a
-# refusal check (the lookahead server must refuse a sampled request naming temperature rather than answer it
-# greedily; the plain server serves it) in place of the distribution check (trtllm_check.py lookahead-run,
-# lookahead-compare).
+# Lookahead decoding (SmolLM2 from smollm2-ngram.yaml, W/N/G 4/4/4, on the engine line) and Medusa speculate inside
+# the target engine on every request (num_draft_tokens 0 is refused: it cannot turn them off), lookahead greedily
+# only and Medusa sampling less than a request can ask, so their slices also serve a plain twin in turn: greedy text
+# and speed against it, and a refusal check (the speculative server must refuse a request at T 0.7, top-k 4 naming
+# temperature rather than answer it as something else; the plain server serves it) in place of the distribution
+# check (trtllm_check.py twin-run, twin-compare).
 #   scripts/trtllm-check.sh [--dry-run] [--only METHOD[,METHOD]] [OUTPUT_DIR]     (default trtllm-check/)
 # METHOD: draft-target, ngram, medusa, eagle, lookahead (default: each whose pipelines/smollm2-METHOD.yaml exists,
 # lookahead where smollm2-ngram.yaml does; eagle's needs a trained head). --dry-run prints every step and runs none.
 # TRTLLM_CHECK_PIPELINES: the folder of those shipped pipelines (default pipelines/).
-# Duration on one H100-class GPU: about 25 minutes for all three (an estimate, never run: four engine builds of a
-# 135M model, three torch builds on the CPU, three server starts, about 12,300 short requests, 12,000 of them the two
+# Duration on one H100-class GPU: about 28 minutes for all three (an estimate, never run: five engine builds of a
+# 135M model, Medusa's plain twin among them, three torch builds on the CPU, four server starts, about 12,300 short requests, 12,000 of them the two
 # distribution checks); --only draft-target about 10, and TRTLLM_CHECK_TRIALS=1000 (requests per arm, default 3000)
 # shortens the distribution checks; --only lookahead adds two engine builds and two server starts (a few minutes, also
 # an estimate). The container needs shared memory for the Python models' tensors (the draft
@@ -143,13 +144,15 @@ check_llm_api() {
         "$OUT/$name/plain-run.json" "$OUT/$name"
 }
 
-# The lookahead slice: one lookahead and one plain engine of the same target, served in turn (see the header).
-check_lookahead() {
-    local shipped=$1 name=smollm2-lookahead-trtllm plain=smollm2-lookahead-plain-trtllm
+# The lookahead and Medusa slices: one speculative and one plain engine of the same target, served in turn (see the
+# header). check_twin SHIPPED METHOD
+check_twin() {
+    local shipped=$1 name=smollm2-$2-trtllm plain=smollm2-$2-plain-trtllm flags=()
     local pipeline=$OUT/pipelines/$name.yaml twin=$OUT/pipelines/$plain.yaml
+    [[ $2 == lookahead ]] && flags=(--lookahead)
     [[ $DRY_RUN == 1 ]] || rm -rf "${OUT:?}/$name"
-    step variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" --lookahead || return
-    step plain-variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" --lookahead --plain || return
+    step variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" "${flags[@]}" || return
+    step plain-variant "$name" $HELPER pipeline "$shipped" "$OUT/pipelines" "${flags[@]}" --plain || return
     step build "$name" $SPECDEPLOY build "$pipeline" --engines-dir "$OUT/engines" || return
     step plain-build "$name" $SPECDEPLOY build "$twin" --engines-dir "$OUT/engines" || return
     step torch-build "$name" $SPECDEPLOY build "$shipped" --engines-dir "$OUT/engines" || return
@@ -162,11 +165,11 @@ check_lookahead() {
         [[ $arm == plain ]] && { served=$twin; repository=$OUT/models/$plain; }
         serve "$name" "$served" "$repository" || return
         if ready "$name"; then
-            step "$arm-run" "$name" $HELPER lookahead-run "$GRPC" "$OUT/prompts.jsonl" "$OUT/$name/$arm-run.json"
+            step "$arm-run" "$name" $HELPER twin-run "$GRPC" "$OUT/prompts.jsonl" "$OUT/$name/$arm-run.json"
         fi
         stop "$name"
     done
-    step compare "$name" $HELPER lookahead-compare "$shipped" "$OUT/$name/speculative-run.json" \
+    step compare "$name" $HELPER twin-compare "$shipped" "$OUT/$name/speculative-run.json" \
         "$OUT/$name/plain-run.json" "$OUT/$name"
 }
 
@@ -181,8 +184,8 @@ for method in $METHODS; do
         check_llm_api "$shipped" "$method"
         continue
     fi
-    if [[ $method == lookahead ]]; then
-        check_lookahead "$shipped"
+    if [[ $method == lookahead || $method == medusa ]]; then
+        check_twin "$shipped" "$method"
         continue
     fi
     [[ $DRY_RUN == 1 ]] || rm -rf "${OUT:?}/$name"  # a rerun's results are its own
@@ -193,9 +196,7 @@ for method in $METHODS; do
     serve "$name" "$pipeline" "$repository" || continue
     if ready "$name"; then
         step greedy "$name" $HELPER greedy "$shipped" "$GRPC" "$OUT/prompts.jsonl" "$OUT/$name/greedy.json"
-        if [[ $method != medusa ]]; then  # Medusa accepts inside the engine by its own rule, not claimed exact at T > 0
-            step distribution "$name" $HELPER distribution "$GRPC" "$OUT/$name/distribution.json"
-        fi
+        step distribution "$name" $HELPER distribution "$GRPC" "$OUT/$name/distribution.json"
         step speed "$name" $SPECDEPLOY bench --url "$GRPC" --concurrency 1,8 --max-tokens 64 \
             --prompts "$OUT/prompts.jsonl" --json "$OUT/$name/speed.json"
     fi

@@ -30,17 +30,20 @@ it serves two repositories in turn, the speculative one and a plain one of the s
       greedy.json, distribution.json and speed.json in OUT_DIR from the two runs (greedy also against the torch
       engine of the shipped pipeline), in the formats `summary` reads
 
-The lookahead slice runs on the engine line, but its engine speculates on every request (num_draft_tokens 0 does not
-turn it off) and only greedily (a sampled request is refused), so it too serves a plain twin in turn and compares:
+The lookahead and Medusa slices run on the engine line, but their target engine speculates on every request (the
+`speculative` model refuses num_draft_tokens 0, which cannot turn it off) and samples less than a request can ask
+(lookahead: greedily only; Medusa: temperature 1 and top-k alone), so they too serve a plain twin in turn and compare:
   python3 scripts/trtllm_check.py pipeline SHIPPED.yaml OUT_DIR --lookahead [--plain]
       SHIPPED's target with lookahead decoding (W, N, G = LOOKAHEAD_SIZES) on the engine line; --plain, the same
-      target without speculation (SHIPPED: smollm2-ngram.yaml, whose target the slice borrows)
-  python3 scripts/trtllm_check.py lookahead-run GRPC_URL PROMPTS.jsonl OUT.json
+      target without speculation (SHIPPED: smollm2-ngram.yaml, whose target the slice borrows); without --lookahead,
+      SHIPPED's own method (smollm2-medusa.yaml) and its plain twin
+  python3 scripts/trtllm_check.py twin-run GRPC_URL PROMPTS.jsonl OUT.json
       on one server: each prompt's greedy tokens and drafts, a sampled request (refused or not, and the message),
       and tokens/s at concurrency 1 and 8
-  python3 scripts/trtllm_check.py lookahead-compare SHIPPED.yaml SPECULATIVE.json PLAIN.json OUT_DIR
+  python3 scripts/trtllm_check.py twin-compare SHIPPED.yaml SPECULATIVE.json PLAIN.json OUT_DIR
       greedy.json (speculative against plain and the torch engine, every prompt drafted), refusal.json (the
-      lookahead server refused the sampled request naming temperature, the plain one served it) and speed.json
+      speculative server refused the request at T 0.7, top-k 4 naming temperature, the plain one served it) and
+      speed.json
 """
 
 from __future__ import annotations
@@ -71,7 +74,8 @@ MIN_PER_PREFIX = 30  # trials of each arm a prefix needs to enter the test
 CHECK_FILES = ("greedy.json", "distribution.json", "refusal.json", "speed.json")  # what trtllm-check.sh writes
 # The lookahead slice's (W, N, G): the LLM API example's, as in pipelines/gpu/llama8b-lookahead.yaml (23 draft tokens)
 LOOKAHEAD_SIZES = {"window": 4, "ngram": 4, "verification_set": 4}
-REFUSAL_REQUEST = {"temperature": 0.7, "top_k": 4, "random_seed": 1}  # what a lookahead server must refuse
+# What a lookahead or Medusa server must refuse (neither engine scales by a temperature), and a plain one serve
+REFUSAL_REQUEST = {"temperature": 0.7, "top_k": 4, "random_seed": 1}
 
 
 def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False, lookahead: bool = False) -> Path:
@@ -401,8 +405,9 @@ def speed_run(ask, prompts: list[str]) -> list[dict]:
     return speed
 
 
-def lookahead_run(url: str, prompts_file: Path, out: Path, max_tokens: int = 64) -> dict:
-    """Everything the lookahead comparison needs from one server, through the `speculative` model (gRPC)."""
+def twin_run(url: str, prompts_file: Path, out: Path, max_tokens: int = 64) -> dict:
+    """Everything the lookahead or Medusa comparison needs from one server, through the `speculative` model
+    (gRPC)."""
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]
     greedy = [generate_counted(url, prompt, max_tokens, temperature=0.0) for prompt in prompts]
     try:
@@ -418,17 +423,19 @@ def lookahead_run(url: str, prompts_file: Path, out: Path, max_tokens: int = 64)
     return report
 
 
-def lookahead_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_dir: Path,
+def twin_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_dir: Path,
                       max_tokens: int = 64) -> bool:
-    """The lookahead slice's checks from its two runs: greedy and speed as the other slices write them, and
-    refusal: TensorRT-LLM's lookahead decodes a sampled request greedily without a word, so the lookahead server
-    must refuse one naming temperature, while the plain server (the control) serves it."""
+    """The lookahead or Medusa slice's checks from its two runs: greedy and speed as the other slices write them,
+    and refusal: TensorRT-LLM's lookahead decodes a sampled request greedily and its Medusa samples unscaled logits,
+    without a word, so the speculative server must refuse a request at T 0.7 naming temperature, while the plain
+    server (the control) serves it."""
     speculative, plain = json.loads(speculative_file.read_text()), json.loads(plain_file.read_text())
     greedy_report = twin_greedy_report(shipped, speculative["greedy"], plain["greedy"], max_tokens)
     refused, served = speculative["refusal"], plain["refusal"]
     refusal_ok = refused["refused"] and "temperature" in refused["message"] and not served["refused"]
     refusal_report = {"check": "refusal", "ok": refusal_ok,
-                      "detail": f"lookahead server: {refused['message'][:100] or 'served it (greedily?)'}; plain "
+                      "detail": f"speculative server: {refused['message'][:100] or 'served it (as something else?)'}"
+                                f"; plain "
                                 f"server: {'refused: ' + served['message'][:60] if served['refused'] else 'served'}"}
     levels = twin_speed_levels(speculative["speed"], plain["speed"])
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -477,10 +484,10 @@ def main(argv: list[str]) -> int:
     elif command == "llmapi-compare":
         return 0 if llmapi_compare(Path(arguments[0]), Path(arguments[1]), Path(arguments[2]),
                                    Path(arguments[3])) else 1
-    elif command == "lookahead-run":
-        lookahead_run(arguments[0], Path(arguments[1]), Path(arguments[2]))
-    elif command == "lookahead-compare":
-        return 0 if lookahead_compare(Path(arguments[0]), Path(arguments[1]), Path(arguments[2]),
+    elif command == "twin-run":
+        twin_run(arguments[0], Path(arguments[1]), Path(arguments[2]))
+    elif command == "twin-compare":
+        return 0 if twin_compare(Path(arguments[0]), Path(arguments[1]), Path(arguments[2]),
                                       Path(arguments[3])) else 1
     elif command == "summary":
         return summary(Path(arguments[0]))

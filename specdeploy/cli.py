@@ -193,6 +193,10 @@ def print_generation(report: GenerationReport) -> None:
 @click.argument("pipeline_paths", metavar="[PIPELINE.yaml]...", nargs=-1)
 @engines_option
 @click.option("--url", default=None, help="Benchmark a running server (HOST:PORT) with concurrent gRPC streams.")
+@click.option("--plain-url", default=None, metavar="HOST:PORT",
+              help="With --url: measure plain decoding on this server (the same target served without "
+                   "speculation) instead of with num_draft_tokens 0 on --url; needed where --url's engine "
+                   "speculates on every request (TensorRT-LLM Medusa or lookahead), which refuses 0.")
 @click.option("--concurrency", default=",".join(map(str, BenchOptions.concurrency)), show_default=True,
               help="With --url: concurrency levels.")
 @click.option("--requests", "requests_per_level", type=int, default=None,
@@ -233,7 +237,8 @@ def print_generation(report: GenerationReport) -> None:
               help="In-process: pad every prompt with held-out text to about these many tokens and measure the "
                    "speedup at each context length against the bytes model's prediction (one pipeline).")
 @device_option
-def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, concurrency: str,
+def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, plain_url: str | None,
+          concurrency: str,
           requests_per_level: int | None, stress: int | None, cancel_fraction: float, metrics_url: str | None,
           long_stream: int | None,
           prompts_path: str | None, max_tokens: int | None, temperature: float | None, seed: int,
@@ -247,7 +252,8 @@ def bench(pipeline_paths: tuple[str, ...], engines_dir: Path, url: str | None, c
     from specdeploy.workflows import load_engine
 
     options = BenchOptions(
-        pipeline_paths=pipeline_paths, url=url, concurrency=tuple(integers(concurrency, "--concurrency")),
+        pipeline_paths=pipeline_paths, url=url, plain_url=plain_url,
+        concurrency=tuple(integers(concurrency, "--concurrency")),
         requests_per_level=requests_per_level, stress=stress, cancel_fraction=cancel_fraction,
         metrics_url=metrics_url, long_stream=long_stream, prompts_path=prompts_path, max_tokens=max_tokens,
         temperature=temperature, seed=seed, json_out=json_out, with_transformers=not no_transformers,

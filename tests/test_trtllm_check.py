@@ -60,13 +60,11 @@ def test_the_script_parses_and_its_dry_run_prints_every_step_and_runs_none(tmp_p
     assert not out.exists()  # nothing written, nothing built or started
     lines = result.stdout.splitlines()
     assert "nvidia-smi" in lines[0] and "import tensorrt_llm, specdeploy" in lines[0]
-    for method in METHODS:
+    for method in ("draft-target", "ngram"):  # the others serve a plain twin (tests below)
         name = f"smollm2-{method}-trtllm"
         steps = [line.split(": ")[1] for line in lines if line.startswith(f"[trtllm-check] {name}: ")]
         expected = ["variant", "build", "torch-build", "package", "serve", "ready", "greedy", "distribution",
                     "speed", "stop the server (SIGTERM to its process group, then wait)"]
-        if method == "medusa":
-            expected.remove("distribution")
         assert steps == expected, (method, steps)
         assert f"specdeploy build {out}/pipelines/{name}.yaml --engines-dir {out}/engines" in result.stdout
         assert f"specdeploy package {out}/pipelines/{name}.yaml" in result.stdout
@@ -98,27 +96,34 @@ def test_the_eagle_slice_serves_a_speculative_and_a_plain_twin_in_turn(tmp_path)
     assert not out.exists()
 
 
-def test_the_lookahead_slice_serves_a_lookahead_and_a_plain_twin_in_turn(tmp_path):
-    """Lookahead's engine speculates on every request, greedily only: the slice borrows the n-gram pipeline's target,
-    builds a lookahead and a plain engine of it, serves them in turn through the engine line's repository (no LLM-API
-    code) and compares; it runs by default where smollm2-ngram.yaml is."""
+@pytest.mark.parametrize("method", ["lookahead", "medusa"])
+def test_the_engine_speculating_slices_serve_a_speculative_and_a_plain_twin_in_turn(tmp_path, method):
+    """Lookahead's and Medusa's engines speculate on every request (the speculative model refuses num_draft_tokens
+    0), so a plain twin is the only plain baseline: the slice builds a speculative and a plain engine of the target,
+    serves them in turn through the engine line's repository (no LLM-API code) and compares. Lookahead borrows the
+    n-gram pipeline's target and runs by default where smollm2-ngram.yaml is; Medusa, where smollm2-medusa.yaml
+    is."""
     out = tmp_path / "check"
-    result = subprocess.run([str(SCRIPT), "--dry-run", "--only", "lookahead", str(out)], capture_output=True,
+    result = subprocess.run([str(SCRIPT), "--dry-run", "--only", method, str(out)], capture_output=True,
                             text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
-    name = "smollm2-lookahead-trtllm"
+    name = f"smollm2-{method}-trtllm"
     steps = [line.split(": ")[1] for line in lines if line.startswith(f"[trtllm-check] {name}: ")]
     serve_and_stop = ["serve", "ready", "{}-run", "stop the server (SIGTERM to its process group, then wait)"]
     assert steps == ["variant", "plain-variant", "build", "plain-build", "torch-build", "package", "plain-package",
                      *(step.format("speculative") for step in serve_and_stop),
                      *(step.format("plain") for step in serve_and_stop), "compare"]
-    assert "pipeline pipelines/smollm2-ngram.yaml" in result.stdout and "--lookahead --plain" in result.stdout
-    assert f"lookahead-run 127.0.0.1:8001 {out}/prompts.jsonl" in result.stdout
+    assert f"twin-run 127.0.0.1:8001 {out}/prompts.jsonl" in result.stdout
     assert "--trtllm-source" not in result.stdout and "distribution" not in result.stdout
     assert not out.exists()
     default = subprocess.run([str(SCRIPT), "--dry-run", str(out)], capture_output=True, text=True, timeout=60)
     assert f"[trtllm-check] {name}: compare" in default.stdout
+    if method == "medusa":
+        assert f"pipelines/smollm2-medusa.yaml {out}/pipelines --plain" in result.stdout
+        assert "--lookahead" not in result.stdout
+        return
+    assert "pipeline pipelines/smollm2-ngram.yaml" in result.stdout and "--lookahead --plain" in result.stdout
     shipped = tmp_path / "pipelines"  # without the n-gram pipeline, no lookahead slice
     shipped.mkdir()
     (shipped / "smollm2-medusa.yaml").write_text("name: smollm2-medusa\n")
@@ -149,7 +154,7 @@ def test_the_lookahead_variants_plan_on_the_engine_line(tmp_path):
     assert twin.target == pipeline.target and twin.backend == pipeline.backend
 
 
-def test_the_lookahead_runs_and_their_comparison_write_what_the_summary_reads(tmp_path, monkeypatch, capsys):
+def test_the_twin_runs_and_their_comparison_write_what_the_summary_reads(tmp_path, monkeypatch, capsys):
     """The lookahead slice's Python against stand-ins of the served `speculative` model and the torch engine: a run
     records greedy tokens, the sampled request's refusal and speed; the comparison passes when the lookahead server
     refused the sampled request naming temperature and the plain one served it, and fails when the lookahead server
@@ -169,7 +174,7 @@ def test_the_lookahead_runs_and_their_comparison_write_what_the_summary_reads(tm
     monkeypatch.setattr(check, "generate_counted", counted)
     for arm, refuses, drafted in (("speculative", True, 23), ("plain", False, 0)):
         answers.update(refuses=refuses, drafted=drafted)
-        report = check.lookahead_run("grpc", prompts, tmp_path / f"{arm}.json", max_tokens=20)
+        report = check.twin_run("grpc", prompts, tmp_path / f"{arm}.json", max_tokens=20)
         assert report["refusal"]["refused"] is refuses
     assert [len(row["ids"]) for row in report["greedy"]] == [20, 20]
     assert [level["concurrency"] for level in report["speed"]] == [1, 8]
@@ -184,7 +189,7 @@ def test_the_lookahead_runs_and_their_comparison_write_what_the_summary_reads(tm
 
     monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: Engine())
     results = tmp_path / "results" / "smollm2-lookahead-trtllm"
-    compare = lambda: check.lookahead_compare(Path("smollm2-ngram.yaml"), tmp_path / "speculative.json",  # noqa: E731
+    compare = lambda: check.twin_compare(Path("smollm2-ngram.yaml"), tmp_path / "speculative.json",  # noqa: E731
                                               tmp_path / "plain.json", results, max_tokens=20)
     assert compare()
     assert {p.name for p in results.iterdir()} == {"greedy.json", "refusal.json", "speed.json"}

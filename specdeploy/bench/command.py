@@ -120,7 +120,8 @@ def against_server(options: BenchOptions, engine: Engine | None, texts: list[str
     in_process_rate = (None if engine is None else
                        server_runs.in_process_tokens_per_s(engine, texts, options.max_tokens))
     measured = server_runs.run_server_bench(options.url, texts, list(options.concurrency), options.max_tokens,
-                                          options.requests_per_level, in_process_rate, options.price_per_hour)
+                                          options.requests_per_level, in_process_rate, options.price_per_hour,
+                                          options.plain_url)
     print_server_bench(measured)
     if options.report_dir is not None:
         from specdeploy.bench.server_markdown import write_server_report

@@ -14,6 +14,7 @@ from specdeploy.errors import SpecdeployError
 class BenchOptions:
     pipeline_paths: tuple[str, ...] = ()
     url: str | None = None  # HOST:PORT of a running server
+    plain_url: str | None = None  # with url: a twin without speculation, the plain baseline's server
     concurrency: tuple[int, ...] = (1, 2, 4, 8, 16)  # with url
     requests_per_level: int | None = None  # with url; with long_stream: generations per mode and place
     stress: int | None = None  # with url: this many requests, some cancelled
@@ -43,6 +44,10 @@ def check_options(options: BenchOptions) -> None:
         raise SpecdeployError("--peers measures in-process: give PIPELINE.yaml without --url")
     if options.report_dir is not None and (options.stress is not None or options.long_stream is not None):
         raise SpecdeployError("--report plots the in-process bench or the concurrency levels of --url, not "
+                              "--stress or --long-stream")
+    if options.plain_url is not None and (in_process or options.stress is not None
+                                          or options.long_stream is not None):
+        raise SpecdeployError("--plain-url is the plain baseline of --url's concurrency levels: give --url, without "
                               "--stress or --long-stream")
     if not in_process and len(options.pipeline_paths) > 1:
         raise SpecdeployError("--url compares a server with one pipeline in-process: give one PIPELINE.yaml")

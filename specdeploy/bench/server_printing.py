@@ -12,7 +12,8 @@ from specdeploy.bench.server_results import MODES, Mode, ServerBenchReport, Serv
 
 def print_server_bench(report: ServerBenchReport, console: Console | None = None) -> None:
     tokens = report.max_tokens or "the server's default"
-    table = Table(title=f"specdeploy bench --url {report.url} ({tokens} tokens per request)")
+    plain = "" if report.plain_url is None else f", plain at {report.plain_url}"
+    table = Table(title=f"specdeploy bench --url {report.url}{plain} ({tokens} tokens per request)")
     for column in ("concurrency", "speculative tok/s", "plain tok/s", "speedup", "acceptance", "vs 1 stream",
                    "failed") + ("spec. $/M tok", "plain $/M tok") * report.priced:
         table.add_column(column, justify="right")

@@ -81,6 +81,7 @@ class ServerBenchReport:
     levels: list[ServerLevel]
     in_process_tokens_per_s: float | None = None  # the pipeline in-process, one stream, prefill included
     single_stream_vs_in_process: float | None = None
+    plain_url: str | None = None  # the plain twin the plain rates came from (bench --plain-url); None: `url` itself
 
     @property
     def priced(self) -> bool:
@@ -89,6 +90,8 @@ class ServerBenchReport:
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {"url": self.url, "max_tokens": self.max_tokens, "price_per_hour": self.price_per_hour,
                                 "levels": [level.to_json(self.priced) for level in self.levels]}
+        if self.plain_url is not None:
+            data["plain_url"] = self.plain_url
         if self.in_process_tokens_per_s is not None:
             data.update(in_process_tokens_per_s=self.in_process_tokens_per_s,
                         single_stream_vs_in_process=self.single_stream_vs_in_process)
@@ -97,7 +100,8 @@ class ServerBenchReport:
     @classmethod
     def from_json(cls, data: dict) -> ServerBenchReport:
         try:
-            return cls(url=data["url"], max_tokens=data["max_tokens"], price_per_hour=data.get("price_per_hour"),
+            return cls(url=data["url"], plain_url=data.get("plain_url"), max_tokens=data["max_tokens"],
+                       price_per_hour=data.get("price_per_hour"),
                        levels=[ServerLevel.from_json(level) for level in data["levels"]],
                        in_process_tokens_per_s=data.get("in_process_tokens_per_s"),
                        single_stream_vs_in_process=data.get("single_stream_vs_in_process"))

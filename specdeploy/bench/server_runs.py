@@ -11,6 +11,7 @@ import time
 from specdeploy.bench.results import Cost
 from specdeploy.bench.server_load import check_results, one_request, run_level
 from specdeploy.bench.server_results import ServerBenchReport, ServerLevel
+from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.serve.client import generate
 from specdeploy.serve.metrics_scrape import scrape, total
@@ -32,18 +33,35 @@ def in_process_tokens_per_s(engine: Engine, prompts: list[str], max_tokens: int 
     return tokens / seconds
 
 
+def refused_plain(url: str, plain: list) -> None:
+    """SpecdeployError when the server refused every plain request naming num_draft_tokens: its engine speculates
+    on every request (TensorRT-LLM Medusa or lookahead), so it has no plain decoding, and a speedup against itself
+    would be a tautology. The error says what to measure against instead."""
+    errors = [r.error for r in plain if r.error is not None]
+    if plain and len(errors) == len(plain) and all(e.startswith("num_draft_tokens:") for e in errors):
+        raise SpecdeployError(f"the server at {url} cannot decode plainly on request ({errors[0]}); serve the same "
+                              f"target without speculation and give its address as --plain-url HOST:PORT")
+
+
 def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens: int | None,
                      requests_per_level: int | None = None, in_process: float | None = None,
-                     price_per_hour: float | None = None) -> ServerBenchReport:
-    """Per level: aggregate tokens/s with the server's speculation and with num_draft_tokens = 0, same requests,
-    and with price_per_hour (USD) what a million output tokens cost at each. A warm-up request runs first so
-    neither mode pays first-call costs."""
+                     price_per_hour: float | None = None, plain_url: str | None = None) -> ServerBenchReport:
+    """Per level: aggregate tokens/s with the server's speculation and plainly, same requests, and with
+    price_per_hour (USD) what a million output tokens cost at each. Plainly: with num_draft_tokens = 0 on the same
+    server, or, with plain_url, the server there (a twin without speculation) as it serves by default. A warm-up
+    request runs first on each so neither mode pays first-call costs."""
     run_level(url, prompts[:1], 1, 1, 8)
+    if plain_url is not None:
+        run_level(plain_url, prompts[:1], 1, 1, 8)
     rows = []
     for concurrency in levels:
         requests = requests_per_level or max(4, 2 * concurrency)
         speculative = run_level(url, prompts, concurrency, requests, max_tokens)
-        plain = run_level(url, prompts, concurrency, requests, max_tokens, num_draft_tokens=0)
+        if plain_url is None:
+            plain = run_level(url, prompts, concurrency, requests, max_tokens, num_draft_tokens=0)
+            refused_plain(url, plain.results)
+        else:
+            plain = run_level(plain_url, prompts, concurrency, requests, max_tokens)
         drafted = sum(r.drafted for r in speculative.results)
         rows.append(ServerLevel(
             concurrency=concurrency, requests=requests,
@@ -59,7 +77,8 @@ def run_server_bench(url: str, prompts: list[str], levels: list[int], max_tokens
     single = next((row.speculative_tokens_per_s for row in rows if row.concurrency == 1), None)
     for row in rows:
         row.vs_single_stream = row.speculative_tokens_per_s / single if single else None
-    report = ServerBenchReport(url=url, max_tokens=max_tokens, price_per_hour=price_per_hour, levels=rows)
+    report = ServerBenchReport(url=url, max_tokens=max_tokens, price_per_hour=price_per_hour, levels=rows,
+                               plain_url=plain_url)
     if in_process is not None and single is not None:
         report.in_process_tokens_per_s, report.single_stream_vs_in_process = in_process, single / in_process
     return report

@@ -75,6 +75,33 @@ class EngineSteps:
         return None
 
 
+def check_plain_request(request: GenerationRequest, method: str) -> None:
+    """RequestError naming num_draft_tokens for a request that asks a target engine which speculates by itself
+    (Medusa, lookahead) to decode plainly: the engine cannot. Its speculation is fixed when Triton loads the model
+    (medusa_choices and the lookahead sizes are model parameters; executor DecodingConfig::setMedusaChoices,
+    decodingConfig.cpp @ 97e36d0b), and the tensorrt_llm model takes no per-request Medusa input (config.pbtxt @
+    0c8de69a); lookahead's per-request sizes exist upstream but we refuse them (docs/tensorrt-llm.md). Served, such
+    a request would come back speculative under a plain label, and every plain-vs-speculative comparison made with
+    it (a check, a benchmark's speedup) would compare the engine with itself."""
+    if request.num_draft_tokens == 0:
+        raise RequestError(f"num_draft_tokens: this pipeline runs TensorRT-LLM's {method} decoding inside its target "
+                           f"engine, which speculates on every request (set when the model loads); 0 cannot turn it "
+                           f"off. For plain decoding serve the same target without speculation; leave "
+                           f"num_draft_tokens out here")
+
+
+def check_top_k(request: GenerationRequest) -> None:
+    """RequestError naming top_k for a sampled request whose top-k the executor would not run as asked: its layers
+    clamp a top-k above trtllm_sampling.TOP_K_MAX to it (clampTopK, externalDraftTokensLayer.cpp @ 1d263f15), so
+    the target would sample from the top 1,024 while the q sent with the drafts (draft_logits) was computed with
+    the requested k: acceptance would no longer follow the target's distribution. Greedy requests ignore top_k."""
+    params = request.sampling
+    if not params.greedy and params.top_k > trtllm_sampling.TOP_K_MAX:
+        raise RequestError(f"top_k: TensorRT-LLM samples with a top-k of at most {trtllm_sampling.TOP_K_MAX} (its "
+                           f"layers clamp a larger one); send 0 (no limit) or 1 to {trtllm_sampling.TOP_K_MAX}, got "
+                           f"{params.top_k}")
+
+
 def check_lookahead_request(request: GenerationRequest) -> None:
     """RequestError naming the field for a request a TensorRT-LLM lookahead engine would answer as something else,
     without a word: its lookahead layer takes the top token at every position (invokeBatchTopKSampling with top-k
@@ -196,9 +223,12 @@ class Orchestrator:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
         if self.pipeline.speculation.drafts_by_lookahead:
+            check_plain_request(request, "lookahead")
             check_lookahead_request(request)
         if self.pipeline.speculation.uses_heads:
+            check_plain_request(request, "Medusa")
             check_medusa_request(request)
+        check_top_k(request)  # after Medusa's, whose message says why its engine needs a top-k
         sequence = Sequence.for_request(request, ProposalLength.for_request(request, self.pipeline), self.end_ids,
                                         tokenizer=self.tokenizer)
         seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(64)

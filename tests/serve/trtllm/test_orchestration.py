@@ -473,6 +473,35 @@ def test_a_medusa_pipeline_refuses_what_its_engine_would_silently_ignore(tiny_en
     orch.stop()
 
 
+@pytest.mark.parametrize("method", ["draft_target", "ngram"])
+def test_a_top_k_above_the_executors_clamp_is_refused_when_sampling(tiny_engines, tmp_path, method):
+    """The executor clamps top-k to 1,024 while q would be computed with the requested k (inexact acceptance), so a
+    sampled request above it is refused naming top_k before any engine call; greedy ignores top_k and is served."""
+    engine = tiny_engines[method]
+    orch, bls = orchestrator(engine, tmp_path)
+    prompt = engine.encode_prompt(PROMPTS[0])
+    with pytest.raises(RequestError, match=r"^top_k: TensorRT-LLM samples with a top-k of at most 1024"):
+        orch.submit(GenerationRequest(prompt, 4, SamplingParams(temperature=1.0, top_k=1025), end_id=-1), Collector())
+    assert bls.requests == []
+    assert run(orch, GenerationRequest(prompt, 4, SamplingParams(top_k=1025), end_id=-1)).reason == "length"
+    orch.stop()
+
+
+def test_a_medusa_pipeline_refuses_plain_decoding_naming_num_draft_tokens(tiny_engines):
+    """A Medusa engine speculates on every request (its tree is the model's), so num_draft_tokens 0 would come back
+    as Medusa under a plain label; it is refused before any engine call. A positive value, or none, is served."""
+    engine = tiny_engines["draft_target"]
+    calls = MedusaEngine([[5, 6, 7], [10], [11, 12]])
+    orch = Orchestrator(medusa_pipeline(engine), calls, engine.vocab_size, engine.end_ids)
+    with pytest.raises(RequestError, match=r"^num_draft_tokens: this pipeline runs TensorRT-LLM's Medusa decoding"):
+        orch.submit(GenerationRequest([5, 6, 7], 3, SamplingParams(), end_id=-1, num_draft_tokens=0), Collector())
+    assert calls.calls == []
+    for gamma in (None, 2):
+        request = GenerationRequest([5, 6, 7], 3, SamplingParams(), end_id=-1, num_draft_tokens=gamma)
+        assert run(orch, request).tokens == [10, 11, 12]
+    orch.stop()
+
+
 def lookahead_pipeline(engine, sizes: tuple[int, int, int] = (2, 3, 2)):
     """The tiny engine's pipeline as TensorRT-LLM lookahead on the engine line: (W, N, G) = sizes, whose
     (N - 2) + (W - 1 + G)(N - 1) draft tokens (7 by default) fit the pipeline's limits.max_draft_tokens (8)."""
@@ -522,6 +551,10 @@ def test_a_lookahead_pipeline_refuses_what_its_engine_would_silently_decode_gree
     assert bls.requests == [] and orch.counters.outcomes == {}
     served = run(orch, GenerationRequest(prompt, 8, SamplingParams(top_k=4, top_p=0.5), end_id=-1))
     assert served.tokens == plain(engine, prompt, 8)
+    calls = len(bls.requests)  # num_draft_tokens 0 would come back speculative under a plain label: refused
+    with pytest.raises(RequestError, match=r"^num_draft_tokens: this pipeline runs TensorRT-LLM's lookahead"):
+        orch.submit(GenerationRequest(prompt, 8, SamplingParams(), end_id=-1, num_draft_tokens=0), Collector())
+    assert len(bls.requests) == calls
     orch.stop()
     draft_target, _ = orchestrator(tiny_engines["draft_target"], tmp_path / "dt")  # other methods sample
     assert run(draft_target, GenerationRequest(prompt, 8, params, end_id=-1)).reason == "length"
