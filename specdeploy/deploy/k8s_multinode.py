@@ -95,7 +95,7 @@ def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, l
             container["image"] = image
     lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
            "metadata": {"name": base.SERVER, "labels": base.SERVER_LABELS},
-           "spec": {"replicas": 1, "startupPolicy": "LeaderCreated",
+           "spec": {"startupPolicy": "LeaderCreated",  # no replicas: the HPA owns the count (default 1)
                     "rolloutStrategy": {"type": "RollingUpdate",
                                         "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
                     "leaderWorkerTemplate": {"size": size.nodes, "restartPolicy": "RecreateGroupOnPodRestart",

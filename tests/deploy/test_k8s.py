@@ -767,3 +767,12 @@ def test_an_image_digest_is_kept_and_a_broken_one_refused(tmp_path):
         write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path, OverlayOptions(image="sd@sha256:12"))
     with pytest.raises(SpecdeployError, match="--gpu-product"):
         write_overlay(REPO / "pipelines/gpu/llama8b-medusa.yaml", tmp_path, OverlayOptions(weights_gib=15.3))
+
+
+def test_no_replica_count_beside_the_autoscaler(rendered):
+    """An applied spec.replicas resets what the HPA scaled out on every `kubectl apply` (Kubernetes' HPA docs,
+    "Migrating Deployments and StatefulSets to horizontal autoscaling"); left out, it defaults to 1."""
+    for name, documents in rendered.items():
+        for kind in ("Deployment", "LeaderWorkerSet"):
+            for document in objects(documents, kind):
+                assert "replicas" not in document["spec"], (name, kind)
