@@ -31,7 +31,7 @@ from specdeploy.deploy import k8s_pod_build as pod_build
 from specdeploy.deploy.build_memory import build_memory_gib
 from specdeploy.deploy.k8s_commands import server_command, under_launcher
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
-from specdeploy.deploy.k8s_multinode import group_disruption_budget, leader_worker_set
+from specdeploy.deploy.k8s_multinode import GROUP_NAME, group_disruption_budget, leader_worker_set
 from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.deploy.sizing import PodSize, check_node_span, pod_size
@@ -384,7 +384,7 @@ def group_patches(overlay: Overlay) -> list[dict]:
         patches.append(json_patch("HorizontalPodAutoscaler", base.SERVER, [
             {"op": "replace", "path": "/spec/scaleTargetRef",
              "value": {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-                       "name": overlay.prefix + base.SERVER}}]))
+                       "name": overlay.prefix + GROUP_NAME}}]))
     return patches
 
 

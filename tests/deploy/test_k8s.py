@@ -776,3 +776,12 @@ def test_no_replica_count_beside_the_autoscaler(rendered):
         for kind in ("Deployment", "LeaderWorkerSet"):
             for document in objects(documents, kind):
                 assert "replicas" not in document["spec"], (name, kind)
+
+
+def test_the_leaderworkerset_is_not_named_like_a_service(rendered):
+    """LWS skips its headless Service (the pods' DNS names) where a Service of the set's name exists
+    (kubernetes-sigs/lws@060ab4da pkg/controllers/leaderworkerset_controller.go)."""
+    documents = rendered["multinode"]
+    name = one(documents, "LeaderWorkerSet")["metadata"]["name"]
+    assert name not in {service["metadata"]["name"] for service in objects(documents, "Service")}
+    assert one(documents, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == name
