@@ -27,10 +27,11 @@ import specdeploy
 from specdeploy.build.trtllm.upstream import IMAGE_APP_DIR
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy import k8s_placement as placement
+from specdeploy.deploy import k8s_pod_build as pod_build
 from specdeploy.deploy.build_memory import build_memory_gib
 from specdeploy.deploy.k8s_commands import server_command, under_launcher
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
-from specdeploy.deploy.k8s_multinode import group_disruption_budget, leader_worker_set
+from specdeploy.deploy.k8s_multinode import GROUP_NAME, group_disruption_budget, leader_worker_set
 from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.deploy.sizing import PodSize, check_node_span, pod_size
@@ -162,26 +163,41 @@ def build_deadline_s(pipeline: PipelineSpec, size: PodSize) -> int:
     return 7200 + 60 * math.ceil(size.weights_gib)
 
 
-def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize, memory_gib: int,
-                    placement_spec: dict) -> dict:
-    pipeline_file = f"{base.PIPELINE_DIR}/{base.PIPELINE_KEY}"
-    package = ["package", pipeline_file, "--output", repository]
+def package_arguments(pipeline: PipelineSpec, repository: str) -> list[str]:
+    package = ["package", f"{base.PIPELINE_DIR}/{base.PIPELINE_KEY}", "--output", repository]
     if pipeline.backend.kind == "trtllm":
         package += ["--served-at", repository]
         if pipeline.backend.settings.line == "llm_api":  # Triton's LLM-API model code, from the image's /app
             package += ["--trtllm-source", IMAGE_APP_DIR]
+    return package
+
+
+def build_volumes(pipeline: PipelineSpec) -> tuple[list[dict], list[dict]]:
+    """The build steps' extra mounts and the pod's extra volumes: the checkpoints (read-only) and, for TensorRT-LLM,
+    a larger /tmp (its builder and the conversions write scratch files)."""
     roots = checkpoint_roots(pipeline)
     mounts = [{"name": f"checkpoints-{i}", "mountPath": root, "readOnly": True} for i, root in enumerate(roots)]
-    step = {"resources": placement.resources(size.cpu_request, size.cpu_limit, memory_gib, memory_gib, size.gpus),
+    volumes = [{"name": f"checkpoints-{i}", "persistentVolumeClaim": {
+        "claimName": CHECKPOINTS_CLAIM, "readOnly": True}} for i, _ in enumerate(roots)]
+    if pipeline.backend.kind == "trtllm":
+        volumes.append({"name": "tmp", "emptyDir": {"sizeLimit": "32Gi"}})
+    return mounts, volumes
+
+
+def step_resources(pipeline: PipelineSpec, size: PodSize, memory_gib: int) -> dict:
+    """A build step's: the build's memory, and as many GPUs as trtllm-build has workers (pod_build.build_gpus)."""
+    return placement.resources(size.cpu_request, size.cpu_limit, memory_gib, memory_gib, pod_build.build_gpus(pipeline))
+
+
+def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize, memory_gib: int,
+                    placement_spec: dict) -> dict:
+    pipeline_file = f"{base.PIPELINE_DIR}/{base.PIPELINE_KEY}"
+    mounts, volumes = build_volumes(pipeline)
+    step = {"resources": step_resources(pipeline, size, memory_gib),
             "env": base.journal_environment(repository), **({"volumeMounts": mounts} if mounts else {})}
     spec = {"initContainers": [{"name": "build", "args": ["build", pipeline_file], **step}],
-            "containers": [{"name": "package", "args": package, **step}], **placement_spec}
-    spec["volumes"] = [{"name": f"checkpoints-{i}", "persistentVolumeClaim": {
-        "claimName": CHECKPOINTS_CLAIM, "readOnly": True}} for i, _ in enumerate(roots)]
-    if pipeline.backend.kind == "trtllm":  # TensorRT's builder and the conversions write scratch files
-        spec["volumes"].append({"name": "tmp", "emptyDir": {"sizeLimit": "32Gi"}})
-    if not spec["volumes"]:
-        del spec["volumes"]
+            "containers": [{"name": "package", "args": package_arguments(pipeline, repository), **step}],
+            **placement_spec, **({"volumes": volumes} if volumes else {})}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": base.BUILD_JOB},
             "spec": {"activeDeadlineSeconds": build_deadline_s(pipeline, size), "template": {"spec": spec}}}
 
@@ -206,9 +222,28 @@ def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, opt
                      **placement_spec}}
 
 
-def deployment_patch(pod: dict) -> dict:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": base.SERVER},
-            "spec": {"template": pod}}
+def deployment_patch(pod: dict, rollout: pod_build.Rollout | None = None, progress_deadline_s: int = 0) -> dict:
+    """The base's Deployment with the pod; with a build in the pod, the rollout that fits the node and a progress
+    deadline that covers the build (the default 600 s would report every GPU rollout as failed)."""
+    spec: dict = {"template": pod}
+    if rollout is not None:
+        spec["strategy"] = {"rollingUpdate": {"maxSurge": rollout.max_surge,
+                                              "maxUnavailable": rollout.max_unavailable}}
+        spec["progressDeadlineSeconds"] = progress_deadline_s
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": base.SERVER}, "spec": spec}
+
+
+def with_pod_build(overlay: Overlay, pod: dict) -> dict:
+    """The serving pod patch with the build as its init containers (deploy/k8s_pod_build.py)."""
+    pipeline = overlay.pipeline
+    mounts, volumes = build_volumes(pipeline)
+    steps = pod_build.init_containers(pipeline, package_arguments(pipeline, overlay.repository),
+                                      step_resources(pipeline, overlay.size, overlay.build_memory_gib), mounts)
+    patch = pod_build.pod_build_patch(steps, volumes)
+    triton = {**pod["spec"]["containers"][0], "volumeMounts": [pod_build.read_only_data_mount()]}
+    spec = {**pod["spec"], "initContainers": patch["initContainers"], "containers": [triton],
+            "volumes": [*pod["spec"]["volumes"], *patch["volumes"]]}
+    return {**pod, "spec": spec}
 
 
 def image_reference(pipeline: PipelineSpec, image: str | None) -> dict:
@@ -279,6 +314,14 @@ class Overlay:
         return f"overlays/{self.options.name or self.pipeline.name}"
 
     @property
+    def builds_in_pod(self) -> bool:
+        return pod_build.builds_in_pod(self.size, self.access_mode)
+
+    @property
+    def rollout(self) -> pod_build.Rollout:
+        return pod_build.rollout(self.size, self.options.gpus_per_node)
+
+    @property
     def placement(self) -> dict:
         """The pods' scheduling fields. A ReadWriteOnce volume attaches to one node: every pod of this pipeline
         goes to that node."""
@@ -306,6 +349,10 @@ def server_files(overlay: Overlay) -> dict[str, Manifest]:
     """The serving pods: the base's Deployment patched, or across nodes a LeaderWorkerSet that replaces it."""
     pod = server_pod_patch(overlay.pipeline, overlay.repository, overlay.size, overlay.options, overlay.pipeline_hash,
                            overlay.placement)
+    if overlay.builds_in_pod:
+        # The build's deadline, then loading the engines (the startup probe's 30 minutes)
+        deadline = build_deadline_s(overlay.pipeline, overlay.size) + 1800
+        return {"deployment.yaml": Manifest(deployment_patch(with_pod_build(overlay, pod), overlay.rollout, deadline))}
     if overlay.size.nodes == 1:
         return {"deployment.yaml": Manifest(deployment_patch(pod))}
     group = leader_worker_set(pod, overlay.size, image_text(overlay.image), overlay.prefix, overlay.instance,
@@ -337,7 +384,7 @@ def group_patches(overlay: Overlay) -> list[dict]:
         patches.append(json_patch("HorizontalPodAutoscaler", base.SERVER, [
             {"op": "replace", "path": "/spec/scaleTargetRef",
              "value": {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-                       "name": overlay.prefix + base.SERVER}}]))
+                       "name": overlay.prefix + GROUP_NAME}}]))
     return patches
 
 
@@ -345,10 +392,16 @@ def kustomization(overlay: Overlay) -> Manifest:
     """The overlay's kustomization.yaml: the base, the overlay's objects and patches, its names and labels."""
     options, size, multinode = overlay.options, overlay.size, overlay.size.nodes > 1
     resources = ["../../base"]
-    patches = [{"path": "deployment-delete.yaml" if multinode else "deployment.yaml"},
-               {"path": "build-job.yaml"}, {"path": "pvc.yaml"},
-               json_patch("Job", base.BUILD_JOB, [{"op": "replace", "path": "/metadata/name",
-                                                   "value": f"{base.BUILD_JOB}-{overlay.pipeline_hash}"}])]
+    patches = [{"path": "deployment-delete.yaml" if multinode else "deployment.yaml"}]
+    if overlay.builds_in_pod:
+        patches += [{"path": "pvc.yaml"}, {"path": "build-job-delete.yaml"}]
+        if options.monitoring:
+            patches.append(json_patch("HorizontalPodAutoscaler", base.SERVER, [
+                {"op": "replace", "path": "/spec/maxReplicas", "value": overlay.rollout.max_replicas}]))
+    else:
+        patches += [{"path": "build-job.yaml"}, {"path": "pvc.yaml"},
+                    json_patch("Job", base.BUILD_JOB, [{"op": "replace", "path": "/metadata/name",
+                                                        "value": f"{base.BUILD_JOB}-{overlay.pipeline_hash}"}])]
     if options.monitoring:
         resources.append("prometheusrule.yaml")
     patches.append({"path": "podmonitor.yaml" if options.monitoring else "monitoring-delete.yaml"})
@@ -360,11 +413,13 @@ def kustomization(overlay: Overlay) -> Manifest:
                 "configMapGenerator": [{"name": base.PIPELINE_CONFIGMAP, "files": [base.PIPELINE_KEY]}],
                 "generatorOptions": {"disableNameSuffixHash": True}, "images": [overlay.image], "patches": patches}
     roots = checkpoint_roots(overlay.pipeline)
-    needs = (f"\nThe build Job mounts the PersistentVolumeClaim {CHECKPOINTS_CLAIM} (yours, holding the checkpoints) "
+    memory_of = "build memory" if overlay.builds_in_pod else "build Job memory"
+    builder = "The serving pods' build steps mount" if overlay.builds_in_pod else "The build Job mounts"
+    needs = (f"\n{builder} the PersistentVolumeClaim {CHECKPOINTS_CLAIM} (yours, holding the checkpoints) "
              f"at {', '.join(roots)}." if roots else "")
     volume = f"the data volume {overlay.access_mode}" + (
         f" on class {options.storage_class}" if options.storage_class else " on the default storage class")
-    return Manifest(document, f"specdeploy k8s {overlay.path.name}: {size.comment()}; build Job memory "
+    return Manifest(document, f"specdeploy k8s {overlay.path.name}: {size.comment()}; {memory_of} "
                               f"{overlay.build_memory_gib} GiB; {volume}.{needs}\nRender: kubectl kustomize <this "
                               f"folder>; apply: kubectl apply -k <this folder>")
 
@@ -373,8 +428,14 @@ def overlay_files(overlay: Overlay) -> dict[str, Manifest]:
     """Every YAML file `write_overlay` writes for `overlay`, by its path under the output folder: base/,
     monitoring/ and the overlay's folder (the pipeline file's copy aside)."""
     pipeline, size, options = overlay.pipeline, overlay.size, overlay.options
-    files = {"build-job.yaml": Manifest(build_job_patch(pipeline, overlay.repository, size, overlay.build_memory_gib,
-                                                        overlay.placement)),
+    if overlay.builds_in_pod:  # the serving pods build (deploy/k8s_pod_build.py)
+        build = {"build-job-delete.yaml": Manifest([
+            delete_patch("Job", "batch/v1", base.BUILD_JOB),
+            delete_patch("NetworkPolicy", "networking.k8s.io/v1", base.BUILD_JOB)])}
+    else:
+        build = {"build-job.yaml": Manifest(build_job_patch(pipeline, overlay.repository, size,
+                                                            overlay.build_memory_gib, overlay.placement))}
+    files = {**build,
              "pvc.yaml": Manifest(placement.data_claim_patch(size, overlay.access_mode, options.storage_class,
                                                              build_copies(pipeline))),
              **monitoring_files(overlay), **server_files(overlay), "kustomization.yaml": kustomization(overlay)}

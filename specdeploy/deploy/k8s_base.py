@@ -158,7 +158,7 @@ def server_pod(grace_seconds: int = 60) -> dict:
 
 def deployment() -> dict:
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": SERVER, "labels": SERVER_LABELS},
-            "spec": {"replicas": 1, "selector": {"matchLabels": SERVER_LABELS},
+            "spec": {"selector": {"matchLabels": SERVER_LABELS},  # no replicas: the HPA owns the count (default 1)
                      "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
                      "template": {"metadata": {"labels": SERVER_LABELS}, "spec": server_pod()}}}
 

@@ -16,6 +16,9 @@ from specdeploy.deploy.sizing import PodSize
 from specdeploy.package.package_stamp import STAMP_FILE
 
 LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
+# Not the Service's name: LWS creates its headless Service, named like the set, only where no Service of that name
+# exists (kubernetes-sigs/lws@060ab4da pkg/controllers/leaderworkerset_controller.go), and the pods' DNS names need it
+GROUP_NAME = f"{base.SERVER}-group"
 WORKER_PROBE_KEYS = ("startupProbe", "livenessProbe", "readinessProbe", "ports", "lifecycle")
 
 
@@ -94,8 +97,8 @@ def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, l
         for container in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
             container["image"] = image
     lws = {"apiVersion": "leaderworkerset.x-k8s.io/v1", "kind": "LeaderWorkerSet",
-           "metadata": {"name": base.SERVER, "labels": base.SERVER_LABELS},
-           "spec": {"replicas": 1, "startupPolicy": "LeaderCreated",
+           "metadata": {"name": GROUP_NAME, "labels": base.SERVER_LABELS},
+           "spec": {"startupPolicy": "LeaderCreated",  # no replicas: the HPA owns the count (default 1)
                     "rolloutStrategy": {"type": "RollingUpdate",
                                         "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
                     "leaderWorkerTemplate": {"size": size.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
@@ -106,7 +109,7 @@ def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, l
     binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "mpi"},
                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "mpi"},
                "subjects": [{"kind": "ServiceAccount", "name": base.SERVICE_ACCOUNT}]}
-    group = {LWS_NAME_LABEL: prefix + base.SERVER}
+    group = {LWS_NAME_LABEL: prefix + GROUP_NAME}
     # MPI and NCCL between a group's pods use ports of their own choosing
     group_traffic = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "group"},
                      "spec": {"podSelector": {"matchLabels": group}, "policyTypes": ["Ingress"],
@@ -118,4 +121,4 @@ def group_disruption_budget(prefix: str) -> dict:
     """A patch of the base PDB: over every pod of the set, leaders and workers. Losing any pod recreates its whole
     group, so at most one pod at a time means at most one group down at a time."""
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": base.SERVER},
-            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {LWS_NAME_LABEL: prefix + base.SERVER}}}}
+            "spec": {"maxUnavailable": 1, "selector": {"matchLabels": {LWS_NAME_LABEL: prefix + GROUP_NAME}}}}

@@ -27,6 +27,7 @@ from helpers.rendered_overlays import (
     K8S,
     OVERLAYS,
     all_templates,
+    build_steps,
     check_serving_pod,
     container_variables,
     containers,
@@ -41,6 +42,7 @@ from helpers.rendered_overlays import (
 )
 from helpers.repo import REPO
 
+from specdeploy.build.trtllm.plan import build_workers
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.k8s import OverlayOptions, write_overlay
 from specdeploy.deploy.k8s_monitoring import adapter_values
@@ -79,7 +81,8 @@ def test_every_overlay_renders_with_the_objects_of_a_rollout(rendered):
     for name, documents in rendered.items():
         kinds = {d["kind"] for d in documents}
         server = "LeaderWorkerSet" if name == "multinode" else "Deployment"
-        assert {"ConfigMap", "PersistentVolumeClaim", "Job", server, "Service", "PodDisruptionBudget",
+        builder = {"Job"} if name in ("cpu", "multinode") else set()  # else the serving pods build
+        assert builder | {"ConfigMap", "PersistentVolumeClaim", server, "Service", "PodDisruptionBudget",
                 "NetworkPolicy", "HorizontalPodAutoscaler", "PodMonitor", "PrometheusRule"} <= kinds, name
         config_map = one(documents, "ConfigMap")
         pipeline = parse_pipeline(yaml.safe_load(config_map["data"][base.PIPELINE_KEY]))
@@ -126,13 +129,12 @@ def test_the_generator_refuses_what_the_cluster_could_not_run(tmp_path):
 
 
 def test_the_llm_api_overlay_packages_triton_s_llm_api_model_from_the_image(rendered):
-    """On the llm_api line the build Job's package step takes the LLM-API model's code from the image's /app (the
-    NGC image keeps its checkout's triton_backend/all_models there), and one tritonserver serves that one model."""
-    job = one(rendered["gpu-eagle"], "Job")["spec"]["template"]["spec"]
-    package = next(c for c in job["containers"] if c["name"] == "package")["args"]
+    """On the llm_api line the package step takes the LLM-API model's code from the image's /app (the NGC image keeps
+    its checkout's triton_backend/all_models there), and one tritonserver serves that one model."""
+    package = build_steps(rendered["gpu-eagle"])["package"]["args"]
     assert package[package.index("--trtllm-source") + 1] == "/app"
-    assert all("--trtllm-source" not in next(c for c in one(documents, "Job")["spec"]["template"]["spec"][
-        "containers"] if c["name"] == "package")["args"] for name, documents in rendered.items() if name != "gpu-eagle")
+    assert all("--trtllm-source" not in build_steps(documents)["package"]["args"]
+               for name, documents in rendered.items() if name != "gpu-eagle")
     triton = serving_container(server_templates(rendered["gpu-eagle"])[0])
     assert triton["command"] == ["tritonserver"] and "--disable-auto-complete-config" in triton["args"]
 
@@ -242,9 +244,9 @@ def test_resources_on_every_container_and_gpus_from_the_parallelism(rendered):
         for template in server_templates(documents):
             triton = serving_container(template)
             assert int(triton["resources"]["limits"].get("nvidia.com/gpu", 0)) * pods == world, name
-        if world:
-            job = one(documents, "Job")["spec"]["template"]
-            assert int(containers(job)[0]["resources"]["limits"]["nvidia.com/gpu"]) == world // pods, name
+        if world:  # the build holds one GPU per trtllm-build worker (deploy/k8s_pod_build.py)
+            build = build_steps(documents)["build"]
+            assert int(build["resources"]["limits"]["nvidia.com/gpu"]) == build_workers(settings), name
 
 
 def test_memory_is_sized_from_the_model(rendered):
@@ -611,6 +613,8 @@ def test_the_rendered_wait_gives_up_when_the_rendered_build_fails_for_good(rende
 
 def test_job_lifecycle_is_bounded(rendered):
     for name, documents in rendered.items():
+        if not objects(documents, "Job"):  # the serving pods build: tests/deploy/test_k8s_scheduling.py
+            continue
         job = one(documents, "Job")["spec"]
         assert job["ttlSecondsAfterFinished"] > 0 and job["activeDeadlineSeconds"] >= 3600, name
         assert job["backoffLimit"] == base.BUILD_BACKOFF_LIMIT
@@ -763,3 +767,21 @@ def test_an_image_digest_is_kept_and_a_broken_one_refused(tmp_path):
         write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path, OverlayOptions(image="sd@sha256:12"))
     with pytest.raises(SpecdeployError, match="--gpu-product"):
         write_overlay(REPO / "pipelines/gpu/llama8b-medusa.yaml", tmp_path, OverlayOptions(weights_gib=15.3))
+
+
+def test_no_replica_count_beside_the_autoscaler(rendered):
+    """An applied spec.replicas resets what the HPA scaled out on every `kubectl apply` (Kubernetes' HPA docs,
+    "Migrating Deployments and StatefulSets to horizontal autoscaling"); left out, it defaults to 1."""
+    for name, documents in rendered.items():
+        for kind in ("Deployment", "LeaderWorkerSet"):
+            for document in objects(documents, kind):
+                assert "replicas" not in document["spec"], (name, kind)
+
+
+def test_the_leaderworkerset_is_not_named_like_a_service(rendered):
+    """LWS skips its headless Service (the pods' DNS names) where a Service of the set's name exists
+    (kubernetes-sigs/lws@060ab4da pkg/controllers/leaderworkerset_controller.go)."""
+    documents = rendered["multinode"]
+    name = one(documents, "LeaderWorkerSet")["metadata"]["name"]
+    assert name not in {service["metadata"]["name"] for service in objects(documents, "Service")}
+    assert one(documents, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]["name"] == name

@@ -64,6 +64,14 @@ def all_templates(documents: list[dict]) -> list[dict]:
     return [*server_templates(documents), *(job["spec"]["template"] for job in objects(documents, "Job"))]
 
 
+def build_steps(documents: list[dict]) -> dict[str, dict]:
+    """The build and package containers by name: the build Job's, or where the serving pod builds (single-node GPU
+    overlays, deploy/k8s_pod_build.py) its init containers."""
+    jobs = objects(documents, "Job")
+    template = jobs[0]["spec"]["template"] if jobs else server_templates(documents)[0]
+    return {c["name"]: c for c in containers(template) if c["name"] in ("build", "package")}
+
+
 def containers(template: dict) -> list[dict]:
     return [*template["spec"].get("initContainers", []), *template["spec"]["containers"]]
 

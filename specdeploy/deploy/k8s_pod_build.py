@@ -1,0 +1,84 @@
+"""A single-node GPU pipeline builds in its serving pod: `specdeploy build` and `specdeploy package` are that pod's
+init containers, on a GPU the pod already holds, and there is no build Job.
+
+Why not a Job: on a ReadWriteOnce volume the Job and every serving pod share one node. A serving pod held its GPUs
+while it waited for the Job, the Deployment was applied first, and a rollout surges one pod more, so whenever the
+old pod, the surge pod and the Job together asked for more GPUs than the node has (12 of 8 for a tp4 pipeline) the
+Job stayed Pending for good and the new pods waited for it for good. A build that runs inside the pod it serves
+waits for nothing but that pod's own GPUs. Triton's autoscaling tutorial does the same (triton-inference-server/
+tutorials@0665326c Deployment/Kubernetes/TensorRT-LLM_Autoscaling_and_Load_Balancing/chart/templates/deployment.yaml:
+its init container runs `server.py init` with the pod's GPUs).
+
+The build asks for build_workers GPUs, the number trtllm-build's --workers is given (plan.build_workers): with one
+worker it builds every rank on GPU `rank % workers`, so one GPU is what it uses. The pod's GPUs are the larger of an
+init container's and the serving containers' sum, so the pod still holds tp × pp and the build adds none. Builds of
+concurrent pods (a surge pod, a scaled-out replica) take the per-output lock (spec/engine_paths.py) and skip what
+is built, so the second waits for the first and then reuses its engines.
+
+The rollout then needs only room for the pods themselves on the volume's node: `rollout` gives maxSurge 1 where the
+node holds one pod more than the autoscaler's maximum, else replaces the pod in place (maxSurge 0, maxUnavailable 1:
+a single replica is briefly down while the new one builds and loads, which is better than a rollout that never ends).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from specdeploy.build.trtllm.plan import build_workers
+from specdeploy.deploy import k8s_base as base
+from specdeploy.deploy import k8s_placement as placement
+from specdeploy.deploy.sizing import PodSize
+from specdeploy.spec.pipeline import PipelineSpec
+
+MAX_REPLICAS = 4  # the base autoscaler's maximum, where the node leaves more room
+
+
+@dataclass(frozen=True)
+class Rollout:
+    max_surge: int
+    max_unavailable: int
+    max_replicas: int
+
+
+def builds_in_pod(size: PodSize, access_mode: str) -> bool:
+    """Whether the serving pod builds: GPUs on one node and a volume that ties every pod to that node."""
+    return size.gpus > 0 and size.nodes == 1 and access_mode == placement.READ_WRITE_ONCE
+
+
+def build_gpus(pipeline: PipelineSpec) -> int:
+    """The GPUs a build holds: trtllm-build's --workers (one per worker; the conversions use at most one)."""
+    return build_workers(pipeline.backend.settings) if pipeline.backend.kind == "trtllm" else 0
+
+
+def rollout(size: PodSize, gpus_per_node: int) -> Rollout:
+    """Surge and the autoscaler's maximum such that every pod a rollout or a scale-out creates fits the node beside
+    the ones it waits for: at most `slots` pods of size.gpus fit, the maximum leaves one slot for the surge pod."""
+    slots = gpus_per_node // size.gpus
+    if slots >= 2:
+        return Rollout(max_surge=1, max_unavailable=0, max_replicas=min(MAX_REPLICAS, slots - 1))
+    return Rollout(max_surge=0, max_unavailable=1, max_replicas=1)
+
+
+def init_containers(pipeline: PipelineSpec, package: list[str], step_resources: dict, mounts: list[dict]) -> list[dict]:
+    """build then package, each a full container (the base's pod has only the wait this replaces)."""
+    pipeline_file = f"{base.PIPELINE_DIR}/{base.PIPELINE_KEY}"
+
+    def step(name: str, arguments: list[str]) -> dict:
+        return {"name": name, "image": base.IMAGE, "imagePullPolicy": "IfNotPresent", "command": ["specdeploy"],
+                "args": arguments, "env": base.environment(), "volumeMounts": [*base.mounts(), *mounts],
+                "securityContext": base.container_security(), "resources": step_resources}
+
+    return [step("build", ["build", pipeline_file]), step("package", package)]
+
+
+def pod_build_patch(containers: list[dict], volumes: list[dict]) -> dict:
+    """The pod spec patch: the wait removed, the steps added, the data volume writable for them (the caller gives
+    the serving container a read-only mount), the checkpoint and scratch volumes."""
+    data = {"name": "data", "persistentVolumeClaim": {"claimName": base.DATA_CLAIM, "readOnly": False}}
+    return {"initContainers": [{"name": "wait-for-repository", "$patch": "delete"}, *containers],
+            "volumes": [data, *volumes]}
+
+
+def read_only_data_mount() -> dict:
+    """The serving container's mount of the data volume, which only the build steps write."""
+    return {"name": "data", "mountPath": base.DATA_DIR, "readOnly": True}
