@@ -109,7 +109,9 @@ class Int4Linear(nn.Module):
     def dequantized(self) -> torch.Tensor:
         """fp32 [N, K]: the weights the CPU int4 kernel multiplies by, read back through the kernel itself (the
         identity's rows times the weights are the weights, each product and sum exact in fp32; fp32 rows take
-        fp32 scales and zeros, which hold the bf16 ones exactly)."""
+        fp32 scales and zeros, which hold the bf16 ones exactly). Slow, as the kernel takes K rows in blocks of 4:
+        92 s for SmolLM2-135M's 120 int4 layers (2 threads); an engine keeping copies at load should dequantize
+        the codes it loads instead (the same values, test_quantize.py)."""
         identity = torch.eye(self.in_features)
         return torch._weight_int4pack_mm_for_cpu(identity, self.packed, self.group_size,
                                                  self.scales_and_zeros.float()).T.contiguous()
