@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdeploy.models.machine import onednn_bf16
 from specdeploy.models.reductions import topk_indices
 
 GROUP_SIZE = 32
@@ -59,7 +60,18 @@ class Int4Linear(nn.Module):
     The codes are packed at construction for the kernel of the device they are on: torch's CPU int4 kernel, or on a
     GPU the tinygemm kernel (`_weight_int4pack_mm`), which takes the first of two codes in a byte's high nibble
     (ours keep it in the low one) and needs an Ampere or newer GPU, N a multiple of 8 and K of 16 × its inner K
-    tiles. Any other GPU layer is dequantized to bf16 once instead."""
+    tiles. Any other GPU layer is dequantized to bf16 once instead.
+
+    On a CPU, `keep_bf16_copy` adds a bf16 copy of the same int4 values for forwards of many rows: torch's CPU int4
+    kernel unpacks its weights again for every block of rows, so a verify's cost grows with its width, where
+    oneDNN's bf16 matmul from prepacked weights barely does. Measured, the copies pay only from about 9 rows and
+    cost 4x the codes' memory, so no engine keeps them yet (docs/benchmarks.md, "Verify widths on the int4 path").
+    With a copy, a row's result depends on how many rows it comes with: a batch-invariant engine's probe
+    (row_invariance.invariant_rows) then computes the layer in blocks below `wide_from_rows`, from int4 only."""
+
+    # The bf16 copy (prepacked for oneDNN) and the row count from which a forward uses it; None: int4 only.
+    wide: torch.Tensor | None = None
+    wide_from_rows: int | None = None
 
     def __init__(self, codes: torch.Tensor, scales: torch.Tensor, minimums: torch.Tensor) -> None:
         super().__init__()
@@ -82,10 +94,32 @@ class Int4Linear(nn.Module):
         else:
             self.register_buffer("packed", torch._convert_weight_to_int4pack_for_cpu(unpack_codes(codes), 1))
 
+    def keep_bf16_copy(self, from_rows: int) -> int:
+        """Run forwards of `from_rows` rows or more from a bf16 copy of this layer's int4 values, prepacked for
+        oneDNN: each weight as the int4 kernel computes it, (q - 8) * scale + zero from the bf16 scales and zeros
+        in fp32, rounded once to bf16. A CPU without oneDNN's bf16 kernels, or a GPU layer, keeps int4 only.
+        Returns the copy's bytes (0 where none is kept)."""
+        if self.on_gpu or not onednn_bf16():
+            return 0
+        values = self.dequantized().to(torch.bfloat16)
+        self.wide = torch.ops.mkldnn._reorder_linear_weight(values, 1)
+        self.wide_from_rows = from_rows
+        return values.numel() * values.element_size()
+
+    def dequantized(self) -> torch.Tensor:
+        """fp32 [N, K]: the weights the CPU int4 kernel multiplies by, read back through the kernel itself (the
+        identity's rows times the weights are the weights, each product and sum exact in fp32; fp32 rows take
+        fp32 scales and zeros, which hold the bf16 ones exactly). Slow, as the kernel takes K rows in blocks of 4:
+        92 s for SmolLM2-135M's 120 int4 layers (2 threads); an engine keeping copies at load should dequantize
+        the codes it loads instead (the same values, test_quantize.py)."""
+        identity = torch.eye(self.in_features)
+        return torch._weight_int4pack_mm_for_cpu(identity, self.packed, self.group_size,
+                                                 self.scales_and_zeros.float()).T.contiguous()
+
     @property
     def weight_bytes(self) -> int:
-        """Bytes of the codes a forward reads (packed for its kernel, or dequantized to bf16 on a GPU it does not
-        suit); the scales and zeros are not counted."""
+        """Bytes of the codes a one-row forward reads (packed for its kernel, or dequantized to bf16 on a GPU it
+        does not suit; not a bf16 copy kept for wide forwards); the scales and zeros are not counted."""
         matrix = self.packed if self.dense is None else self.dense
         return matrix.numel() * matrix.element_size()
 
@@ -93,6 +127,8 @@ class Int4Linear(nn.Module):
         rows = as_bf16_rows(x)
         if self.dense is not None:
             out = rows @ self.dense.T
+        elif self.wide is not None and rows.shape[0] >= self.wide_from_rows:
+            out = torch.ops.mkldnn._linear_pointwise(rows, self.wide, None, "none", [], "")
         elif self.on_gpu:
             out = torch._weight_int4pack_mm(rows, self.packed, self.group_size, self.scales_and_zeros)
         else:
