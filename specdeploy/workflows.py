@@ -299,6 +299,16 @@ def distillation_answers(pipeline_path: str | Path, engines_dir: Path, work_dir:
     return Distillation(pipeline, engine_dir, train_prompts, held_out, answers, time.perf_counter() - started)
 
 
+def run_facts(train_prompts: list[str], held_out: list[str], options, answers_seconds: float,
+              started: float) -> dict:
+    """What a train-eagle or train-exit-adapter report records of its run: the prompt split, the optimiser's
+    settings, the Python version (the written prompts quote its standard library) and the seconds it took."""
+    return {"prompts": {"train": len(train_prompts), "held_out": len(held_out)}, "max_tokens": options.max_tokens,
+            "lr": options.lr, "batch_size": options.batch_size, "seed": options.seed,
+            "python": platform.python_version(),
+            "seconds": {"answers": round(answers_seconds), "total": round(time.perf_counter() - started)}}
+
+
 def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
                 options: EagleTrainingOptions = EagleTrainingOptions(), console=None) -> dict:
     """Self-distil an EAGLE-3 head for the pipeline's target (training-time test over num_draft_tokens steps) and
@@ -357,10 +367,7 @@ def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
               "intermediate_size": options.intermediate_size, "ttt_steps": steps, "epochs": options.epochs,
               "epoch_losses": [round(x, 4) for x in losses], "held_out": held,
               "held_out_tokens_in_draft_vocab": round(covered / max(answered, 1), 4),
-              "prompts": {"train": len(train_prompts), "held_out": len(held_out)},
-              "max_tokens": options.max_tokens, "lr": options.lr, "batch_size": options.batch_size,
-              "seed": options.seed, "python": platform.python_version(),
-              "seconds": {"answers": round(answers_seconds), "total": round(time.perf_counter() - started)}}
+              **run_facts(train_prompts, held_out, options, answers_seconds, started)}
     (output / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     training.write_plot(report, output / "training.png")
     return report
@@ -482,11 +489,8 @@ def train_exit_adapter(pipeline_path: str | Path, engines_dir: Path, output: Pat
               "draft_vocab": len(ids), "inner_size": options.inner_size, "epochs": options.epochs,
               "held_out_next_tokens_in_draft_vocab": round(float(torch.isin(held_data.next_tokens, ids).float()
                                                                  .mean()), 4),
-              "prompts": {"train": len(train_prompts), "held_out": len(held_out)},
               "positions": {"train": len(train_data.next_tokens), "held_out": len(held_data.next_tokens)},
-              "max_tokens": options.max_tokens, "lr": options.lr, "batch_size": options.batch_size,
-              "seed": options.seed, "python": platform.python_version(),
-              "seconds": {"answers": round(answers_seconds), "total": round(time.perf_counter() - started)}}
+              **run_facts(train_prompts, held_out, options, answers_seconds, started)}
     (output / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     training.write_plot(report, output / "training.png")
     return report
