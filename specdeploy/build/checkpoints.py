@@ -70,20 +70,22 @@ def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
                              "train-medusa)")
         files.append(heads)
     if pipeline.speculation.uses_features:
-        head = pipeline.resolve(pipeline.speculation.eagle.head)
-        found = sorted(head.glob("*.json")) + sorted(head.glob("*.safetensors")) if head.is_dir() else []
-        if not any(path.name == "config.json" for path in found):
-            raise BuildError(f"speculation.eagle.head: {head} holds no EAGLE-3 head (config.json and "
-                             f"model.safetensors; train one with specdeploy train-eagle)")
-        files += found
+        files += trained_folder_files(pipeline.resolve(pipeline.speculation.eagle.head), "speculation.eagle.head",
+                                      "EAGLE-3 head", "train-eagle")
     if pipeline.speculation.uses_exit_adapter:
-        adapter = pipeline.resolve(pipeline.speculation.early_exit.adapter)
-        found = sorted(adapter.glob("*.json")) + sorted(adapter.glob("*.safetensors")) if adapter.is_dir() else []
-        if not any(path.name == "config.json" for path in found):
-            raise BuildError(f"speculation.early_exit.adapter: {adapter} holds no exit adapter (config.json and "
-                             f"model.safetensors; train one with specdeploy train-exit-adapter)")
-        files += found
+        files += trained_folder_files(pipeline.resolve(pipeline.speculation.early_exit.adapter),
+                                      "speculation.early_exit.adapter", "exit adapter", "train-exit-adapter")
     return files
+
+
+def trained_folder_files(folder: Path, key: str, what: str, command: str) -> list[Path]:
+    """The JSON and safetensors files of a trained folder the pipeline names at `key` (an EAGLE-3 head, an exit
+    adapter); a BuildError naming it and the command that trains one when it holds no config.json."""
+    found = sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not any(path.name == "config.json" for path in found):
+        raise BuildError(f"{key}: {folder} holds no {what} (config.json and model.safetensors; train one with "
+                         f"specdeploy {command})")
+    return found
 
 
 def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:

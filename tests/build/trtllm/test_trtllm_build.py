@@ -91,13 +91,18 @@ def test_an_moe_target_exports_per_expert_and_its_dense_source_as_the_draft(doub
     assert (target["mapping"]["moe_tp_size"], target["mapping"]["moe_ep_size"]) == (1, 2)
 
 
-def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp_path, tiny_checkpoints):
+def medusa_pipeline(tmp_path: Path, target: Path) -> Path:
+    """A trtllm Medusa pipeline of `target` with two freshly made heads, converted by the Medusa converter double."""
     heads_file = tmp_path / "heads.safetensors"
     MedusaHeads(64, 2).save(heads_file)
-    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={
+    return trtllm_pipeline(tmp_path, target, speculation={
         "method": "medusa", "num_draft_tokens": 2,
         "medusa": {"heads": str(heads_file), "num_heads": 2, "choices": [[0], [0, 0]]}},
         backend={"kind": "trtllm", "trtllm": {"medusa_converter": str(MEDUSA_DOUBLE)}})
+
+
+def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp_path, tiny_checkpoints):
+    path = medusa_pipeline(tmp_path, tiny_checkpoints["target"])
     engines = tmp_path / "engines"
     result = run_cli("build", str(path), "--engines-dir", str(engines))
     assert result.returncode == 0, result.stderr
@@ -132,12 +137,7 @@ def test_a_tied_medusa_target_is_exported_untied_for_the_converter(double, tmp_p
     (KeyError, as the double raises: SmolLM2, Llama-3.2-1B/3B tie), so a tied Hugging Face target is not read where
     it is: the build exports it untied, the same function, and converts that."""
     tied = save_tiny_checkpoint(tmp_path / "tied", seed=4, tie_word_embeddings=True)
-    heads_file = tmp_path / "heads.safetensors"
-    MedusaHeads(64, 2).save(heads_file)
-    path = trtllm_pipeline(tmp_path, tied, speculation={
-        "method": "medusa", "num_draft_tokens": 2,
-        "medusa": {"heads": str(heads_file), "num_heads": 2, "choices": [[0], [0, 0]]}},
-        backend={"kind": "trtllm", "trtllm": {"medusa_converter": str(MEDUSA_DOUBLE)}})
+    path = medusa_pipeline(tmp_path, tied)
     engines = tmp_path / "engines"
     result = run_cli("build", str(path), "--engines-dir", str(engines))
     assert result.returncode == 0, result.stderr
