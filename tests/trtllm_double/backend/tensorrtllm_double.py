@@ -337,10 +337,11 @@ class Sampling:
 def medusa_token(sampling: Sampling, logits: torch.Tensor, generator: torch.Generator) -> int:
     """A Medusa engine's token (its tree is not emulated: a step's tokens are those its target samples, each
     accepted draft equal to them). DecodingMode::Medusa has neither the temperature nor an occurrence-penalty bit
-    (cpp/include/tensorrt_llm/executor/types.h, index), and the penalty layer applies each only under its bit
-    (penaltyLayer.cpp, index): temperature and repetition penalty are dropped. samplePrimeHeadTokens passes top-k
-    alone (medusaDecodingLayer.cpp @ 015884d6): top-p is dropped. A top-k of 0 (sent, not absent) makes the top-k
-    kernel write nothing (samplingTopKKernels.cu @ 03961722): the token is whatever the buffer held, here 0."""
+    (cpp/include/tensorrt_llm/executor/types.h @ a98a9061, index copy), and the penalty layer applies each only
+    under its bit (penaltyLayer.cpp @ 2a9abd95, index copy): temperature and repetition penalty are dropped.
+    samplePrimeHeadTokens passes top-k alone (medusaDecodingLayer.cpp @ 015884d6): top-p is dropped. A top-k of 0
+    (sent, not absent) makes the top-k kernel write nothing (samplingTopKKernels.cu @ 03961722): the token is
+    whatever the buffer held, here 0."""
     if sampling.top_k == 0:
         return 0
     plain = Sampling(1.0, sampling.top_k, 1.0, 1.0, sampling.seed)
