@@ -151,3 +151,42 @@ def test_the_shipped_adapter_fits_its_shipped_pipeline():
     adapter = ExitAdapter.load(spec.adapter, target_name(pipeline.target.checkpoint), config.num_layers,
                                config.hidden_size, spec.exit_layer)
     assert adapter.down.weight.abs().max() > 0
+
+
+ADAPTED_SAMPLING = SamplingParams(temperature=1.0, top_k=4, top_p=0.95, repetition_penalty=1.2)
+GENERATIONS, LENGTH = 2000, 3
+
+
+@pytest.fixture(scope="module")
+def adapted_marginals(engines):
+    from helpers.marginals import exact_marginals
+
+    return exact_marginals(Engine(engines["adapted"]), PROMPTS[1], ADAPTED_SAMPLING, LENGTH)
+
+
+def test_sampled_with_an_adapter_emits_the_targets_distribution(engines, adapted_marginals):
+    """The adapter changes q only: at T 1 with top-k, top-p and a penalty, the emitted tokens still follow the
+    target's exact marginals."""
+    from helpers.marginals import sampled_checks
+
+    checks, accepted = sampled_checks(Engine(engines["adapted"]), PROMPTS[1], ADAPTED_SAMPLING, GENERATIONS,
+                                      adapted_marginals)
+    # the random adapter (spread 0.5) pulls q away from p: about 170 of 2000 generations take an accepted draft,
+    # enough for the wrong rule below to fail this same test
+    assert accepted > GENERATIONS // 20
+    assert all(check.ok for check in checks), "\n".join(map(str, checks))
+
+
+def test_with_an_adapter_a_wrong_rule_fails_the_same_test(engines, adapted_marginals, monkeypatch):
+    """Negative control: the chain rule handed the target's distribution as the draft's accepts every adapted
+    draft, and the emitted tokens then follow the adapter's q."""
+    from helpers.marginals import sampled_checks
+
+    from specdeploy.runtime import batch
+    from specdeploy.speculative.acceptance import accept
+
+    monkeypatch.setattr(batch, "accept", lambda tokens, q, p, drafted, streams: accept(tokens, p[:, :-1], p, drafted,
+                                                                                           streams))
+    checks, _ = sampled_checks(Engine(engines["adapted"]), PROMPTS[1], ADAPTED_SAMPLING, GENERATIONS,
+                               adapted_marginals)
+    assert not all(check.ok for check in checks), "\n".join(map(str, checks))
