@@ -32,6 +32,16 @@ class KVCache:
     def batch_size(self) -> int:
         return len(self.lengths)
 
+    @classmethod
+    def wrapping(cls, keys: list[torch.Tensor], values: list[torch.Tensor]) -> KVCache:
+        """A cache over given per-layer tensors, with no committed lengths: for a forward given its mask and slots
+        (a compiled step program, models/step_program.py)."""
+        cache = object.__new__(cls)
+        cache.keys, cache.values = list(keys), list(values)
+        cache.max_length = keys[0].shape[2]
+        cache.lengths = []
+        return cache
+
     def rewind(self, row: int, length: int) -> None:
         """Keep only the first `length` entries of `row` (the rest are overwritten later)."""
         if not 0 <= length <= self.max_length:
@@ -80,7 +90,7 @@ def write_entries(keys_cache: torch.Tensor, values_cache: torch.Tensor, slots: t
                   values: torch.Tensor) -> None:
     """Store new entries of one layer. *_cache: [B, kv_heads, max_length, D]; slots: [B, T] long;
     keys/values: [B, kv_heads, T, D]. Indexed assignment, which inductor keeps in place in a compiled step."""
-    if slots.shape[0] == 1:
+    if slots.shape[0] == 1 and not torch.compiler.is_compiling():  # an exported step takes any number of rows
         keys_cache[:, :, slots[0]] = keys
         values_cache[:, :, slots[0]] = values
         return

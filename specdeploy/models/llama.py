@@ -258,8 +258,7 @@ class LlamaModel(nn.Module):
                 # one new token that attends to every committed slot: no mask needed
                 mask = None
             else:
-                key_positions = torch.arange(kv_len, device=tokens.device)
-                mask = key_positions <= positions[..., None]
+                mask = causal_mask(kv_cache, positions)
         else:
             kv_len = attention_mask.shape[-1]
             mask = attention_mask
@@ -290,6 +289,13 @@ class LlamaModel(nn.Module):
         few int8 rows). The embedding lookup reads one row, so the embedding counts only as the tied head. Bench
         divides a bandwidth by it for the ceiling on plain decode, and the context sweep's bytes model calls it W."""
         return sum(module.weight_bytes for module in self.modules() if isinstance(module, WHOLE_MATRIX_LINEARS))
+
+
+def causal_mask(kv_cache: KVCache, positions: torch.Tensor) -> torch.Tensor:
+    """[B, T, S] bool, S = the longest committed length plus T: each query may attend to the slots at or before its
+    position (LlamaModel.forward's default mask). positions: [B, T]."""
+    kv_len = max(kv_cache.lengths) + positions.shape[1]
+    return torch.arange(kv_len, device=positions.device) <= positions[..., None]
 
 
 def pad_rows(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:

@@ -1,0 +1,127 @@
+"""Ahead-of-time compiled steps (AOTInductor): the torch engine's counterpart of a built TensorRT engine.
+
+`export_step_program` exports one forward of a model, over any batch size, width and cache length, with an
+explicit attention mask and cache slots, and compiles it once into a package (a shared library of fused kernels,
+no Python in the step). `load_step_program` loads it in a fraction of a second, with no compiler on the serving
+path, and `StepProgram` routes the model's forwards through it.
+
+What a program is, in tensors:
+- inputs: tokens, positions, slots [B, T] long; mask [B, T, S] bool over the cache's first S slots; the cache's
+  keys and values, a list of [B, kv_heads, L, D] tensors each (one per layer), written at `slots` in place;
+- output: the hidden states after the final norm [B, T, hidden] and, for a model that keeps EAGLE-3 features, those
+  features [B, T, layers * hidden] (models/llama.py, feature_layers).
+B, T, S and L are symbolic: one program serves a server's batches, every verify width, prefills and any context
+length. The KV cache's committed lengths, which the eager forward reads from Python, enter as the mask's width.
+
+The weights are not copied into the package: the program reads the model's own tensors (user-managed constants),
+so a loaded program costs no second copy of the model. One kind of constant is inductor's own: its lowering of the
+CPU int4 matmul stores each layer's group size as a 0-dimensional int64 tensor with a generated name
+(torch/_inductor/quantized_lowerings.py, torch 2.13), which the load supplies from the model's Int4Linear layers.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdeploy.models.kv_cache import KVCache
+from specdeploy.models.llama import LlamaModel, causal_mask
+from specdeploy.models.quantize import Int4Linear
+
+# The example a program is traced with: sizes of 2, since export specializes a size of 1 (a program traced on one
+# row would serve one row only).
+EXAMPLE_ROWS, EXAMPLE_WIDTH, EXAMPLE_SLOTS = 2, 2, 8
+MAX_SLOTS = 1 << 17  # the longest cache a program takes
+
+
+class ExportedStep(nn.Module):
+    """What is exported: `model`'s forward with the cache given as tensors (no Python-side lengths)."""
+
+    def __init__(self, model: LlamaModel) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
+                keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        hidden = self.model.forward(tokens, positions, KVCache.wrapping(keys, values), attention_mask=mask,
+                                    cache_slots=slots)
+        return (hidden, self.model.features) if self.model.feature_layers else (hidden,)
+
+
+def export_step_program(model: LlamaModel, path: Path, max_rows: int) -> float:
+    """Export and compile `model`'s step into the package `path` for batches of up to max_rows; returns the seconds
+    it took. The model must be built with prepack=False (oneDNN's prepacked linear does not export)."""
+    started = time.perf_counter()
+    device = model.embed.device
+    cache = model.new_cache(EXAMPLE_ROWS, EXAMPLE_SLOTS)
+    tokens = torch.zeros(EXAMPLE_ROWS, EXAMPLE_WIDTH, dtype=torch.long, device=device)
+    positions = (4 + torch.arange(EXAMPLE_WIDTH, device=device))[None].expand(EXAMPLE_ROWS, -1).contiguous()
+    mask = torch.ones(EXAMPLE_ROWS, EXAMPLE_WIDTH, 4 + EXAMPLE_WIDTH, dtype=torch.bool, device=device)
+    rows = torch.export.Dim("rows", min=1, max=max(max_rows, EXAMPLE_ROWS))
+    width = torch.export.Dim("width", min=1, max=MAX_SLOTS - 1)
+    span = torch.export.Dim("span", min=1, max=MAX_SLOTS - 1)
+    slots = torch.export.Dim("slots", min=2, max=MAX_SLOTS)
+    per_token = {0: rows, 1: width}
+    per_layer = [{0: rows, 2: slots} for _ in cache.keys]
+    shapes = (per_token, per_token, {0: rows, 1: width, 2: span}, per_token, per_layer, per_layer)
+    with torch.no_grad():
+        exported = torch.export.export(ExportedStep(model).eval(),
+                                       (tokens, positions, mask, positions.clone(), list(cache.keys),
+                                        list(cache.values)),  # slots: a tensor of its own, or export aliases them
+                                       dynamic_shapes=shapes)
+    # the wrapper only calls kernels, so optimising its (large, every layer unrolled) C++ buys nothing at run time
+    options = {"aot_inductor.package_constants_in_so": False, "aot_inductor.compile_wrapper_opt_level": "O0"}
+    torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=options)
+    return time.perf_counter() - started
+
+
+def load_step_program(model: LlamaModel, path: Path):
+    """The compiled package at `path`, reading `model`'s own weights. Raises ValueError when the package's
+    constants are not the model's (a package built for another model)."""
+    program = torch._inductor.aoti_load_package(str(path))
+    tensors = {f"model.{name}": tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+    wanted = program.get_constant_fqns()
+    generated = [name for name in wanted if name not in tensors]
+    group_sizes = {module.group_size for module in model.modules() if isinstance(module, Int4Linear)}
+    if generated and len(group_sizes) != 1:
+        raise ValueError(f"{path}: constants {generated[:3]}… are not the model's tensors")
+    constants = {name: tensors[name] for name in wanted if name in tensors}
+    # inductor's int4 group sizes (module docstring): one value for every layer, checked above
+    constants |= {name: torch.tensor(next(iter(group_sizes)), dtype=torch.int64) for name in generated}
+    program.load_constants(constants, check_full_update=True, user_managed=True)
+    return program
+
+
+class StepProgram:
+    """Stands in for LlamaModel.forward (same arguments and result), running the compiled program for every call
+    of the whole model on its own tokens, and the eager forward for the rest: a range of layers or given hidden
+    states (an early exit's draft and verify), a batch-invariant model's row-by-row attention, or a cache longer
+    than the program takes."""
+
+    def __init__(self, model: LlamaModel, program) -> None:
+        self.model = model
+        self.eager = model.forward
+        self.program = program
+
+    def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
+                 attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None,
+                 row_lengths: list[int] | None = None, layers: range | None = None,
+                 hidden: torch.Tensor | None = None) -> torch.Tensor:
+        if layers is not None or hidden is not None or self.model.row_invariant or kv_cache.max_length > MAX_SLOTS:
+            return self.eager(tokens, positions, kv_cache, attention_mask, cache_slots, row_lengths, layers, hidden)
+        mask = causal_mask(kv_cache, positions) if attention_mask is None else attention_mask
+        slots = positions if cache_slots is None else cache_slots
+        # the program assumes the strides it was traced with (contiguous); an expanded view would be misread
+        outputs = self.program(tokens.contiguous(), positions.contiguous(), mask.contiguous(), slots.contiguous(),
+                               kv_cache.keys, kv_cache.values)
+        if self.model.feature_layers:
+            self.model.features = outputs[1]
+        return outputs[0]
+
+
+def run_compiled(model: LlamaModel, program) -> None:
+    """Route `model`'s forwards through `program` (StepProgram)."""
+    model.forward = StepProgram(model, program)
