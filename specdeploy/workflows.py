@@ -23,7 +23,15 @@ from specdeploy.decoding.stats import decode_tokens, mean_accepted_length
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.compile_engine import compile_engine, is_compiled
 from specdeploy.runtime.engine import Engine
-from specdeploy.spec.engine_paths import build_lock, measured_exit_layer, measured_gamma_cap, model_repositories_dir
+from specdeploy.runtime.step_programs import build_step_programs, not_built_reason, steps_mode
+from specdeploy.runtime.step_programs import read_record as read_step_record
+from specdeploy.spec.engine_paths import (
+    MEASURED_POLICY_FILE,
+    build_lock,
+    measured_exit_layer,
+    measured_gamma_cap,
+    model_repositories_dir,
+)
 from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.training.eagle_options import EagleTrainingOptions
@@ -72,11 +80,18 @@ def build_torch_engine(pipeline: PipelineSpec, engines_dir: Path, force: bool = 
                        quiet: bool = False) -> BuildResult:
     """Build the pipeline's torch engine if it is missing or stale, then finish what the pipeline asks of a build
     unless an earlier build did: for backend.torch.compile, compile its steps into the engine's cache; for
+    backend.torch.steps (measured by default), compile each stepped model's program and keep it where it pays; for
     serving.policy.gamma_cap: measured, measure the cap on this machine (a fresh build never serves uncapped); for
     speculation.early_exit.exit_layer: measured, the exit layer (bench/exit_layer.py), before the cap."""
     result = build(pipeline, engines_dir, force=force, quiet=quiet)
     if pipeline.backend.compiles and (result.built or not is_compiled(result.directory)):
         compile_engine(pipeline, result.directory, quiet)
+    record = read_step_record(result.directory)
+    if not_built_reason(pipeline) is None and (result.built or record is None
+                                                or record["steps"] != steps_mode(pipeline)):
+        build_step_programs(pipeline, result.directory, quiet)
+        # the steps' costs changed, and with them the best gamma: measured again below
+        (result.directory / MEASURED_POLICY_FILE).unlink(missing_ok=True)
     if (pipeline.speculation.drafts_with_own_layers and pipeline.speculation.early_exit.exit_layer == "measured"
             and measured_exit_layer(result.directory) is None):
         from specdeploy.bench.exit_layer import measure_exit_layer

@@ -11,6 +11,9 @@ import torch
 import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# Builds compile no step programs (AOTInductor, a minute or two per real model: runtime/step_programs.py) unless a
+# test asks: tests/runtime/test_step_programs.py builds and serves them, with greedy text equal to eager's.
+os.environ.setdefault("SPECDEPLOY_STEPS", "eager")
 pytest.register_assert_rewrite("helpers")  # the helpers' asserts explain their failures as the tests' own do
 
 from helpers.pipelines import tiny_pipeline, write_pipeline  # noqa: E402

@@ -25,6 +25,7 @@ from specdeploy.models.batch_invariant import make_batch_invariant
 from specdeploy.models.compiled import compile_steps, use_cache_of, warm_up
 from specdeploy.models.registry import load_component
 from specdeploy.runtime.batch import BatchDecoder
+from specdeploy.runtime.step_programs import usable_programs, use_program
 from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.manifest import check_outputs
 from specdeploy.spec.pipeline import METHODS, Determinism, Method, PipelineSpec, SpeculationSpec
@@ -142,13 +143,19 @@ class Engine:
         if compiles:
             check_compilable(self.device)
             use_cache_of(self.dir)
-        self.target = load_component(self.dir / "target", self.device, prepack=not compiles)
+        # compiled step programs (runtime/step_programs.py): the component → program to load, and why the others
+        # run eagerly; a model a program runs keeps its weights unpacked (the program reads them)
+        programs, self.eager_steps = usable_programs(self.pipeline, self.dir) if not compiles else ({}, {})
+        unpacked = set(components(self.speculation)) if compiles else set(programs)
+        self.target = load_component(self.dir / "target", self.device, prepack="target" not in unpacked)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
         limits = self.pipeline.limits
         # Headroom past the limit: ragged batches pad short rows by up to max_draft_tokens + 1 positions.
         self.cache = self.target.new_cache(batch_size, limits.max_sequence_length + limits.max_draft_tokens + 1)
         self.proposer = create_proposer(self.method, EngineParts(self.dir, self.pipeline, self.target, self.cache,
-                                                                 self.device))
+                                                                 self.device, frozenset(unpacked)))
+        # component → seconds its program took to load (the rest: eager_steps says why)
+        self.program_load_seconds = self._load_programs(programs)
         self.end_ids = chat_template.end_of_sequence_ids(self.tokenizer, self.target.config.eos_token_ids)
         # layers computed in blocks of fewer rows (name → rows) because this machine's kernels change a row with
         # its company above that many
@@ -157,6 +164,18 @@ class Engine:
                                     self.pipeline.speculation.acceptance)
         # seconds compiling (or loading from the engine's cache) its steps took at load: None when not compiled
         self.compile_seconds = self._compile_steps() if compiles else None
+
+    def _load_programs(self, programs: dict[str, Path]) -> dict[str, float]:
+        stepped = self.proposer.stepped_models()  # a draft model, or none
+        models = {"target": self.target} | ({"draft": stepped[0][0]} if stepped else {})
+        return {component: use_program(models[component], path) for component, path in programs.items()
+                if component in models}
+
+    @property
+    def step_programs(self) -> dict[str, str]:
+        """Each stepped model's step: "compiled" or "eager: <why>" (reports and logs say which ran)."""
+        return {**{component: "compiled" for component in self.program_load_seconds},
+                **{component: f"eager: {why}" for component, why in self.eager_steps.items()}}
 
     def _compile_steps(self) -> float:
         """Compile the target's and the proposer's step forwards and run each shape family once (compiled.py)."""

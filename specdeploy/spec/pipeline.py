@@ -36,6 +36,7 @@ Device = Literal["cpu", "cuda"]  # where the torch backend runs: the CPU, or an 
 # batch_invariant: each request's positions computed as a lone plain decode step would; batch_dependent: each step's
 # rows through the kernels together (ServingSpec.determinism)
 Determinism = Literal["batch_invariant", "batch_dependent"]
+StepsMode = Literal["measured", "compiled", "eager"]
 
 
 @dataclass(frozen=True)
@@ -558,6 +559,9 @@ class TorchSpec(Section):
     # decode and verify steps through torch.compile (models/compiled.py): compiled at build into the engine's cache,
     # loaded with the engine; CPU only
     compile: bool = False
+    # each stepped model's forward as an ahead-of-time compiled program (runtime/step_programs.py): measured (built
+    # and kept where faster than eager on this machine), compiled (kept whatever the timing), eager (none); CPU only
+    steps: StepsMode = "measured"
 
 
 @dataclass(frozen=True)
@@ -585,6 +589,11 @@ class BackendSpec(Section):
         if self.kind != "torch":
             raise PipelineError(f"--device is for the torch backend (this pipeline's backend.kind is {self.kind!r})")
         return dataclasses.replace(self, torch=dataclasses.replace(self.torch or TorchSpec(), device=device))
+
+    @property
+    def steps(self) -> StepsMode:
+        """What the build does about compiled step programs (backend.torch.steps)."""
+        return (self.torch or TorchSpec()).steps
 
     @property
     def compiles(self) -> bool:
@@ -636,6 +645,8 @@ class PipelineSpec(Section):
             raise Problem("backend.torch.compile", f"compiled steps run chains of drafts; a token tree's masked "
                                                    f"verify runs eagerly (leave compile off for method "
                                                    f"{self.speculation.method})")
+        if self.backend.steps == "compiled":
+            self.check_compiled_steps()
         if self.backend.kind == "trtllm":
             self.check_trtllm()
         if self.speculation.uses_features and self.speculation.eagle.max_nodes > limit:
@@ -649,6 +660,19 @@ class PipelineSpec(Section):
         if self.speculation.uses_heads and nodes > limit:
             # a tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens
             raise Problem("speculation.medusa.choices", f"{nodes} nodes are above limits.max_draft_tokens ({limit})")
+
+    def check_compiled_steps(self) -> None:
+        """backend.torch.steps: compiled asks for what `measured` leaves eager, quietly, where a program cannot run."""
+        key = "backend.torch.steps"
+        if self.backend.compiles:
+            raise Problem(key, "compiled step programs and backend.torch.compile are two ways to compile the same "
+                               "steps: choose one")
+        if self.serving.determinism == "batch_invariant":
+            raise Problem(key, "a step program attends to every row at once, and serving.determinism "
+                               "batch_invariant row by row (set batch_dependent, or steps: eager)")
+        if self.backend.device != "cpu":
+            raise Problem(key, f"step programs are built and measured for the CPU only, and the engine runs on "
+                               f"{self.backend.device} (use steps: measured or eager)")
 
     def check_trtllm(self) -> None:
         """The combinations TensorRT-LLM cannot serve (facts in docs/tensorrt-llm.md). The checks that need the

@@ -72,6 +72,7 @@ class EngineParts:
     target: LlamaModel
     cache: KVCache
     device: str
+    unpacked: frozenset[str] = frozenset()  # components whose weights stay unpacked (a compiled step reads them)
 
 
 class Proposer:

@@ -1,0 +1,224 @@
+"""An engine's compiled step programs (models/step_program.py): built and measured by `specdeploy build`, chosen and
+loaded by the Engine.
+
+`backend.torch.steps` says what the build does for each model an engine steps (the target, and a draft model):
+- measured (the default): compile the model's step program, time a decode step and a verify with it and eagerly, and
+  keep the program only where it is faster, as the gamma cap is measured;
+- compiled: compile and keep it; eager: compile nothing.
+The build writes `steps/<component>.pt2` and `steps/build.json` (what was compiled, its seconds, the timings and
+the verdicts, the torch version and the CPU). A load uses a kept program when the torch and the CPU it runs on are
+the build's, and otherwise runs eagerly and says why (Engine.step_programs); the engine directory is only read.
+
+Each component is compiled and timed in a fresh process (`python -m specdeploy.runtime.step_programs DIR NAME`):
+export needs a model with its weights unpacked, and the timings should not share a process with a compiler's
+threads and caches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+from specdeploy.errors import BuildError
+from specdeploy.models.llama import LlamaModel
+from specdeploy.models.registry import load_component
+from specdeploy.models.step_program import export_step_program, load_step_program, run_compiled
+from specdeploy.spec.engine_paths import engine_pipeline
+from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.speculative.eagle import EAGLE_DIR
+from specdeploy.speculative.eagle_head import Eagle3Head
+
+STEPS_DIR = "steps"  # under the engine directory
+RECORD = "build.json"  # in STEPS_DIR, written last
+KEEP_BELOW = 0.97  # measured: a program is kept when it takes less than this fraction of the eager time
+CONTEXT = 128  # cached tokens the timings step over
+VERIFY_WIDTH = 6  # the verify the timings add to a decode step (gamma 5)
+TIMED_STEPS = 15
+
+
+STEPS_VARIABLE = "SPECDEPLOY_STEPS"  # overrides backend.torch.steps at build (eager: a quick build, as the tests do)
+
+
+def steps_mode(pipeline: PipelineSpec) -> str:
+    """backend.torch.steps, or what $SPECDEPLOY_STEPS says instead."""
+    mode = os.environ.get(STEPS_VARIABLE) or pipeline.backend.steps
+    if mode not in ("measured", "compiled", "eager"):
+        raise BuildError(f"${STEPS_VARIABLE} is {mode!r}: allowed values are measured, compiled and eager")
+    return mode
+
+
+def stepped_components(pipeline: PipelineSpec) -> list[str]:
+    """The engine's models a step runs a forward of: the target, and a draft model."""
+    return ["target", *(["draft"] if pipeline.speculation.uses_draft_model else [])]
+
+
+def not_built_reason(pipeline: PipelineSpec) -> str | None:
+    """Why this pipeline's engine has no step programs at all, None when the build makes them."""
+    if pipeline.backend.kind != "torch":
+        return "backend.kind is not torch"
+    if steps_mode(pipeline) == "eager":
+        return f"backend.torch.steps (or ${STEPS_VARIABLE}): eager"
+    if pipeline.backend.compiles:
+        return "backend.torch.compile runs torch.compile instead"
+    if pipeline.serving.determinism == "batch_invariant":
+        return "serving.determinism batch_invariant attends row by row, which a program does not"
+    if torch.device(pipeline.backend.device).type != "cpu":
+        return "programs are measured on the CPU only"
+    return None
+
+
+def machine() -> str:
+    """The CPU a program was compiled for (its kernels use that CPU's vector instructions)."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").exists() \
+        else platform.processor()
+    return f"{platform.machine()} {model} {torch.backends.cpu.get_cpu_capability()}"
+
+
+def read_record(directory: Path) -> dict | None:
+    path = Path(directory) / STEPS_DIR / RECORD
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def is_built(directory: Path) -> bool:
+    """Whether a build made (or decided against) this engine's programs: its record is written last."""
+    return read_record(directory) is not None
+
+
+def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = False) -> dict:
+    """Compile, time and keep or drop each stepped model's program; returns the record written."""
+    steps = Path(directory) / STEPS_DIR
+    (steps / RECORD).unlink(missing_ok=True)
+    steps.mkdir(exist_ok=True)
+    mode = steps_mode(pipeline)
+    record = {"torch": torch.__version__, "machine": machine(), "steps": mode, "components": {}}
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:  # inductor compiles the program's C++ with it
+        if mode == "compiled":
+            raise BuildError(f"backend.torch.steps: compiled needs a C++ compiler ({compiler}, or $CXX) to compile "
+                             f"step programs, and this machine has none: install g++, or use steps: measured")
+        record["skipped"] = f"no C++ compiler ({compiler}) to compile step programs"
+        (steps / RECORD).write_text(json.dumps(record, indent=2))
+        if not quiet:
+            print(f"[{pipeline.name}] steps run eagerly: {record['skipped']}")
+        return record
+    columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
+    with Progress(*columns, disable=quiet) as progress:
+        for component in stepped_components(pipeline):
+            task = progress.add_task(f"[{pipeline.name}] compiling the {component}'s step program (AOTInductor)",
+                                     total=None)
+            done = subprocess.run([sys.executable, "-m", "specdeploy.runtime.step_programs", str(directory),
+                                   component], capture_output=True, text=True)
+            if done.returncode != 0:
+                message = f"{directory}: compiling the {component}'s step program failed:\n{done.stderr[-3000:]}"
+                if mode == "compiled":
+                    raise BuildError(message)
+                # measured: the engine runs that model eagerly, and says so (usable_programs)
+                record["components"][component] = {"kept": False, "error": done.stderr.strip()[-500:]}
+                progress.update(task, completed=1, total=1, description=f"[{pipeline.name}] {component}: "
+                                                                        f"compiling failed, eager")
+                continue
+            entry = json.loads(done.stdout.splitlines()[-1])
+            entry["kept"] = mode == "compiled" or entry["ratio"] < KEEP_BELOW
+            if not entry["kept"]:
+                (steps / f"{component}.pt2").unlink()
+            record["components"][component] = entry
+            progress.update(task, completed=1, total=1, description=f"[{pipeline.name}] {component}: " + verdict(entry))
+    (steps / RECORD).write_text(json.dumps(record, indent=2))
+    return record
+
+
+def verdict(entry: dict) -> str:
+    """One line on a component's program: compiled in how long, its step against eager, kept or not."""
+    kept = "kept" if entry["kept"] else "not kept (eager is as fast)"
+    return (f"program compiled in {entry['compile_seconds']:.0f} s; decode + verify {entry['compiled_ms']:.1f} ms "
+            f"against {entry['eager_ms']:.1f} ms eager ({entry['ratio']:.2f}×): {kept}")
+
+
+def usable_programs(pipeline: PipelineSpec, directory: Path) -> tuple[dict[str, Path], dict[str, str]]:
+    """(component → program to load, component → why it runs eagerly) for the engine at `directory`."""
+    components = stepped_components(pipeline)
+    reason = not_built_reason(pipeline)
+    record = read_record(directory) if reason is None else None
+    if reason is None and record is None:
+        reason = "the build compiled no step programs (rebuild with specdeploy build --force)"
+    elif record is not None and record["torch"] != torch.__version__:
+        reason = f"compiled for torch {record['torch']}, this is {torch.__version__} (rebuild the engine)"
+    elif record is not None and record["machine"] != machine():
+        reason = f"compiled on another CPU ({record['machine']}; rebuild the engine here)"
+    elif record is not None and "skipped" in record:
+        reason = record["skipped"]
+    if reason is not None:
+        return {}, {component: reason for component in components}
+    programs, eager = {}, {}
+    for component in components:
+        entry = record["components"].get(component)
+        if entry is None:
+            eager[component] = "the build compiled no program for it"
+        elif "error" in entry:
+            eager[component] = f"compiling its program failed at build: {entry['error'].splitlines()[-1]}"
+        elif not entry["kept"]:
+            eager[component] = f"measured at build: {entry['compiled_ms']:.1f} ms compiled, {entry['eager_ms']:.1f} " \
+                               f"ms eager"
+        else:
+            programs[component] = Path(directory) / STEPS_DIR / f"{component}.pt2"
+    return programs, eager
+
+
+def use_program(model: LlamaModel, path: Path) -> float:
+    """Run `model`'s forwards through the program at `path`; returns the seconds loading it took."""
+    started = time.perf_counter()
+    run_compiled(model, load_step_program(model, path))
+    return time.perf_counter() - started
+
+
+def time_step(model: LlamaModel, rows: int = 1) -> float:
+    """Median milliseconds of a decode step plus a verify of VERIFY_WIDTH tokens after CONTEXT cached ones."""
+    cache = model.new_cache(rows, CONTEXT + VERIFY_WIDTH + 2)
+    generator = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    with torch.inference_mode():
+        model(torch.randint(0, vocab, (rows, CONTEXT), generator=generator), torch.arange(CONTEXT)[None]
+              .expand(rows, -1), cache)
+        times = []
+        for _ in range(3 + TIMED_STEPS):
+            started = time.perf_counter()
+            for width in (1, VERIFY_WIDTH):
+                cache.lengths = [CONTEXT] * rows
+                positions = (CONTEXT + torch.arange(width))[None].expand(rows, -1)
+                model.logits(model(torch.randint(0, vocab, (rows, width), generator=generator), positions, cache))
+            times.append(time.perf_counter() - started)
+    return statistics.median(times[3:]) * 1000
+
+
+def main(directory: str, component: str) -> None:
+    """Compile `component`'s program into directory/steps/ and time it against the eager model (prepacked, as an
+    engine without a program loads it); prints the figures as JSON."""
+    folder = Path(directory) / component
+    model = load_component(folder, "cpu", prepack=False)
+    pipeline = engine_pipeline(Path(directory))
+    if component == "target" and pipeline.speculation.uses_features:  # the program returns EAGLE-3's features too
+        model.feature_layers = Eagle3Head.load(Path(directory) / EAGLE_DIR, model.config.num_layers) \
+            .config.feature_layers
+    path = Path(directory) / STEPS_DIR / f"{component}.pt2"
+    compile_seconds = export_step_program(model, path, max_rows=pipeline.limits.max_batch_size)
+    load_seconds = use_program(model, path)
+    compiled = time_step(model)
+    eager = time_step(load_component(folder, "cpu"))
+    print(json.dumps({"compile_seconds": round(compile_seconds, 1), "load_seconds": round(load_seconds, 2),
+                      "package_bytes": path.stat().st_size, "compiled_ms": round(compiled, 2),
+                      "eager_ms": round(eager, 2), "ratio": round(compiled / eager, 3)}))
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

@@ -1,0 +1,90 @@
+"""Compiled step programs in an engine (runtime/step_programs.py, issue 46): the build compiles, times and keeps a
+program per stepped model; the engine loads it (reading its own weights, no compiler) and its fp32 greedy text,
+plain and speculative, is the eager engine's; where a program cannot run the engine says why and runs eagerly."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from helpers.pipelines import tiny_pipeline
+from helpers.prompts import PROMPTS
+
+from specdeploy.errors import BuildError
+from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.step_programs import STEPS_DIR, STEPS_VARIABLE
+from specdeploy.spec.pipeline import PipelineError, load_pipeline
+from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.workflows import build_torch_engine
+
+
+def build(tmp_path, name, checkpoints, steps, method="draft_target", **extra):
+    path = tiny_pipeline(tmp_path, name, checkpoints["target"], method=method, max_batch_size=2,
+                         backend={"kind": "torch", "torch": {"steps": steps}}, **extra)
+    return build_torch_engine(load_pipeline(path), tmp_path / "engines", quiet=True).directory
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_checkpoints, tmp_path_factory):
+    """{steps mode: engine dir} for a tiny fp32 draft-target pipeline (an int4 draft derived from the target)."""
+    root = tmp_path_factory.mktemp("step-programs")
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delenv(STEPS_VARIABLE)
+        return {steps: build(root, f"tiny-{steps}", tiny_checkpoints, steps) for steps in ("compiled", "eager")}
+
+
+def test_the_build_records_each_programs_timing_and_keeps_it(engines):
+    record = json.loads((engines["compiled"] / STEPS_DIR / "build.json").read_text())
+    assert set(record["components"]) == {"target", "draft"}
+    for entry in record["components"].values():
+        assert entry["kept"] and entry["compile_seconds"] > 0 and entry["compiled_ms"] > 0 and entry["eager_ms"] > 0
+    assert (engines["compiled"] / STEPS_DIR / "target.pt2").is_file()
+    assert not (engines["eager"] / STEPS_DIR).exists()
+
+
+def test_compiled_greedy_text_is_the_eager_engines_plain_and_speculative(engines, monkeypatch):
+    monkeypatch.delenv(STEPS_VARIABLE)
+    compiled, eager = Engine(engines["compiled"], batch_size=2), Engine(engines["eager"], batch_size=2)
+    assert compiled.step_programs == {"target": "compiled", "draft": "compiled"}
+    assert eager.step_programs["target"].startswith("eager: backend.torch.steps")
+    for prompt in PROMPTS[:2]:
+        for gamma in (0, 3):
+            expected = eager.generate(prompt, SamplingParams(), 24, num_draft_tokens=gamma).run()
+            assert compiled.generate(prompt, SamplingParams(), 24, num_draft_tokens=gamma).run() == expected
+    for method in ("ngram", "none"):  # the same programs under another method: no draft model then
+        ours = Engine(engines["compiled"], method=method)
+        assert ours.step_programs == {"target": "compiled"}
+        assert ours.generate(PROMPTS[0], SamplingParams(), 16, num_draft_tokens=3).run() == \
+            Engine(engines["eager"], method=method).generate(PROMPTS[0], SamplingParams(), 16,
+                                                              num_draft_tokens=3).run()
+
+
+def test_an_engine_runs_eagerly_and_says_why_where_its_programs_cannot_run(engines, monkeypatch):
+    monkeypatch.delenv(STEPS_VARIABLE)
+    record_path = engines["compiled"] / STEPS_DIR / "build.json"
+    record = json.loads(record_path.read_text())
+    try:
+        record_path.write_text(json.dumps({**record, "torch": "0.0"}))
+        assert Engine(engines["compiled"]).step_programs["target"] == \
+            f"eager: compiled for torch 0.0, this is {__import__('torch').__version__} (rebuild the engine)"
+    finally:
+        record_path.write_text(json.dumps(record))
+    monkeypatch.setenv(STEPS_VARIABLE, "eager")
+    assert Engine(engines["compiled"]).step_programs["target"].startswith("eager: backend.torch.steps")
+
+
+def test_steps_compiled_is_refused_where_a_program_cannot_run(tiny_checkpoints, tmp_path, monkeypatch):
+    with pytest.raises(PipelineError, match="backend.torch.steps"):
+        load_pipeline(tiny_pipeline(tmp_path, "both", tiny_checkpoints["target"],
+                                    backend={"kind": "torch", "torch": {"steps": "compiled", "compile": True}}))
+    with pytest.raises(PipelineError, match="batch_invariant"):
+        load_pipeline(tiny_pipeline(tmp_path, "rows", tiny_checkpoints["target"],
+                                    backend={"kind": "torch", "torch": {"steps": "compiled"}},
+                                    serving={"determinism": "batch_invariant"}))
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.delenv(STEPS_VARIABLE)
+    with pytest.raises(BuildError, match="needs a C.. compiler"):
+        build(tmp_path, "no-cxx", tiny_checkpoints, "compiled", method="ngram")
+    measured = build(tmp_path, "no-cxx-measured", tiny_checkpoints, "measured", method="ngram")
+    assert Engine(measured).step_programs == {"target": "eager: no C++ compiler (no-such-compiler) to compile step "
+                                                        "programs"}
