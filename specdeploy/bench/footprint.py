@@ -52,13 +52,15 @@ def measure_footprint(engine: Engine, prompt_ids: list[int], max_tokens: int) ->
 
     from specdeploy.bench.peers import target_gguf
     from specdeploy.models.compiled import CACHE_DIR, RECORD
+    from specdeploy.runtime.step_programs import programs_compile_seconds
 
     engine_dir, threads, ids = engine.dir, torch.get_num_threads(), json.dumps(prompt_ids)
     ours = run_fresh("engine", str(engine_dir), ids, str(max_tokens), str(threads))
     footprint = Footprint(
         engine_bytes=directory_bytes(engine_dir),
         build_seconds=recorded_seconds(engine_dir / MANIFEST_FILE, "build_seconds"),
-        compile_seconds=recorded_seconds(engine_dir / CACHE_DIR / RECORD, "compile_seconds"),
+        compile_seconds=recorded_seconds(engine_dir / CACHE_DIR / RECORD, "compile_seconds")
+        or programs_compile_seconds(engine_dir),
         gamma_cap_seconds=recorded_seconds(engine_dir / MEASURED_POLICY_FILE, "seconds"), **ours)
     gguf, why = target_gguf(engine)
     if gguf is None:

@@ -82,6 +82,8 @@ def print_report(report: BenchReport, console: Console | None = None) -> None:
     table.add_column("value", justify="right")
     for name, value in figure_rows(report):
         table.add_row(name, value)
+    for component, how in setup.steps.items():  # compiled step programs, or why a model ran eagerly
+        table.add_row(f"{component} steps", how)
     if report.phase_seconds:
         table.add_row("time spent (s)", phases_text(report.phase_seconds))
     machine = setup.machine

@@ -53,6 +53,7 @@ class Setup:
     prompts: int
     threads: int
     machine: Machine
+    steps: dict[str, str] = field(default_factory=dict)  # stepped model → "compiled" or "eager: <why>"
 
 
 @dataclass
@@ -200,7 +201,7 @@ class Footprint:
     first_request_seconds: float  # its first request, whole
     peak_rss_bytes: int  # that process's peak resident memory, after the request
     build_seconds: float | None = None  # the build manifest's (None: an engine built before builds recorded it)
-    compile_seconds: float | None = None  # backend.torch.compile: compiling the steps after the build
+    compile_seconds: float | None = None  # compiling the steps after the build (torch.compile, or step programs)
     gamma_cap_seconds: float | None = None  # serving.policy.gamma_cap: measured, measured after the build
     llama_cpp_peak_rss_bytes: int | None = None  # llama.cpp's fresh process on the same GGUF and request
     llama_cpp_skipped: str | None = None  # why llama.cpp's was not measured
@@ -282,6 +283,8 @@ class BenchReport:
             data["eagle"] = without_none(asdict(self.eagle))
         data.update(asdict(self.setup))
         data["machine"] = without_none(data["machine"])
+        if not data["steps"]:  # a report from before step programs has none
+            del data["steps"]
         if self.gamma_sweep:
             data["gamma_sweep"] = {str(gamma): value for gamma, value in self.gamma_sweep.items()}
         if self.peers is not None:

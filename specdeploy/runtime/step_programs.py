@@ -90,9 +90,12 @@ def read_record(directory: Path) -> dict | None:
     return json.loads(path.read_text()) if path.is_file() else None
 
 
-def is_built(directory: Path) -> bool:
-    """Whether a build made (or decided against) this engine's programs: its record is written last."""
-    return read_record(directory) is not None
+def programs_compile_seconds(directory: Path) -> float | None:
+    """Seconds the build spent compiling and timing the engine's step programs, None when it compiled none."""
+    record = read_record(directory) or {}
+    entries = record.get("components", {}).values()
+    seconds = [entry["compile_seconds"] for entry in entries if "compile_seconds" in entry]
+    return sum(seconds) if seconds else None
 
 
 def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = False) -> dict:
