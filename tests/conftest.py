@@ -4,6 +4,7 @@ embedded SmolLM2 engine (fp32) built once per session. The helpers they and the 
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # Builds compile no step programs (AOTInductor, a minute or two per real model: runtime/step_programs.py) unless a
 # test asks: tests/runtime/test_step_programs.py builds and serves them, with greedy text equal to eager's.
 os.environ.setdefault("SPECDEPLOY_STEPS", "eager")
+# and keep the programs they compile in a store of their own (runtime/program_store.py), not the user's
+os.environ.setdefault("SPECDEPLOY_PROGRAMS", tempfile.mkdtemp(prefix="specdeploy-test-programs-"))
 pytest.register_assert_rewrite("helpers")  # the helpers' asserts explain their failures as the tests' own do
 
 from helpers.pipelines import tiny_pipeline, write_pipeline  # noqa: E402

@@ -48,16 +48,21 @@ def append(journal: Path, entry: dict) -> None:
 
 def record(journal: Path, pipeline: Path, job_uid: str, step: str, command: list[str]) -> int:
     entry = {"pipeline": pipeline_digest(pipeline), "job": job_uid, "step": step}
-    append(journal, {**entry, "event": "start"})
-    child = subprocess.Popen(command)
+    child: subprocess.Popen | None = None
     stopped = []
 
     def stop(signum, _frame) -> None:
         stopped.append(signum)
-        child.send_signal(signum)
+        if child is not None:
+            child.send_signal(signum)
 
+    # before the journal says the step started: a signal from then on is the step's, recorded as an interruption
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    append(journal, {**entry, "event": "start"})
+    child = subprocess.Popen(command)
+    if stopped:  # arrived while the child was starting
+        child.send_signal(stopped[0])
     status = child.wait()
     if status != 0:
         status = exit_status(status)

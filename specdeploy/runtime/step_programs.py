@@ -33,6 +33,7 @@ from specdeploy.errors import BuildError
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.registry import load_component
 from specdeploy.models.step_program import export_step_program, load_step_program, run_compiled
+from specdeploy.runtime import program_store
 from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.speculative.eagle import EAGLE_DIR
@@ -105,16 +106,6 @@ def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = F
     steps.mkdir(exist_ok=True)
     mode = steps_mode(pipeline)
     record = {"torch": torch.__version__, "machine": machine(), "steps": mode, "components": {}}
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:  # inductor compiles the program's C++ with it
-        if mode == "compiled":
-            raise BuildError(f"backend.torch.steps: compiled needs a C++ compiler ({compiler}, or $CXX) to compile "
-                             f"step programs, and this machine has none: install g++, or use steps: measured")
-        record["skipped"] = f"no C++ compiler ({compiler}) to compile step programs"
-        (steps / RECORD).write_text(json.dumps(record, indent=2))
-        if not quiet:
-            print(f"[{pipeline.name}] steps run eagerly: {record['skipped']}")
-        return record
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet) as progress:
         for component in stepped_components(pipeline):
@@ -132,6 +123,15 @@ def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = F
                                                                         f"compiling failed, eager")
                 continue
             entry = json.loads(done.stdout.splitlines()[-1])
+            if "skipped" in entry:  # no compiler, and the store had no program for it
+                if mode == "compiled":
+                    raise BuildError(f"backend.torch.steps: compiled: the {component}'s {entry['skipped']}: install "
+                                     f"g++, or use steps: measured")
+                entry["kept"] = False
+                record["components"][component] = entry
+                progress.update(task, completed=1, total=1, description=f"[{pipeline.name}] {component}: eager, "
+                                                                        f"{entry['skipped']}")
+                continue
             entry["kept"] = mode == "compiled" or entry["ratio"] < KEEP_BELOW
             if not entry["kept"]:
                 (steps / f"{component}.pt2").unlink()
@@ -142,9 +142,11 @@ def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = F
 
 
 def verdict(entry: dict) -> str:
-    """One line on a component's program: compiled in how long, its step against eager, kept or not."""
+    """One line on a component's program: compiled in how long (or taken from the store), its step against eager,
+    kept or not."""
     kept = "kept" if entry["kept"] else "not kept (eager is as fast)"
-    return (f"program compiled in {entry['compile_seconds']:.0f} s; decode + verify {entry['compiled_ms']:.1f} ms "
+    made = "program from the store" if entry["from_store"] else f"program compiled in {entry['compile_seconds']:.0f} s"
+    return (f"{made}; decode + verify {entry['compiled_ms']:.1f} ms "
             f"against {entry['eager_ms']:.1f} ms eager ({entry['ratio']:.2f}×): {kept}")
 
 
@@ -159,8 +161,6 @@ def usable_programs(pipeline: PipelineSpec, directory: Path) -> tuple[dict[str, 
         reason = f"compiled for torch {record['torch']}, this is {torch.__version__} (rebuild the engine)"
     elif record is not None and record["machine"] != machine():
         reason = f"compiled on another CPU ({record['machine']}; rebuild the engine here)"
-    elif record is not None and "skipped" in record:
-        reason = record["skipped"]
     if reason is not None:
         return {}, {component: reason for component in components}
     programs, eager = {}, {}
@@ -168,6 +168,8 @@ def usable_programs(pipeline: PipelineSpec, directory: Path) -> tuple[dict[str, 
         entry = record["components"].get(component)
         if entry is None:
             eager[component] = "the build compiled no program for it"
+        elif "skipped" in entry:
+            eager[component] = entry["skipped"]
         elif "error" in entry:
             eager[component] = f"compiling its program failed at build: {entry['error'].splitlines()[-1]}"
         elif not entry["kept"]:
@@ -205,8 +207,9 @@ def time_step(model: LlamaModel, rows: int = 1) -> float:
 
 
 def main(directory: str, component: str) -> None:
-    """Compile `component`'s program into directory/steps/ and time it against the eager model (prepacked, as an
-    engine without a program loads it); prints the figures as JSON."""
+    """Take `component`'s program from the store, or compile it (and add it to the store), into directory/steps/,
+    and time it against the eager model (prepacked, as an engine without a program loads it); prints the figures
+    as JSON, or {"skipped": why} when there is neither a stored program nor a compiler."""
     folder = Path(directory) / component
     model = load_component(folder, "cpu", prepack=False)
     pipeline = engine_pipeline(Path(directory))
@@ -214,13 +217,23 @@ def main(directory: str, component: str) -> None:
         model.feature_layers = Eagle3Head.load(Path(directory) / EAGLE_DIR, model.config.num_layers) \
             .config.feature_layers
     path = Path(directory) / STEPS_DIR / f"{component}.pt2"
-    compile_seconds = export_step_program(model, path, max_rows=pipeline.limits.max_batch_size)
+    key = program_store.program_key(model, pipeline.limits.max_batch_size, machine())
+    compile_seconds, from_store = 0.0, program_store.fetch(key, path)
+    if not from_store:
+        compiler = os.environ.get("CXX", "g++")
+        if shutil.which(compiler) is None:  # inductor compiles the program's C++ with it
+            print(json.dumps({"skipped": f"no C++ compiler ({compiler}) to compile step programs, and no stored "
+                                         f"program for this model"}))
+            return
+        compile_seconds = export_step_program(model, path, max_rows=pipeline.limits.max_batch_size)
+        program_store.keep(key, path)
     load_seconds = use_program(model, path)
     compiled = time_step(model)
     eager = time_step(load_component(folder, "cpu"))
-    print(json.dumps({"compile_seconds": round(compile_seconds, 1), "load_seconds": round(load_seconds, 2),
-                      "package_bytes": path.stat().st_size, "compiled_ms": round(compiled, 2),
-                      "eager_ms": round(eager, 2), "ratio": round(compiled / eager, 3)}))
+    print(json.dumps({"compile_seconds": round(compile_seconds, 1), "from_store": from_store,
+                      "load_seconds": round(load_seconds, 2), "package_bytes": path.stat().st_size,
+                      "compiled_ms": round(compiled, 2), "eager_ms": round(eager, 2),
+                      "ratio": round(compiled / eager, 3)}))
 
 
 if __name__ == "__main__":

@@ -252,6 +252,10 @@ def test_the_images_own_command_serves_bare_and_read_only(image, tmp_path):
             run.serves()
             assert manifest.is_file(), sorted(str(p.relative_to(data)) for p in data.rglob("*"))[:20]
             assert built is None or manifest.stat().st_mtime_ns == built, "the second run built the engine again"
+            # the image holds no compiler: its build took the step programs compiled into the image, and ran them
+            programs = json.loads((manifest.parent / "steps" / "build.json").read_text())["components"]
+            assert set(programs) == {"target", "draft"}, programs
+            assert all(entry["from_store"] and entry["compiled_ms"] > 0 for entry in programs.values()), programs
             built = manifest.stat().st_mtime_ns
         finally:
             run.remove()

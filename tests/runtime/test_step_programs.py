@@ -12,6 +12,7 @@ from helpers.prompts import PROMPTS
 
 from specdeploy.errors import BuildError
 from specdeploy.runtime.engine import Engine
+from specdeploy.runtime.program_store import STORE_VARIABLE
 from specdeploy.runtime.step_programs import STEPS_DIR, STEPS_VARIABLE
 from specdeploy.spec.pipeline import PipelineError, load_pipeline
 from specdeploy.spec.sampling_params import SamplingParams
@@ -37,7 +38,8 @@ def test_the_build_records_each_programs_timing_and_keeps_it(engines):
     record = json.loads((engines["compiled"] / STEPS_DIR / "build.json").read_text())
     assert set(record["components"]) == {"target", "draft"}
     for entry in record["components"].values():
-        assert entry["kept"] and entry["compile_seconds"] > 0 and entry["compiled_ms"] > 0 and entry["eager_ms"] > 0
+        assert entry["kept"] and entry["compiled_ms"] > 0 and entry["eager_ms"] > 0
+        assert entry["compile_seconds"] > 0 and not entry["from_store"]
     assert (engines["compiled"] / STEPS_DIR / "target.pt2").is_file()
     assert not (engines["eager"] / STEPS_DIR).exists()
 
@@ -82,9 +84,25 @@ def test_steps_compiled_is_refused_where_a_program_cannot_run(tiny_checkpoints, 
                                     backend={"kind": "torch", "torch": {"steps": "compiled"}},
                                     serving={"determinism": "batch_invariant"}))
     monkeypatch.setenv("CXX", "no-such-compiler")
+    monkeypatch.setenv(STORE_VARIABLE, str(tmp_path / "empty-store"))
     monkeypatch.delenv(STEPS_VARIABLE)
-    with pytest.raises(BuildError, match="needs a C.. compiler"):
+    with pytest.raises(BuildError, match="no C.. compiler .no-such-compiler."):
         build(tmp_path, "no-cxx", tiny_checkpoints, "compiled", method="ngram")
     measured = build(tmp_path, "no-cxx-measured", tiny_checkpoints, "measured", method="ngram")
     assert Engine(measured).step_programs == {"target": "eager: no C++ compiler (no-such-compiler) to compile step "
-                                                        "programs"}
+                                                        "programs, and no stored program for this model"}
+
+
+def test_a_build_without_a_compiler_takes_the_stored_program_of_the_same_model(engines, tiny_checkpoints, tmp_path,
+                                                                               monkeypatch):
+    """What the CPU image does: its programs were compiled when it was built, and it holds no compiler. Another
+    pipeline of the same models (here n-gram on the same target, the same rows) finds them in the store."""
+    monkeypatch.delenv(STEPS_VARIABLE)
+    monkeypatch.setenv("CXX", "no-such-compiler")
+    directory = build(tmp_path, "from-store", tiny_checkpoints, "compiled", method="ngram")
+    entry = json.loads((directory / STEPS_DIR / "build.json").read_text())["components"]["target"]
+    assert entry["from_store"] and entry["compile_seconds"] == 0 and entry["kept"]
+    ours = Engine(directory)
+    assert ours.step_programs == {"target": "compiled"}
+    assert ours.generate(PROMPTS[1], SamplingParams(), 16, num_draft_tokens=3).run() == \
+        Engine(engines["eager"], method="ngram").generate(PROMPTS[1], SamplingParams(), 16, num_draft_tokens=3).run()

@@ -1,0 +1,71 @@
+"""Compiled step programs kept across engines: a program depends on a model's shapes, not on its weights' values
+(it reads them from the model: models/step_program.py), so one compiled for SmolLM2 in int4 serves every engine
+of that model in that form on this torch and CPU. A build looks here before compiling and adds what it compiles,
+so a rebuild, a second pipeline of the same model, or an image whose programs were compiled when it was built
+(build/Dockerfile.cpu: the image holds no compiler) loads a program instead of compiling one.
+
+The store is the folder `$SPECDEPLOY_PROGRAMS` (default `~/.cache/specdeploy/programs`), one `<key>.pt2` per
+program; the key hashes everything the compiled code depends on: the model's config, every tensor's name, shape
+and dtype (its quantized form), the features it returns, the most rows it takes, the torch version, the CPU, and
+the source of the model code that is traced.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+import specdeploy.models
+from specdeploy.models.llama import LlamaModel
+
+STORE_VARIABLE = "SPECDEPLOY_PROGRAMS"
+
+
+def store_dir() -> Path:
+    return Path(os.environ.get(STORE_VARIABLE) or Path.home() / ".cache" / "specdeploy" / "programs")
+
+
+def traced_code_digest() -> str:
+    """The source of the model code a program traces (everything under specdeploy/models)."""
+    digest = hashlib.sha256()
+    for path in sorted(Path(specdeploy.models.__file__).parent.glob("*.py")):
+        digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()
+
+
+def program_key(model: LlamaModel, max_rows: int, machine: str) -> str:
+    layout = [(name, list(tensor.shape), str(tensor.dtype))
+              for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
+    described = {"class": type(model).__name__, "config": dataclasses.asdict(model.config), "layout": layout,
+                 "features": list(model.feature_layers), "max_rows": max_rows, "torch": torch.__version__,
+                 "machine": machine, "code": traced_code_digest()}
+    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
+
+
+def fetch(key: str, destination: Path) -> bool:
+    """Copy the stored program `key` to `destination`; False when the store has none."""
+    stored = store_dir() / f"{key}.pt2"
+    if not stored.is_file():
+        return False
+    shutil.copyfile(stored, destination)
+    return True
+
+
+def keep(key: str, program: Path) -> bool:
+    """Add a compiled program to the store; False where the store cannot be written (a read-only image folder),
+    which only means the next build compiles it again."""
+    folder = store_dir()
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        partial = folder / f".{key}.{os.getpid()}.partial"
+        shutil.copyfile(program, partial)
+        partial.replace(folder / f"{key}.pt2")  # whole or absent, for a build running beside this one
+    except OSError:
+        return False
+    return True
