@@ -9,9 +9,10 @@ The build writes `steps/<component>.pt2` and `steps/build.json` (what was compil
 the verdicts, the torch version and the CPU). A load uses a kept program when the torch and the CPU it runs on are
 the build's, and otherwise runs eagerly and says why (Engine.step_programs); the engine directory is only read.
 
-Each component is compiled and timed in a fresh process (`python -m specdeploy.runtime.step_programs DIR NAME`):
-export needs a model with its weights unpacked, and the timings should not share a process with a compiler's
-threads and caches.
+Each component is compiled, then timed, in fresh processes (`python -m specdeploy.runtime.step_programs DIR NAME
+compile|time`): export needs a model with its weights unpacked, and the timings should not share a process with a
+compiler's threads and caches. The compiles run side by side (a draft-target build's two take about as long as
+one), the timings one at a time.
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def programs_compile_seconds(directory: Path) -> float | None:
 
 
 def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = False) -> dict:
-    """Compile, time and keep or drop each stepped model's program; returns the record written."""
+    """Compile, time and keep or drop each stepped model's program; returns the record written. The programs
+    compile side by side (each compiler is mostly one thread) and are then timed one after another, alone."""
     steps = Path(directory) / STEPS_DIR
     (steps / RECORD).unlink(missing_ok=True)
     steps.mkdir(exist_ok=True)
@@ -108,37 +110,64 @@ def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = F
     record = {"torch": torch.__version__, "machine": machine(), "steps": mode, "components": {}}
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet) as progress:
-        for component in stepped_components(pipeline):
-            task = progress.add_task(f"[{pipeline.name}] compiling the {component}'s step program (AOTInductor)",
-                                     total=None)
-            done = subprocess.run([sys.executable, "-m", "specdeploy.runtime.step_programs", str(directory),
-                                   component], capture_output=True, text=True)
-            if done.returncode != 0:
-                message = f"{directory}: compiling the {component}'s step program failed:\n{done.stderr[-3000:]}"
-                if mode == "compiled":
-                    raise BuildError(message)
-                # measured: the engine runs that model eagerly, and says so (usable_programs)
-                record["components"][component] = {"kept": False, "error": done.stderr.strip()[-500:]}
-                progress.update(task, completed=1, total=1, description=f"[{pipeline.name}] {component}: "
-                                                                        f"compiling failed, eager")
-                continue
-            entry = json.loads(done.stdout.splitlines()[-1])
-            if "skipped" in entry:  # no compiler, and the store had no program for it
-                if mode == "compiled":
-                    raise BuildError(f"backend.torch.steps: compiled: the {component}'s {entry['skipped']}: install "
-                                     f"g++, or use steps: measured")
-                entry["kept"] = False
-                record["components"][component] = entry
-                progress.update(task, completed=1, total=1, description=f"[{pipeline.name}] {component}: eager, "
-                                                                        f"{entry['skipped']}")
-                continue
-            entry["kept"] = mode == "compiled" or entry["ratio"] < KEEP_BELOW
-            if not entry["kept"]:
-                (steps / f"{component}.pt2").unlink()
-            record["components"][component] = entry
-            progress.update(task, completed=1, total=1, description=f"[{pipeline.name}] {component}: " + verdict(entry))
+        tasks = {component: progress.add_task(f"[{pipeline.name}] compiling the {component}'s step program "
+                                              f"(AOTInductor)", total=None)
+                 for component in stepped_components(pipeline)}
+        compiling = {component: run_phase(directory, component, "compile") for component in tasks}
+        try:
+            measure_programs(pipeline, directory, compiling, record, progress, tasks)
+        finally:  # a failure in compiled mode leaves no compiler running
+            for process in compiling.values():
+                process.kill()
+                process.wait()
     (steps / RECORD).write_text(json.dumps(record, indent=2))
     return record
+
+
+def measure_programs(pipeline: PipelineSpec, directory: Path, compiling: dict[str, subprocess.Popen], record: dict,
+                     progress: Progress, tasks: dict) -> None:
+    """Collect every compile, then time what compiled (alone: no compiler beside it), and record the verdicts."""
+    steps, mode = Path(directory) / STEPS_DIR, record["steps"]
+    compiled = {component: finished_phase(process, directory, component, "compiling", mode)
+                for component, process in compiling.items()}
+    for component, entry in compiled.items():
+        if "error" not in entry and "skipped" not in entry:
+            progress.update(tasks[component], description=f"[{pipeline.name}] timing the {component}'s step "
+                                                          f"program against eager")
+            entry |= finished_phase(run_phase(directory, component, "time"), directory, component, "timing", mode)
+        record["components"][component] = entry
+        if "error" in entry or "skipped" in entry:
+            entry["kept"] = False
+            (steps / f"{component}.pt2").unlink(missing_ok=True)
+            why = "eager, " + entry["skipped"] if "skipped" in entry else "compiling or timing failed, eager"
+            progress.update(tasks[component], completed=1, total=1, description=f"[{pipeline.name}] {component}: {why}")
+            continue
+        entry["kept"] = mode == "compiled" or entry["ratio"] < KEEP_BELOW
+        if not entry["kept"]:
+            (steps / f"{component}.pt2").unlink()
+        progress.update(tasks[component], completed=1, total=1,
+                        description=f"[{pipeline.name}] {component}: " + verdict(entry))
+
+
+def run_phase(directory: Path, component: str, phase: str) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "specdeploy.runtime.step_programs", str(directory), component,
+                             phase], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finished_phase(process: subprocess.Popen, directory: Path, component: str, doing: str, mode: str) -> dict:
+    """The JSON a phase printed; a failure is an error in compiled mode, and recorded (the model runs eagerly,
+    usable_programs says why) in measured mode, as is a compile skipped for want of a compiler."""
+    stdout, stderr = process.communicate()
+    if process.returncode != 0:
+        message = f"{directory}: {doing} the {component}'s step program failed:\n{stderr[-3000:]}"
+        if mode == "compiled":
+            raise BuildError(message)
+        return {"error": stderr.strip()[-500:]}
+    entry = json.loads(stdout.splitlines()[-1])
+    if "skipped" in entry and mode == "compiled":
+        raise BuildError(f"backend.torch.steps: compiled: the {component}'s {entry['skipped']}: install g++, or use "
+                         f"steps: measured")
+    return entry
 
 
 def verdict(entry: dict) -> str:
@@ -206,10 +235,11 @@ def time_step(model: LlamaModel, rows: int = 1) -> float:
     return statistics.median(times[3:]) * 1000
 
 
-def main(directory: str, component: str) -> None:
-    """Take `component`'s program from the store, or compile it (and add it to the store), into directory/steps/,
-    and time it against the eager model (prepacked, as an engine without a program loads it); prints the figures
-    as JSON, or {"skipped": why} when there is neither a stored program nor a compiler."""
+def main(directory: str, component: str, phase: str) -> None:
+    """One phase of `component`'s program in directory/steps/, printing its figures as JSON.
+    compile: take the program from the store, or compile it (and add it to the store); {"skipped": why} when there is
+    neither a stored program nor a compiler.
+    time: load it and time it against the eager model (prepacked, as an engine without a program loads it)."""
     folder = Path(directory) / component
     model = load_component(folder, "cpu", prepack=False)
     pipeline = engine_pipeline(Path(directory))
@@ -217,21 +247,23 @@ def main(directory: str, component: str) -> None:
         model.feature_layers = Eagle3Head.load(Path(directory) / EAGLE_DIR, model.config.num_layers) \
             .config.feature_layers
     path = Path(directory) / STEPS_DIR / f"{component}.pt2"
-    key = program_store.program_key(model, pipeline.limits.max_batch_size, machine())
-    compile_seconds, from_store = 0.0, program_store.fetch(key, path)
-    if not from_store:
-        compiler = os.environ.get("CXX", "g++")
-        if shutil.which(compiler) is None:  # inductor compiles the program's C++ with it
-            print(json.dumps({"skipped": f"no C++ compiler ({compiler}) to compile step programs, and no stored "
-                                         f"program for this model"}))
-            return
-        compile_seconds = export_step_program(model, path, max_rows=pipeline.limits.max_batch_size)
-        program_store.keep(key, path)
+    if phase == "compile":
+        key = program_store.program_key(model, pipeline.limits.max_batch_size, machine())
+        compile_seconds, from_store = 0.0, program_store.fetch(key, path)
+        if not from_store:
+            compiler = os.environ.get("CXX", "g++")
+            if shutil.which(compiler) is None:  # inductor compiles the program's C++ with it
+                print(json.dumps({"skipped": f"no C++ compiler ({compiler}) to compile step programs, and no "
+                                             f"stored program for this model"}))
+                return
+            compile_seconds = export_step_program(model, path, max_rows=pipeline.limits.max_batch_size)
+            program_store.keep(key, path)
+        print(json.dumps({"compile_seconds": round(compile_seconds, 1), "from_store": from_store}))
+        return
     load_seconds = use_program(model, path)
     compiled = time_step(model)
     eager = time_step(load_component(folder, "cpu"))
-    print(json.dumps({"compile_seconds": round(compile_seconds, 1), "from_store": from_store,
-                      "load_seconds": round(load_seconds, 2), "package_bytes": path.stat().st_size,
+    print(json.dumps({"load_seconds": round(load_seconds, 2), "package_bytes": path.stat().st_size,
                       "compiled_ms": round(compiled, 2), "eager_ms": round(eager, 2),
                       "ratio": round(compiled / eager, 3)}))
 
