@@ -51,9 +51,17 @@ class ExportedStep(nn.Module):
         return (hidden, self.model.features) if self.model.feature_layers else (hidden,)
 
 
-def export_step_program(model: LlamaModel, path: Path, max_rows: int) -> float:
-    """Export and compile `model`'s step into the package `path` for batches of up to max_rows; returns the seconds
-    it took. The model must be built with prepack=False (oneDNN's prepacked linear does not export)."""
+# How a program's matmuls are compiled: torch's own kernels (inductor's default), or inductor's C++ GEMM templates
+# chosen by timing them at compile (max_autotune), which for an int4 layer is a weight-only micro-kernel that
+# unpacks each block of weights once for all rows (AVX-512 or AMX). Which is faster depends on the CPU (measured:
+# docs/benchmarks.md, "Compiled step programs"), so a build may compile both and time them.
+VARIANTS = {"aten": {}, "gemm_template": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}}
+
+
+def export_step_program(model: LlamaModel, path: Path, max_rows: int, variant: str = "aten") -> float:
+    """Export and compile `model`'s step into the package `path` for batches of up to max_rows, its matmuls as
+    `variant` says (VARIANTS); returns the seconds it took. The model must be built with prepack=False (oneDNN's
+    prepacked linear does not export)."""
     started = time.perf_counter()
     device = model.embed.device
     cache = model.new_cache(EXAMPLE_ROWS, EXAMPLE_SLOTS)
@@ -73,7 +81,8 @@ def export_step_program(model: LlamaModel, path: Path, max_rows: int) -> float:
                                         list(cache.values)),  # slots: a tensor of its own, or export aliases them
                                        dynamic_shapes=shapes)
     # the wrapper only calls kernels, so optimising its (large, every layer unrolled) C++ buys nothing at run time
-    options = {"aot_inductor.package_constants_in_so": False, "aot_inductor.compile_wrapper_opt_level": "O0"}
+    options = {"aot_inductor.package_constants_in_so": False, "aot_inductor.compile_wrapper_opt_level": "O0",
+               **VARIANTS[variant]}
     torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=options)
     return time.perf_counter() - started
 

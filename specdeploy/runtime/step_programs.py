@@ -9,10 +9,13 @@ The build writes `steps/<component>.pt2` and `steps/build.json` (what was compil
 the verdicts, the torch version and the CPU). A load uses a kept program when the torch and the CPU it runs on are
 the build's, and otherwise runs eagerly and says why (Engine.step_programs); the engine directory is only read.
 
-Each component is compiled, then timed, in fresh processes (`python -m specdeploy.runtime.step_programs DIR NAME
-compile|time`): export needs a model with its weights unpacked, and the timings should not share a process with a
-compiler's threads and caches. The compiles run side by side (a draft-target build's two take about as long as
-one), the timings one at a time.
+A model with int4 layers gets two programs, its matmuls compiled two ways (step_program.VARIANTS: torch's int4
+kernel, or inductor's weight-only GEMM template), and keeps the faster: which one wins depends on the CPU.
+
+Each program is compiled, and then each component's programs timed, in fresh processes (`python -m
+specdeploy.runtime.step_programs DIR NAME compile VARIANT | time VARIANT...`): export needs a model with its weights
+unpacked, and the timings should not share a process with a compiler's threads and caches. The compiles run side by
+side (a draft-target build's three take about as long as two one after another), the timings one at a time.
 """
 
 from __future__ import annotations
@@ -29,11 +32,12 @@ from pathlib import Path
 
 import torch
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+from safetensors import safe_open
 
 from specdeploy.errors import BuildError
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.registry import load_component
-from specdeploy.models.step_program import export_step_program, load_step_program, run_compiled
+from specdeploy.models.step_program import VARIANTS, export_step_program, load_step_program, run_compiled
 from specdeploy.runtime import program_store
 from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.pipeline import PipelineSpec
@@ -113,7 +117,8 @@ def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = F
         tasks = {component: progress.add_task(f"[{pipeline.name}] compiling the {component}'s step program "
                                               f"(AOTInductor)", total=None)
                  for component in stepped_components(pipeline)}
-        compiling = {component: run_phase(directory, component, "compile") for component in tasks}
+        compiling = {(component, variant): run_phase(directory, component, "compile", variant)
+                     for component in tasks for variant in program_variants(Path(directory) / component)}
         try:
             measure_programs(pipeline, directory, compiling, record, progress, tasks)
         finally:  # a failure in compiled mode leaves no compiler running
@@ -124,34 +129,65 @@ def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = F
     return record
 
 
-def measure_programs(pipeline: PipelineSpec, directory: Path, compiling: dict[str, subprocess.Popen], record: dict,
-                     progress: Progress, tasks: dict) -> None:
-    """Collect every compile, then time what compiled (alone: no compiler beside it), and record the verdicts."""
+def program_variants(folder: Path) -> list[str]:
+    """The variants (step_program.VARIANTS) a build compiles and times for the model in `folder`: inductor's C++
+    GEMM templates only where a model has int4 layers, whose weight-only template is what can beat torch's int4
+    kernel; a dense model's matmuls are oneDNN's either way."""
+    with safe_open(str(folder / "model.safetensors"), framework="pt") as weights:
+        int4 = any(name.endswith(".codes") for name in weights.keys())
+    return [name for name in VARIANTS if int4 or name == "aten"]
+
+
+def measure_programs(pipeline: PipelineSpec, directory: Path, compiling: dict[tuple[str, str], subprocess.Popen],
+                     record: dict, progress: Progress, tasks: dict) -> None:
+    """Collect every compile, then time each component's compiled variants (alone: no compiler beside them), keep
+    the fastest where it beats eager, and record the verdicts."""
     steps, mode = Path(directory) / STEPS_DIR, record["steps"]
-    compiled = {component: finished_phase(process, directory, component, "compiling", mode)
-                for component, process in compiling.items()}
-    for component, entry in compiled.items():
-        if "error" not in entry and "skipped" not in entry:
+    compiled = {key: finished_phase(process, directory, key[0], "compiling", mode) for key, process in
+                compiling.items()}
+    for component in tasks:
+        variants = {variant: entry for (name, variant), entry in compiled.items() if name == component}
+        entry = next((entry for entry in variants.values() if "error" in entry or "skipped" in entry), None)
+        if entry is None:
             progress.update(tasks[component], description=f"[{pipeline.name}] timing the {component}'s step "
-                                                          f"program against eager")
-            entry |= finished_phase(run_phase(directory, component, "time"), directory, component, "timing", mode)
+                                                          f"programs against eager")
+            timed = finished_phase(run_phase(directory, component, "time", *variants), directory, component,
+                                   "timing", mode)
+            entry = timed if "error" in timed else chosen(variants, timed)
         record["components"][component] = entry
         if "error" in entry or "skipped" in entry:
             entry["kept"] = False
-            (steps / f"{component}.pt2").unlink(missing_ok=True)
             why = "eager, " + entry["skipped"] if "skipped" in entry else "compiling or timing failed, eager"
             progress.update(tasks[component], completed=1, total=1, description=f"[{pipeline.name}] {component}: {why}")
-            continue
-        entry["kept"] = mode == "compiled" or entry["ratio"] < KEEP_BELOW
-        if not entry["kept"]:
-            (steps / f"{component}.pt2").unlink()
-        progress.update(tasks[component], completed=1, total=1,
-                        description=f"[{pipeline.name}] {component}: " + verdict(entry))
+        else:
+            entry["kept"] = mode == "compiled" or entry["ratio"] < KEEP_BELOW
+            if entry["kept"]:
+                program_path(directory, component, entry["variant"]).replace(steps / f"{component}.pt2")
+            progress.update(tasks[component], completed=1, total=1,
+                            description=f"[{pipeline.name}] {component}: " + verdict(entry))
+        for variant in variants:
+            program_path(directory, component, variant).unlink(missing_ok=True)
 
 
-def run_phase(directory: Path, component: str, phase: str) -> subprocess.Popen:
+def chosen(compiles: dict[str, dict], timed: dict) -> dict:
+    """A component's record entry: the fastest variant's figures, and every variant's compile and timing."""
+    variants = {variant: compiles[variant] | timed["variants"][variant] for variant in compiles}
+    fastest = min(variants, key=lambda variant: variants[variant]["compiled_ms"])
+    best = variants[fastest]
+    return {"variant": fastest, "compile_seconds": round(sum(v["compile_seconds"] for v in variants.values()), 1),
+            "from_store": all(v["from_store"] for v in variants.values()), "load_seconds": best["load_seconds"],
+            "package_bytes": best["package_bytes"], "compiled_ms": best["compiled_ms"], "eager_ms": timed["eager_ms"],
+            "ratio": round(best["compiled_ms"] / timed["eager_ms"], 3), "variants": variants}
+
+
+def program_path(directory: Path, component: str, variant: str) -> Path:
+    """Where a variant's program is compiled to; the kept one becomes steps/<component>.pt2."""
+    return Path(directory) / STEPS_DIR / f"{component}.{variant}.pt2"
+
+
+def run_phase(directory: Path, component: str, phase: str, *variants: str) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-m", "specdeploy.runtime.step_programs", str(directory), component,
-                             phase], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                             phase, *variants], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def finished_phase(process: subprocess.Popen, directory: Path, component: str, doing: str, mode: str) -> dict:
@@ -174,8 +210,9 @@ def verdict(entry: dict) -> str:
     """One line on a component's program: compiled in how long (or taken from the store), its step against eager,
     kept or not."""
     kept = "kept" if entry["kept"] else "not kept (eager is as fast)"
-    made = "program from the store" if entry["from_store"] else f"program compiled in {entry['compile_seconds']:.0f} s"
-    return (f"{made}; decode + verify {entry['compiled_ms']:.1f} ms "
+    made = "programs from the store" if entry["from_store"] else \
+        f"programs compiled in {entry['compile_seconds']:.0f} s"
+    return (f"{made}; {entry['variant']} fastest, decode + verify {entry['compiled_ms']:.1f} ms "
             f"against {entry['eager_ms']:.1f} ms eager ({entry['ratio']:.2f}×): {kept}")
 
 
@@ -235,20 +272,26 @@ def time_step(model: LlamaModel, rows: int = 1) -> float:
     return statistics.median(times[3:]) * 1000
 
 
-def main(directory: str, component: str, phase: str) -> None:
-    """One phase of `component`'s program in directory/steps/, printing its figures as JSON.
-    compile: take the program from the store, or compile it (and add it to the store); {"skipped": why} when there is
-    neither a stored program nor a compiler.
-    time: load it and time it against the eager model (prepacked, as an engine without a program loads it)."""
+def main(directory: str, component: str, phase: str, *variants: str) -> None:
+    """One phase of `component`'s programs in directory/steps/, printing its figures as JSON.
+    compile VARIANT: take the variant's program from the store, or compile it (and add it to the store);
+    {"skipped": why} when there is neither a stored program nor a compiler.
+    time VARIANT...: load each variant's program and time it, and the eager model (prepacked, as an engine without a
+    program loads it)."""
     folder = Path(directory) / component
-    model = load_component(folder, "cpu", prepack=False)
     pipeline = engine_pipeline(Path(directory))
-    if component == "target" and pipeline.speculation.uses_features:  # the program returns EAGLE-3's features too
-        model.feature_layers = Eagle3Head.load(Path(directory) / EAGLE_DIR, model.config.num_layers) \
-            .config.feature_layers
-    path = Path(directory) / STEPS_DIR / f"{component}.pt2"
+
+    def unpacked_model() -> LlamaModel:
+        model = load_component(folder, "cpu", prepack=False)
+        if component == "target" and pipeline.speculation.uses_features:  # the program returns EAGLE-3's features
+            model.feature_layers = Eagle3Head.load(Path(directory) / EAGLE_DIR, model.config.num_layers) \
+                .config.feature_layers
+        return model
+
     if phase == "compile":
-        key = program_store.program_key(model, pipeline.limits.max_batch_size, machine())
+        (variant,) = variants
+        model, path = unpacked_model(), program_path(Path(directory), component, variant)
+        key = program_store.program_key(model, pipeline.limits.max_batch_size, f"{machine()} {variant}")
         compile_seconds, from_store = 0.0, program_store.fetch(key, path)
         if not from_store:
             compiler = os.environ.get("CXX", "g++")
@@ -256,16 +299,18 @@ def main(directory: str, component: str, phase: str) -> None:
                 print(json.dumps({"skipped": f"no C++ compiler ({compiler}) to compile step programs, and no "
                                              f"stored program for this model"}))
                 return
-            compile_seconds = export_step_program(model, path, max_rows=pipeline.limits.max_batch_size)
+            compile_seconds = export_step_program(model, path, pipeline.limits.max_batch_size, variant)
             program_store.keep(key, path)
         print(json.dumps({"compile_seconds": round(compile_seconds, 1), "from_store": from_store}))
         return
-    load_seconds = use_program(model, path)
-    compiled = time_step(model)
-    eager = time_step(load_component(folder, "cpu"))
-    print(json.dumps({"load_seconds": round(load_seconds, 2), "package_bytes": path.stat().st_size,
-                      "compiled_ms": round(compiled, 2), "eager_ms": round(eager, 2),
-                      "ratio": round(compiled / eager, 3)}))
+    timed = {}
+    for variant in variants:
+        model, path = unpacked_model(), program_path(Path(directory), component, variant)
+        load_seconds = use_program(model, path)
+        timed[variant] = {"load_seconds": round(load_seconds, 2), "package_bytes": path.stat().st_size,
+                          "compiled_ms": round(time_step(model), 2)}
+        del model
+    print(json.dumps({"variants": timed, "eager_ms": round(time_step(load_component(folder, "cpu")), 2)}))
 
 
 if __name__ == "__main__":

@@ -40,6 +40,13 @@ def test_the_build_records_each_programs_timing_and_keeps_it(engines):
     for entry in record["components"].values():
         assert entry["kept"] and entry["compiled_ms"] > 0 and entry["eager_ms"] > 0
         assert entry["compile_seconds"] > 0 and not entry["from_store"]
+        # the fastest variant is kept, and the others are not left beside it
+        assert entry["compiled_ms"] == min(variant["compiled_ms"] for variant in entry["variants"].values())
+        assert entry["variants"][entry["variant"]]["compiled_ms"] == entry["compiled_ms"]
+    # the int4 draft's matmuls compiled both ways (torch's int4 kernel, inductor's template), the dense target's once
+    assert set(record["components"]["draft"]["variants"]) == {"aten", "gemm_template"}
+    assert set(record["components"]["target"]["variants"]) == {"aten"}
+    assert sorted(path.name for path in (engines["compiled"] / STEPS_DIR).glob("*.pt2")) == ["draft.pt2", "target.pt2"]
     assert (engines["compiled"] / STEPS_DIR / "target.pt2").is_file()
     assert not (engines["eager"] / STEPS_DIR).exists()
 
