@@ -75,22 +75,24 @@ def run_concurrent_streams(server, engine, count: int, bursts: bool = True) -> N
     labels = {"model": "speculative", "method": engine.method}
     for name, key in (("specdeploy_drafted_tokens_total", "total_draft_tokens"),
                       ("specdeploy_accepted_tokens_total", "total_accepted_draft_tokens")):
-        deadline = time.monotonic() + 10
         seen = sum(stats[key] for _, stats in results.values())
-        while total(scrape(server.metrics_url), name, **labels) - total(before, name, **labels) != seen:
-            assert time.monotonic() < deadline, name
-            time.sleep(0.2)
-
-    def finished(after: dict) -> float:
-        return sum(total(after, "specdeploy_requests_total", outcome=outcome)
-                   - total(before, "specdeploy_requests_total", outcome=outcome) for outcome in ("length", "stop"))
-
-    # a request is counted after its final response is sent, so the last client can see its text first
-    deadline = time.monotonic() + 10
-    while finished(after := scrape(server.metrics_url)) != count:
-        assert time.monotonic() < deadline, f"{finished(after)} of {count} requests counted as finished"
-        time.sleep(0.2)
+        settled_metrics(server, lambda metrics, name=name: total(metrics, name, **labels)
+                        - total(before, name, **labels), seen, name)
+    after = settled_metrics(server, lambda metrics: sum(
+        total(metrics, "specdeploy_requests_total", outcome=outcome)
+        - total(before, "specdeploy_requests_total", outcome=outcome) for outcome in ("length", "stop")), count,
+        "requests counted as finished")
     check_latency_histograms(before, after, labels, [stats for _, stats in results.values()], bursts)
+
+
+def settled_metrics(server, moved, expected: float, what: str, seconds: float = 10) -> dict:
+    """The server's metrics once `moved(metrics)` equals `expected`: a request's counters move just after its final
+    response is sent, so a client can see its last token before they do."""
+    deadline = time.monotonic() + seconds
+    while (got := moved(metrics := scrape(server.metrics_url))) != expected:
+        assert time.monotonic() < deadline, f"{what}: {got}, expected {expected}"
+        time.sleep(0.2)
+    return metrics
 
 
 def check_latency_histograms(before: dict, after: dict, labels: dict, statistics: list[dict], bursts: bool) -> None:
