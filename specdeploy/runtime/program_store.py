@@ -6,8 +6,8 @@ so a rebuild, a second pipeline of the same model, or an image whose programs we
 
 The store is the folder `$SPECDEPLOY_PROGRAMS` (default `~/.cache/specdeploy/programs`), one `<key>.pt2` per
 program; the key hashes everything the compiled code depends on: the model's config, every tensor's name, shape
-and dtype (its quantized form), the features it returns, the most rows it takes, the torch version, the CPU, and
-the source of the model code that is traced.
+and dtype (its quantized form), the features it returns, the most rows it takes, the torch version, the CPU, how its
+matmuls are compiled (the variant), and the source of the model code that is traced.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def traced_code_digest() -> str:
     return digest.hexdigest()
 
 
-def program_key(model: LlamaModel, max_rows: int, machine: str) -> str:
+def program_key(model: LlamaModel, max_rows: int, machine: str, variant: str) -> str:
+    """The store's name for `model`'s program compiled as `variant` (step_program.VARIANTS) on `machine`."""
     layout = [(name, list(tensor.shape), str(tensor.dtype))
               for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
     described = {"class": type(model).__name__, "config": dataclasses.asdict(model.config), "layout": layout,
                  "features": list(model.feature_layers), "max_rows": max_rows, "torch": torch.__version__,
-                 "machine": machine, "code": traced_code_digest()}
+                 "machine": machine, "variant": variant, "code": traced_code_digest()}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 
 

@@ -291,7 +291,7 @@ def main(directory: str, component: str, phase: str, *variants: str) -> None:
     if phase == "compile":
         (variant,) = variants
         model, path = unpacked_model(), program_path(Path(directory), component, variant)
-        key = program_store.program_key(model, pipeline.limits.max_batch_size, f"{machine()} {variant}")
+        key = program_store.program_key(model, pipeline.limits.max_batch_size, machine(), variant)
         compile_seconds, from_store = 0.0, program_store.fetch(key, path)
         if not from_store:
             compiler = os.environ.get("CXX", "g++")
