@@ -21,7 +21,9 @@ CPU int4 matmul stores each layer's group size as a 0-dimensional int64 tensor w
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -52,10 +54,40 @@ class ExportedStep(nn.Module):
 
 
 # How a program's matmuls are compiled: torch's own kernels (inductor's default), or inductor's C++ GEMM templates
-# chosen by timing them at compile (max_autotune), which for an int4 layer is a weight-only micro-kernel that
-# unpacks each block of weights once for all rows (AVX-512 or AMX). Which is faster depends on the CPU (measured:
-# docs/benchmarks.md, "Compiled step programs"), so a build may compile both and time them.
-VARIANTS = {"aten": {}, "gemm_template": {"max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}}
+# (max_autotune), which for an int4 layer is a weight-only micro-kernel that unpacks each block of weights once for
+# a block of rows (AVX-512 or AMX). Which is faster depends on the CPU (measured: docs/benchmarks.md, "Compiled step
+# programs"), so a build may compile both and time them. The template variant leaves ATen out of its choices: with
+# it, autotune (timing each matmul at the example's 4 rows) picked torch's kernel for half the layers, whose block
+# of 4 rows then made every verify of 5 to 8 tokens unpack those weights twice.
+VARIANTS = {"aten": {}, "gemm_template": {"max_autotune": True, "max_autotune_gemm_backends": "CPP"}}
+
+# Rows the int4 template's micro-kernel takes per unpack of a block of weights. Inductor registers blocks of 4 rows
+# (CppMicroGemmWoQInt4Avx512 in torch/_inductor/codegen/cpp_micro_gemm.py, torch 2.13), so a verify of 6 tokens
+# unpacked each weight twice. The kernel is a C++ template over the rows and instantiates every smaller block too,
+# so a block of 8 serves a verify of up to 8 tokens with one unpack and leaves a decode step as it was (measured:
+# docs/benchmarks.md, "Compiled step programs").
+INT4_BLOCK_ROWS = 8
+
+
+@contextmanager
+def int4_block_rows(rows: int):
+    """Inductor's int4 micro-kernel registered with blocks of `rows` rows while the block is active (a compile);
+    unchanged where this torch registers it elsewhere (another version), which then compiles its own blocks."""
+    import torch._inductor.lowering  # noqa: F401  (inductor's modules import each other; this one loads them in order)
+    from torch._inductor.codegen import cpp_micro_gemm
+
+    kernel = getattr(cpp_micro_gemm, "CppMicroGemmWoQInt4Avx512", None)
+    configs = cpp_micro_gemm.micro_gemm_configs.get(kernel)
+    if not configs:
+        yield
+        return
+    cpp_micro_gemm.micro_gemm_configs[kernel] = [
+        dataclasses.replace(config, register_blocking=config.register_blocking._replace(block_m=rows))
+        for config in configs]
+    try:
+        yield
+    finally:
+        cpp_micro_gemm.micro_gemm_configs[kernel] = configs
 
 
 def export_step_program(model: LlamaModel, path: Path, max_rows: int, variant: str = "aten") -> float:
@@ -83,7 +115,8 @@ def export_step_program(model: LlamaModel, path: Path, max_rows: int, variant: s
     # the wrapper only calls kernels, so optimising its (large, every layer unrolled) C++ buys nothing at run time
     options = {"aot_inductor.package_constants_in_so": False, "aot_inductor.compile_wrapper_opt_level": "O0",
                **VARIANTS[variant]}
-    torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=options)
+    with int4_block_rows(INT4_BLOCK_ROWS) if variant == "gemm_template" else nullcontext():
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(path), inductor_configs=options)
     return time.perf_counter() - started
 
 

@@ -15,7 +15,8 @@ kernel, or inductor's weight-only GEMM template), and keeps the faster: which on
 Each program is compiled, and then each component's programs timed, in fresh processes (`python -m
 specdeploy.runtime.step_programs DIR NAME compile VARIANT | time VARIANT...`): export needs a model with its weights
 unpacked, and the timings should not share a process with a compiler's threads and caches. The compiles run side by
-side (a draft-target build's three take about as long as two one after another), the timings one at a time.
+side (a draft-target build's three take about as long as two one after another), the timings one component at a
+time, its variants and the eager model in alternating rounds. A variant that fails to compile is left out.
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ KEEP_BELOW = 0.97  # measured: a program is kept when it takes less than this fr
 CONTEXT = 128  # cached tokens the timings step over
 VERIFY_WIDTH = 6  # the verify the timings add to a decode step (gamma 5)
 TIMED_STEPS = 15
+EAGER = "eager"  # the eager model's name beside the variants' in a timing
 
 
 STEPS_VARIABLE = "SPECDEPLOY_STEPS"  # overrides backend.torch.steps at build (eager: a quick build, as the tests do)
@@ -97,11 +99,11 @@ def read_record(directory: Path) -> dict | None:
 
 
 def programs_compile_seconds(directory: Path) -> float | None:
-    """Seconds the build spent compiling and timing the engine's step programs, None when it compiled none."""
+    """Wall seconds the build spent compiling the engine's step programs (side by side, so less than the sum of
+    each program's compile seconds), None when it compiled none."""
     record = read_record(directory) or {}
-    entries = record.get("components", {}).values()
-    seconds = [entry["compile_seconds"] for entry in entries if "compile_seconds" in entry]
-    return sum(seconds) if seconds else None
+    compiles = [entry for entry in record.get("components", {}).values() if "compile_seconds" in entry]
+    return record.get("compile_wall_seconds") if compiles else None
 
 
 def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = False) -> dict:
@@ -117,14 +119,17 @@ def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = F
         tasks = {component: progress.add_task(f"[{pipeline.name}] compiling the {component}'s step program "
                                               f"(AOTInductor)", total=None)
                  for component in stepped_components(pipeline)}
+        started = time.perf_counter()
         compiling = {(component, variant): run_phase(directory, component, "compile", variant)
                      for component in tasks for variant in program_variants(Path(directory) / component)}
         try:
-            measure_programs(pipeline, directory, compiling, record, progress, tasks)
-        finally:  # a failure in compiled mode leaves no compiler running
+            compiled = {key: phase_result(process) for key, process in compiling.items()}
+        finally:  # an interrupted build leaves no compiler running
             for process in compiling.values():
                 process.kill()
                 process.wait()
+        record["compile_wall_seconds"] = round(time.perf_counter() - started, 1)
+        measure_programs(pipeline, directory, compiled, record, progress, tasks)
     (steps / RECORD).write_text(json.dumps(record, indent=2))
     return record
 
@@ -138,26 +143,31 @@ def program_variants(folder: Path) -> list[str]:
     return [name for name in VARIANTS if int4 or name == "aten"]
 
 
-def measure_programs(pipeline: PipelineSpec, directory: Path, compiling: dict[tuple[str, str], subprocess.Popen],
-                     record: dict, progress: Progress, tasks: dict) -> None:
-    """Collect every compile, then time each component's compiled variants (alone: no compiler beside them), keep
-    the fastest where it beats eager, and record the verdicts."""
+def measure_programs(pipeline: PipelineSpec, directory: Path, compiled: dict[tuple[str, str], dict], record: dict,
+                     progress: Progress, tasks: dict) -> None:
+    """Given every compile's result, time each component's compiled variants (alone: no compiler beside them), keep
+    the fastest where it beats eager, and record the verdicts. A variant that failed to compile is recorded and
+    left out; the component runs eagerly (or, in compiled mode, the build fails) only when none compiled."""
     steps, mode = Path(directory) / STEPS_DIR, record["steps"]
-    compiled = {key: finished_phase(process, directory, key[0], "compiling", mode) for key, process in
-                compiling.items()}
     for component in tasks:
         variants = {variant: entry for (name, variant), entry in compiled.items() if name == component}
-        entry = next((entry for entry in variants.values() if "error" in entry or "skipped" in entry), None)
-        if entry is None:
+        working = {variant: entry for variant, entry in variants.items() if not failed(entry)}
+        if working:
             progress.update(tasks[component], description=f"[{pipeline.name}] timing the {component}'s step "
                                                           f"programs against eager")
-            timed = finished_phase(run_phase(directory, component, "time", *variants), directory, component,
-                                   "timing", mode)
-            entry = timed if "error" in timed else chosen(variants, timed)
+            timed = phase_result(run_phase(directory, component, "time", *working))
+            entry = timed if failed(timed) else chosen(working, timed)
+            entry["variants"] = entry.get("variants", {}) | {name: variants[name] for name in variants
+                                                            if name not in working}
+            doing = "timing"
+        else:
+            entry, doing = next(iter(variants.values())), "compiling"
+        if failed(entry):
+            refuse_in_compiled_mode(entry, directory, component, doing, mode)
         record["components"][component] = entry
-        if "error" in entry or "skipped" in entry:
+        if failed(entry):
             entry["kept"] = False
-            why = "eager, " + entry["skipped"] if "skipped" in entry else "compiling or timing failed, eager"
+            why = "eager, " + entry["skipped"] if "skipped" in entry else f"{doing} failed, eager"
             progress.update(tasks[component], completed=1, total=1, description=f"[{pipeline.name}] {component}: {why}")
         else:
             entry["kept"] = mode == "compiled" or entry["ratio"] < KEEP_BELOW
@@ -167,6 +177,11 @@ def measure_programs(pipeline: PipelineSpec, directory: Path, compiling: dict[tu
                             description=f"[{pipeline.name}] {component}: " + verdict(entry))
         for variant in variants:
             program_path(directory, component, variant).unlink(missing_ok=True)
+
+
+def failed(entry: dict) -> bool:
+    """Whether a phase's result is a failure or a compile skipped for want of a compiler."""
+    return "error" in entry or "skipped" in entry
 
 
 def chosen(compiles: dict[str, dict], timed: dict) -> dict:
@@ -190,20 +205,23 @@ def run_phase(directory: Path, component: str, phase: str, *variants: str) -> su
                              phase, *variants], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
-def finished_phase(process: subprocess.Popen, directory: Path, component: str, doing: str, mode: str) -> dict:
-    """The JSON a phase printed; a failure is an error in compiled mode, and recorded (the model runs eagerly,
-    usable_programs says why) in measured mode, as is a compile skipped for want of a compiler."""
+def phase_result(process: subprocess.Popen) -> dict:
+    """The JSON a phase printed, or {"error": the end of what it wrote to stderr}."""
     stdout, stderr = process.communicate()
     if process.returncode != 0:
-        message = f"{directory}: {doing} the {component}'s step program failed:\n{stderr[-3000:]}"
-        if mode == "compiled":
-            raise BuildError(message)
-        return {"error": stderr.strip()[-500:]}
-    entry = json.loads(stdout.splitlines()[-1])
-    if "skipped" in entry and mode == "compiled":
+        return {"error": stderr.strip()[-1500:]}
+    return json.loads(stdout.splitlines()[-1])
+
+
+def refuse_in_compiled_mode(entry: dict, directory: Path, component: str, doing: str, mode: str) -> None:
+    """In compiled mode a component left without a program fails the build; in measured mode its failure or skip is
+    recorded (the model runs eagerly, usable_programs says why)."""
+    if mode != "compiled":
+        return
+    if "skipped" in entry:
         raise BuildError(f"backend.torch.steps: compiled: the {component}'s {entry['skipped']}: install g++, or use "
                          f"steps: measured")
-    return entry
+    raise BuildError(f"{directory}: {doing} the {component}'s step program failed:\n{entry['error']}")
 
 
 def verdict(entry: dict) -> str:
@@ -253,31 +271,36 @@ def use_program(model: LlamaModel, path: Path) -> float:
     return time.perf_counter() - started
 
 
-def time_step(model: LlamaModel, rows: int = 1) -> float:
-    """Median milliseconds of a decode step plus a verify of VERIFY_WIDTH tokens after CONTEXT cached ones."""
-    cache = model.new_cache(rows, CONTEXT + VERIFY_WIDTH + 2)
+def time_steps(models: dict[str, LlamaModel], rows: int = 1) -> dict[str, float]:
+    """Median milliseconds of a decode step plus a verify of VERIFY_WIDTH tokens after CONTEXT cached ones, for each
+    of `models`, timed in alternating rounds (one step of each in turn) so that a slow spell of a shared machine
+    falls on all of them alike."""
+    caches = {name: model.new_cache(rows, CONTEXT + VERIFY_WIDTH + 2) for name, model in models.items()}
     generator = torch.Generator().manual_seed(0)
-    vocab = model.config.vocab_size
+    vocab = next(iter(models.values())).config.vocab_size
+    prompt = torch.randint(0, vocab, (rows, CONTEXT), generator=generator)
+    times: dict[str, list[float]] = {name: [] for name in models}
     with torch.inference_mode():
-        model(torch.randint(0, vocab, (rows, CONTEXT), generator=generator), torch.arange(CONTEXT)[None]
-              .expand(rows, -1), cache)
-        times = []
+        for name, model in models.items():
+            model(prompt, torch.arange(CONTEXT)[None].expand(rows, -1), caches[name])
         for _ in range(3 + TIMED_STEPS):
-            started = time.perf_counter()
-            for width in (1, VERIFY_WIDTH):
-                cache.lengths = [CONTEXT] * rows
-                positions = (CONTEXT + torch.arange(width))[None].expand(rows, -1)
-                model.logits(model(torch.randint(0, vocab, (rows, width), generator=generator), positions, cache))
-            times.append(time.perf_counter() - started)
-    return statistics.median(times[3:]) * 1000
+            for name, model in models.items():
+                started = time.perf_counter()
+                for width in (1, VERIFY_WIDTH):
+                    caches[name].lengths = [CONTEXT] * rows
+                    positions = (CONTEXT + torch.arange(width))[None].expand(rows, -1)
+                    model.logits(model(torch.randint(0, vocab, (rows, width), generator=generator), positions,
+                                       caches[name]))
+                times[name].append(time.perf_counter() - started)
+    return {name: statistics.median(spans[3:]) * 1000 for name, spans in times.items()}
 
 
 def main(directory: str, component: str, phase: str, *variants: str) -> None:
     """One phase of `component`'s programs in directory/steps/, printing its figures as JSON.
     compile VARIANT: take the variant's program from the store, or compile it (and add it to the store);
     {"skipped": why} when there is neither a stored program nor a compiler.
-    time VARIANT...: load each variant's program and time it, and the eager model (prepacked, as an engine without a
-    program loads it)."""
+    time VARIANT...: load each variant's program, and the eager model (prepacked, as an engine without a program loads
+    it), and time them in alternating rounds (time_steps)."""
     folder = Path(directory) / component
     pipeline = engine_pipeline(Path(directory))
 
@@ -303,14 +326,15 @@ def main(directory: str, component: str, phase: str, *variants: str) -> None:
             program_store.keep(key, path)
         print(json.dumps({"compile_seconds": round(compile_seconds, 1), "from_store": from_store}))
         return
-    timed = {}
+    models, loaded = {}, {}
     for variant in variants:
-        model, path = unpacked_model(), program_path(Path(directory), component, variant)
-        load_seconds = use_program(model, path)
-        timed[variant] = {"load_seconds": round(load_seconds, 2), "package_bytes": path.stat().st_size,
-                          "compiled_ms": round(time_step(model), 2)}
-        del model
-    print(json.dumps({"variants": timed, "eager_ms": round(time_step(load_component(folder, "cpu")), 2)}))
+        models[variant], path = unpacked_model(), program_path(Path(directory), component, variant)
+        loaded[variant] = {"load_seconds": round(use_program(models[variant], path), 2),
+                           "package_bytes": path.stat().st_size}
+    models[EAGER] = load_component(folder, "cpu")
+    milliseconds = time_steps(models)
+    print(json.dumps({"variants": {variant: loaded[variant] | {"compiled_ms": round(milliseconds[variant], 2)}
+                                   for variant in variants}, "eager_ms": round(milliseconds[EAGER], 2)}))
 
 
 if __name__ == "__main__":

@@ -4,13 +4,15 @@ model's own weights (no copy) and an int4 model's group sizes (issue 46)."""
 
 from __future__ import annotations
 
+import zipfile
+
 import pytest
 import torch
 
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.llama import LlamaModel, tree_forward_all
 from specdeploy.models.quantize import quantize_int4
-from specdeploy.models.step_program import export_step_program, load_step_program, run_compiled
+from specdeploy.models.step_program import INT4_BLOCK_ROWS, export_step_program, load_step_program, run_compiled
 
 
 def tiny_model(int4: bool = False) -> LlamaModel:
@@ -28,12 +30,20 @@ def tiny_model(int4: bool = False) -> LlamaModel:
     return LlamaModel(ModelConfig.from_hf(hf_config), state, dtype, prepack=False).eval()
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["fp32", "int4"])
+PACKAGES = {}  # (int4, variant) → the compiled package
+
+
+@pytest.fixture(scope="module", params=[(False, "aten"), (True, "aten"), (True, "gemm_template")],
+                ids=["fp32", "int4", "int4-template"])
 def compiled_pair(request, tmp_path_factory):
-    """(eager model, model whose forwards run the compiled program), the same weights."""
-    eager, model = tiny_model(request.param), tiny_model(request.param)
+    """(eager model, model whose forwards run the compiled program), the same weights. The template variant's int4
+    micro-kernel takes INT4_BLOCK_ROWS rows a block (where this CPU has AVX-512): the verify of 6 tokens and the
+    prefill of 9 below run a partial block, a whole one and more than one."""
+    int4, variant = request.param
+    eager, model = tiny_model(int4), tiny_model(int4)
     path = tmp_path_factory.mktemp("programs") / "target.pt2"
-    assert export_step_program(model, path, max_rows=4) > 0
+    assert export_step_program(model, path, max_rows=4, variant=variant) > 0
+    PACKAGES[request.param] = path
     program = load_step_program(model, path)
     run_compiled(model, program)
     return eager, model
@@ -52,7 +62,7 @@ def test_prefill_decode_and_verify_equal_eager_with_the_same_cache_entries(compi
     tolerance = dict(rtol=2e-2, atol=2e-2) if model.dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.manual_seed(rows)
     caches = {"eager": eager.new_cache(rows, 40), "compiled": model.new_cache(rows, 40)}
-    steps = [torch.randint(0, 64, (rows, width)) for width in (9, 1, 4, 1)]  # prefill, decode, verify, decode
+    steps = [torch.randint(0, 64, (rows, width)) for width in (9, 1, 6, 1)]  # prefill, decode, verify, decode
     with torch.inference_mode():
         start = 0
         for tokens in steps:
@@ -92,3 +102,14 @@ def test_a_layer_range_falls_back_to_the_eager_forward(compiled_pair):
         ours = model(tokens, torch.arange(3)[None], model.new_cache(1, 8), layers=range(1))
         theirs = eager(tokens, torch.arange(3)[None], eager.new_cache(1, 8), layers=range(1))
     torch.testing.assert_close(ours, theirs)
+
+
+def test_the_int4_template_unpacks_each_block_of_weights_once_for_a_verify(compiled_pair):
+    """Inductor registers its int4 micro-kernel with blocks of 4 rows; the template variant's are INT4_BLOCK_ROWS,
+    so a verify of up to 8 tokens unpacks each weight once (the kernel is instantiated at the block's rows)."""
+    if (True, "gemm_template") not in PACKAGES or torch.backends.cpu.get_cpu_capability() != "AVX512":
+        pytest.skip("the template variant's int4 micro-kernel is inductor's AVX-512 one")
+    with zipfile.ZipFile(PACKAGES[True, "gemm_template"]) as package:
+        kernels = "".join(package.read(name).decode() for name in package.namelist() if name.endswith(".cpp"))
+    assert f"constexpr int64_t Mr = {INT4_BLOCK_ROWS};" in kernels
+    assert f"_kernel<{INT4_BLOCK_ROWS}, 64, accum>" in kernels

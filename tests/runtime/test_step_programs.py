@@ -5,15 +5,24 @@ plain and speculative, is the eager engine's; where a program cannot run the eng
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 from helpers.pipelines import tiny_pipeline
 from helpers.prompts import PROMPTS
+from rich.progress import Progress
 
 from specdeploy.errors import BuildError
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.program_store import STORE_VARIABLE
-from specdeploy.runtime.step_programs import STEPS_DIR, STEPS_VARIABLE
+from specdeploy.runtime.step_programs import (
+    STEPS_DIR,
+    STEPS_VARIABLE,
+    measure_programs,
+    program_path,
+    programs_compile_seconds,
+)
+from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.pipeline import PipelineError, load_pipeline
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.workflows import build_torch_engine
@@ -46,6 +55,8 @@ def test_the_build_records_each_programs_timing_and_keeps_it(engines):
     # the int4 draft's matmuls compiled both ways (torch's int4 kernel, inductor's template), the dense target's once
     assert set(record["components"]["draft"]["variants"]) == {"aten", "gemm_template"}
     assert set(record["components"]["target"]["variants"]) == {"aten"}
+    # the compiles ran side by side: the footprint reports their wall time
+    assert 0 < record["compile_wall_seconds"] == programs_compile_seconds(engines["compiled"])
     assert sorted(path.name for path in (engines["compiled"] / STEPS_DIR).glob("*.pt2")) == ["draft.pt2", "target.pt2"]
     assert (engines["compiled"] / STEPS_DIR / "target.pt2").is_file()
     assert not (engines["eager"] / STEPS_DIR).exists()
@@ -113,3 +124,32 @@ def test_a_build_without_a_compiler_takes_the_stored_program_of_the_same_model(e
     assert ours.step_programs == {"target": "compiled"}
     assert ours.generate(PROMPTS[1], SamplingParams(), 16, num_draft_tokens=3).run() == \
         Engine(engines["eager"], method="ngram").generate(PROMPTS[1], SamplingParams(), 16, num_draft_tokens=3).run()
+
+
+def test_a_variant_that_failed_to_compile_is_left_out_and_the_others_kept(engines, tmp_path):
+    """The template variant can fail where the one that uses torch's kernels compiles (inductor finds no template
+    for a shape or an instruction set): the component keeps its other program, and only when every variant failed
+    does it run eagerly (measured) or fail the build (compiled)."""
+    directory = tmp_path / "engine"
+    shutil.copytree(engines["compiled"], directory)
+    (directory / STEPS_DIR / "draft.pt2").rename(program_path(directory, "draft", "aten"))
+    failure = {"error": "torch._inductor.exc.NoValidChoicesError: No choices to select"}
+    compiles = {("draft", "aten"): {"compile_seconds": 1.0, "from_store": False},
+                ("draft", "gemm_template"): dict(failure)}
+
+    def measure(mode: str, compiled: dict) -> dict:
+        record = {"steps": mode, "components": {}}
+        with Progress(disable=True) as progress:
+            measure_programs(engine_pipeline(directory), directory, compiled, record, progress,
+                             {"draft": progress.add_task("draft")})
+        return record["components"]["draft"]
+
+    entry = measure("compiled", compiles)
+    assert entry["kept"] and entry["variant"] == "aten" and entry["compiled_ms"] > 0
+    assert entry["variants"]["gemm_template"] == failure
+    assert (directory / STEPS_DIR / "draft.pt2").is_file()
+    only_failures = {("draft", "aten"): dict(failure), ("draft", "gemm_template"): dict(failure)}
+    assert measure("measured", only_failures) == failure | {"kept": False}
+    with pytest.raises(BuildError, match="compiling the draft's step program failed"):
+        measure("compiled", only_failures)
+
