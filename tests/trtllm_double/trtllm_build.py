@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
 from specdeploy.build.trtllm.upstream import TRTLLM_BUILD_FLAGS
 
+GPU_SM_VARIABLE = "TRTLLM_DOUBLE_SM"  # the compute capability of the GPU the double builds on (90: an H100)
+WEIGHT_ONLY_ALGOS = {"W4A16", "W8A16", "W4A16_AWQ", "W4A16_GPTQ"}  # QuantMode's int4/int8 weight-only
 INTEGER_FLAGS = {"--max_batch_size", "--max_input_len", "--max_seq_len", "--max_num_tokens", "--max_beam_width",
                  "--workers", "--max_draft_len"}
 
@@ -60,6 +63,9 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"{checkpoint}: no TensorRT-LLM checkpoint (config.json and rank*.safetensors)")
     pretrained = json.loads((checkpoint / "config.json").read_text())
     config = build_config(argv, pretrained)
+    sm = int(os.environ.get(GPU_SM_VARIABLE, "90"))
+    if 100 <= sm < 120 and (pretrained.get("quantization") or {}).get("quant_algo") in WEIGHT_ONLY_ALGOS:
+        raise RuntimeError("INT8/INT4 quantization is not supported on SM>=100.")  # builder.py @ 008b2b8d, build()
     output = Path(args.output_dir)
     output.mkdir(parents=True)
     for rank in ranks:

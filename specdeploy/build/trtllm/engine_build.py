@@ -57,7 +57,33 @@ def missing_requirements(pipeline: PipelineSpec) -> list[str]:
 
     if not torch.cuda.is_available():
         missing.append("an NVIDIA GPU (torch sees no CUDA device)")
+    else:
+        missing += weight_only_refusals(pipeline, torch.cuda.get_device_capability(0), torch.cuda.get_device_name(0))
     return missing
+
+
+def weight_only_components(pipeline: PipelineSpec) -> dict[str, str]:
+    """{component: int4 | int8} for each engine TensorRT-LLM converts to weight-only (plan.weight_only_flags)."""
+    if pipeline.backend.settings.line != "engine":  # the llm_api line runs no trtllm-build
+        return {}
+    found = {"target": pipeline.target.weight_only}
+    if pipeline.speculation.uses_draft_model:
+        found["draft"] = pipeline.speculation.draft.weight_only
+    return {component: precision for component, precision in found.items() if precision is not None}
+
+
+def weight_only_refusals(pipeline: PipelineSpec, capability: tuple[int, int], gpu: str) -> list[str]:
+    """What trtllm-build would refuse on this GPU, in the words of missing_requirements: TensorRT-LLM's builder
+    raises "INT8/INT4 quantization is not supported on SM>=100" for weight-only models on SM 100 to 119 (B200, GB200,
+    B300; tensorrt_llm/builder.py @ 008b2b8d, build()), after the conversion has run."""
+    sm = capability[0] * 10 + capability[1]
+    if not 100 <= sm < 120:
+        return []
+    return [f"a GPU where TensorRT-LLM builds INT4/INT8 weight-only engines: {gpu} is SM {sm}, where trtllm-build "
+            f"refuses them (\"INT8/INT4 quantization is not supported on SM>=100\"); the {component} is "
+            f"{precision} ({'target.weight_only' if component == 'target' else 'speculation.draft.derive'}): use "
+            f"{'no weight_only' if component == 'target' else 'a bf16 draft checkpoint (derive: none)'} on this GPU"
+            for component, precision in weight_only_components(pipeline).items()]
 
 
 def plan(pipeline: PipelineSpec, engines_root: Path) -> tuple[list[Step], list[str]]:

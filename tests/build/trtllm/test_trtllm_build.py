@@ -20,6 +20,7 @@ from safetensors.torch import load_file
 from transformers import MixtralForCausalLM
 from tritonclient.grpc import model_config_pb2 as pb
 from trtllm_double.llmapi_speculative import eagle_setup
+from trtllm_double.trtllm_build import GPU_SM_VARIABLE
 
 from specdeploy.build.trtllm import engine_build as trtllm
 from specdeploy.build.trtllm.upstream import LLMAPI_IMAGE_MODEL_CODE, LLMAPI_INPUTS, LLMAPI_MODEL_CODE
@@ -298,3 +299,27 @@ def check_upstream_auto_complete(config: pb.ModelConfig, triton_config: dict) ->
     completed.set_model_transaction_policy({"decoupled": bool(triton_config["decoupled"])})
     completed.set_max_batch_size(int(triton_config["max_batch_size"]))
     assert completed.as_dict() == before
+
+
+def test_weight_only_engines_are_refused_before_the_build_on_sm_100_as_trtllm_build_refuses_them(
+        double, tmp_path, tiny_checkpoints, monkeypatch):
+    """trtllm-build raises "INT8/INT4 quantization is not supported on SM>=100" for a weight-only checkpoint on a
+    B200/GB200 (the double too, given that GPU), after the conversions have run; the pre-flight check names the GPU
+    and the component first."""
+    import torch
+
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"])  # draft derive: int4
+    monkeypatch.setenv(GPU_SM_VARIABLE, "100")
+    failed = run_cli("build", str(path), "--engines-dir", str(tmp_path / "engines"))
+    assert failed.returncode != 0 and "INT8/INT4 quantization is not supported on SM>=100" in failed.stdout + \
+        failed.stderr
+    pipeline = load_pipeline(path)
+    (refusal,) = trtllm.weight_only_refusals(pipeline, (10, 0), "NVIDIA B200")
+    assert "NVIDIA B200 is SM 100" in refusal and "the draft is int4 (speculation.draft.derive)" in refusal
+    assert trtllm.weight_only_refusals(pipeline, (9, 0), "NVIDIA H100") == []
+    assert trtllm.weight_only_refusals(pipeline, (12, 0), "NVIDIA RTX PRO 6000") == []  # SM 120 builds them
+    monkeypatch.undo()  # the real missing_requirements, on a GPU that torch reports as a B200
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
+    assert refusal in trtllm.missing_requirements(pipeline)

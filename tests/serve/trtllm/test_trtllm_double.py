@@ -388,6 +388,18 @@ def test_a_tie_that_decides_q_cuts_the_drafts_there():
     assert order.tolist() == [0, 1, 2, 4]  # the kernels' own order of the tie: token 3 is never drawn
 
 
+def test_q_without_top_k_or_top_p_is_the_softmax_and_sorts_nothing(monkeypatch):
+    """T > 0 with top-k 0 and top-p 1 (what most clients send) cuts nothing: q is the tempered softmax, with no sort
+    of the vocabulary per drafted row (review M5), and equals what the sorting path gives at a top-k of the vocab."""
+    logits = torch.randn(3, 32, generator=torch.Generator().manual_seed(5))
+    sorted_q = executor_distribution(logits, SamplingParams(temperature=0.7, top_p=1.0 - 1e-7))[0]  # sorts
+    monkeypatch.setattr(torch.Tensor, "topk", lambda *_, **__: pytest.fail("sorted the vocabulary"))
+    q, ties = executor_distribution(logits, SamplingParams(temperature=0.7))
+    torch.testing.assert_close(q, (logits / 0.7).softmax(-1), atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(q, sorted_q, atol=1e-6, rtol=1e-5)
+    assert not ties.any()
+
+
 @pytest.mark.parametrize("with_logits", [False, True], ids=["token-matching", "point-mass-logits"])
 def test_a_certain_proposal_is_emitted_as_the_rule_says(tiny_engines, tmp_path, with_logits):
     """One drafted token x, proposed with certainty (n-gram). Without draft_logits the executor accepts x when its
