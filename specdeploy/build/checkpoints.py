@@ -115,8 +115,8 @@ def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
     return Checkpoint(config, state, tokenizer, source_files(spec, pipeline))
 
 
-def target_config(pipeline: PipelineSpec) -> ModelConfig:
-    """The target checkpoint's architecture from its configuration alone (no weights are loaded)."""
+def target_hf_config(pipeline: PipelineSpec):
+    """The target checkpoint's transformers configuration (no weights are loaded)."""
     from transformers import AutoConfig
 
     path = locate(pipeline.target.checkpoint, pipeline)
@@ -128,7 +128,13 @@ def target_config(pipeline: PipelineSpec) -> ModelConfig:
     if hf_config.model_type not in ARCHITECTURES:
         raise BuildError(f"checkpoint {path}: architecture {hf_config.model_type!r} is not supported "
                          f"(allowed: {', '.join(ARCHITECTURES)})")
-    return ModelConfig.from_hf(hf_config)
+    return hf_config
+
+
+def target_config(pipeline: PipelineSpec) -> ModelConfig:
+    """The target checkpoint's architecture from its configuration alone: its sizes, whatever the torch engine
+    would refuse (rope scaling, a sliding window), which loading it for the torch engine checks."""
+    return ModelConfig.from_hf(target_hf_config(pipeline), torch_engine=False)
 
 
 def check_tokenizers_match(target, draft) -> None:

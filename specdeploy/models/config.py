@@ -43,17 +43,19 @@ class ModelConfig:
         object.__setattr__(self, "eos_token_ids", tuple(self.eos_token_ids))
 
     @classmethod
-    def from_hf(cls, hf_config) -> ModelConfig:
-        """From a transformers LlamaConfig or MixtralConfig (or anything with the same attribute names)."""
+    def from_hf(cls, hf_config, torch_engine: bool = True) -> ModelConfig:
+        """From a transformers LlamaConfig or MixtralConfig (or anything with the same attribute names).
+        torch_engine: refuse what the torch engine does not compute (rope scaling, a sliding window); False for a
+        model only described, as TensorRT-LLM's builds do (rope_scaling then says what the config has)."""
         rope = getattr(hf_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        if rope.get("rope_type", "default") != "default":
+        if torch_engine and rope_scaling(hf_config) is not None:
             raise SpecdeployError(f"rope scaling {rope.get('rope_type')!r} is not supported (allowed: default)")
         eos = hf_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
         window = getattr(hf_config, "sliding_window", None)
-        if window is not None and window < hf_config.max_position_embeddings:
+        if torch_engine and window is not None and window < hf_config.max_position_embeddings:
             raise SpecdeployError(f"sliding-window attention (sliding_window {window}) is not supported")
         return cls(
             architecture=hf_config.model_type,
@@ -99,3 +101,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, data: dict) -> ModelConfig:
         return cls(**data)
+
+
+def rope_scaling(hf_config) -> dict | None:
+    """A transformers config's rope scaling parameters (rope_type and its factors), None for plain RoPE."""
+    rope = dict(getattr(hf_config, "rope_parameters", None) or getattr(hf_config, "rope_scaling", None) or {})
+    return None if rope.get("rope_type", "default") == "default" else rope

@@ -17,7 +17,7 @@ import yaml
 from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
 import specdeploy
-from specdeploy.build.checkpoints import Checkpoint, load_checkpoint, pipeline_sources, target_config
+from specdeploy.build.checkpoints import Checkpoint, load_checkpoint, pipeline_sources, target_hf_config
 from specdeploy.build.hf_export import export_model
 from specdeploy.build.hf_tensors import read_projection
 from specdeploy.build.moe_derive import export_derived_target
@@ -33,6 +33,7 @@ from specdeploy.build.trtllm.plan import (
     streams_target,
 )
 from specdeploy.errors import BuildError
+from specdeploy.models.config import ModelConfig, rope_scaling
 from specdeploy.models.registry import DTYPES
 from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, staging_dir
 from specdeploy.spec.manifest import build_unless_current, fingerprint, write_manifest
@@ -91,14 +92,30 @@ def plan(pipeline: PipelineSpec, engines_root: Path) -> tuple[list[Step], list[s
     checkpoint is here; a checkpoint that is not (a GPU example planned on another machine) is a note."""
     notes = []
     try:
-        config = target_config(pipeline)
+        hf_config = target_hf_config(pipeline)
     except BuildError as exc:
-        notes.append(f"head and expert divisibility not checked: {exc}")
+        checks = "head and expert divisibility" + (" and rope scaling" if pipeline.speculation.uses_heads else "")
+        notes.append(f"{checks} not checked: {exc}")
     else:
+        config = ModelConfig.from_hf(hf_config, torch_engine=False)
         check_model_fits(pipeline, config)
+        check_medusa_rope(pipeline, rope_scaling(hf_config))
         notes.append(f"target: {config.architecture}, {config.num_heads} attention heads, {config.num_kv_heads} "
                      f"key/value heads" + (f", {config.num_experts} experts" if config.num_experts else ""))
     return build_plan(pipeline, engine_path(engines_root, pipeline)), notes
+
+
+def check_medusa_rope(pipeline: PipelineSpec, scaling: dict | None) -> None:
+    """BuildError for Medusa on a target with rope scaling (Llama-3.1's llama3 type): TensorRT-LLM's Medusa
+    converter keeps only the type and drops its factors (rotary_scaling = {"type": rope_type},
+    examples/medusa/convert_checkpoint.py @ b93e14ca), so the engine would not compute the model's RoPE."""
+    if pipeline.speculation.uses_heads and scaling is not None:
+        factors = ", ".join(f"{key} {value}" for key, value in scaling.items()
+                            if key not in ("rope_type", "rope_theta"))
+        raise BuildError(f"speculation.method: medusa: the target's config.json has rope scaling "
+                         f"{scaling['rope_type']!r} ({factors}), whose factors TensorRT-LLM's Medusa converter drops "
+                         f"(it keeps only the type), so the engine's RoPE would not be the model's; use a target "
+                         f"without rope scaling (Llama-3-8B, Vicuna) for Medusa, or method draft_target")
 
 
 def format_plan(pipeline: PipelineSpec, steps: list[Step], notes: list[str]) -> str:

@@ -24,6 +24,7 @@ from trtllm_double.trtllm_build import GPU_SM_VARIABLE
 
 from specdeploy.build.trtllm import engine_build as trtllm
 from specdeploy.build.trtllm.upstream import LLMAPI_IMAGE_MODEL_CODE, LLMAPI_INPUTS, LLMAPI_MODEL_CODE
+from specdeploy.errors import BuildError
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.speculative.medusa import MedusaHeads
 
@@ -323,3 +324,19 @@ def test_weight_only_engines_are_refused_before_the_build_on_sm_100_as_trtllm_bu
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA B200")
     assert refusal in trtllm.missing_requirements(pipeline)
+
+
+def test_medusa_on_a_target_with_rope_scaling_is_refused_and_draft_target_plans_it(tmp_path):
+    """Llama-3.1's llama3 rope scaling: TensorRT-LLM's Medusa converter keeps only its type (b93e14ca), so a Medusa
+    build would compute another RoPE; the plan refuses it naming the method and the factors. Other methods convert
+    it with the general converter, and planning them is not stopped by what only the torch engine refuses."""
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+              "original_max_position_embeddings": 64, "rope_theta": 500000.0}
+    target = save_tiny_checkpoint(tmp_path / "llama31", seed=3, max_position_embeddings=512, rope_scaling=llama3)
+    (tmp_path / "medusa").mkdir()
+    (tmp_path / "dt").mkdir()
+    medusa = load_pipeline(medusa_pipeline(tmp_path / "medusa", target))
+    with pytest.raises(BuildError, match="medusa: the target's config.json has rope scaling 'llama3' \\(factor 8.0"):
+        trtllm.plan(medusa, tmp_path / "engines")
+    steps, notes = trtllm.plan(load_pipeline(trtllm_pipeline(tmp_path / "dt", target)), tmp_path / "engines")
+    assert steps and any(note.startswith("target: llama") for note in notes)
