@@ -6,7 +6,11 @@
 # For each SmolLM2 pipeline (draft-target, n-gram, Medusa) as TensorRT-LLM engines: build, package, serve with the
 # image's tritonserver as the Kubernetes overlay does (orchestrator mode for two engines), then check
 #   greedy        the server's speculative text against its plain text and the torch engine's (first 16 tokens)
-#   distribution  draft-target and n-gram: sampled tokens at T 0.7, top-k 4, speculative against plain (two-sample)
+#   distribution  draft-target and n-gram: sampled tokens speculative against plain (two-sample), at T 0.7 top-k 4,
+#                 T 1.0 top-k 0, T 0.7 top-k 4 with repetition penalty 1.2, and T 0.7 top-p 0.9 with the penalty
+#                 (reported only: upstream's top-p discrepancy); a request drafted counts only where the step that
+#                 made the tested tokens drafted (streamed responses)
+#   budget        one request filling limits.max_sequence_length exactly returns every token; one more is refused
 #   speed         speculative against plain tokens/s in one run (specdeploy bench --url, concurrency 1 and 8)
 # and print one table. The exit status is non-zero if any step or check failed.
 # EAGLE-3 (smollm2-eagle.yaml, with its head) runs on the llm_api line instead: Triton's LLM-API model, whose code
@@ -17,18 +21,22 @@
 # the target engine on every request (num_draft_tokens 0 is refused: it cannot turn them off), lookahead greedily
 # only and Medusa sampling less than a request can ask, so their slices also serve a plain twin in turn: greedy text
 # and speed against it, and a refusal check (the speculative server must refuse a request at T 0.7, top-k 4 naming
-# temperature rather than answer it as something else; the plain server serves it) in place of the distribution
-# check (trtllm_check.py twin-run, twin-compare).
+# temperature rather than answer it as something else; the plain server serves it); Medusa also samples at what its
+# engine supports, T 1.0 top-k 4, against the twin (trtllm_check.py twin-run --sampled, twin-compare).
 #   scripts/trtllm-check.sh [--dry-run] [--only METHOD[,METHOD]] [OUTPUT_DIR]     (default trtllm-check/)
 # METHOD: draft-target, ngram, medusa, eagle, lookahead (default: each whose pipelines/smollm2-METHOD.yaml exists,
 # lookahead where smollm2-ngram.yaml does; eagle's needs a trained head). --dry-run prints every step and runs none.
 # TRTLLM_CHECK_PIPELINES: the folder of those shipped pipelines (default pipelines/).
-# Duration on one H100-class GPU: about 28 minutes for all three (an estimate, never run: five engine builds of a
-# 135M model, Medusa's plain twin among them, three torch builds on the CPU, four server starts, about 12,300 short requests, 12,000 of them the two
-# distribution checks); --only draft-target about 10, and TRTLLM_CHECK_TRIALS=1000 (requests per arm, default 3000)
-# shortens the distribution checks; --only lookahead adds two engine builds and two server starts (a few minutes, also
-# an estimate). The container needs shared memory for the Python models' tensors (the draft
-# logits are about 1 MB a step): docker run --shm-size=2g.
+# Duration on one H100-class GPU, an estimate (never run): per slice, engine builds of a 135M model take 1-2 minutes
+# each, a torch build of the shipped pipeline on the CPU under a minute (eagerly: SPECDEPLOY_STEPS=eager, the step
+# programs would add minutes and the check compares text only), a server start about a minute; the distribution
+# check sends 2 x 4 x TRTLLM_CHECK_TRIALS (default 3000) requests of four tokens, 16 at a time (a few minutes at an
+# assumed 20-40 ms a request), the budget check two long greedy requests (up to 2,048 tokens). So --only
+# draft-target (two engine builds, one start, 24,000 requests) about 13 minutes, and with TRTLLM_CHECK_TRIALS=1000
+# about 9: that slice fits a 15-minute device lease. All of draft-target, ngram and medusa: about 40 minutes (Medusa
+# adds a plain twin's build and start and 2 x TRTLLM_CHECK_TRIALS sampled requests); --only lookahead adds two engine
+# builds and two server starts. The container needs shared memory for the Python models' tensors (the draft logits
+# are about 1 MB a step): docker run --shm-size=2g.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # source_of METHOD: the shipped pipeline a method's slice starts from (lookahead borrows the n-gram pipeline's target)
@@ -52,7 +60,7 @@ SPECDEPLOY=${SPECDEPLOY:-specdeploy}
 HELPER="$PYTHON scripts/trtllm_check.py"
 HTTP=http://127.0.0.1:8000
 GRPC=127.0.0.1:8001
-export HF_HUB_OFFLINE=1 SPECDEPLOY_ENGINES="$OUT/engines"
+export HF_HUB_OFFLINE=1 SPECDEPLOY_ENGINES="$OUT/engines" SPECDEPLOY_STEPS=eager
 status=0
 started=$(date +%s)
 
@@ -160,12 +168,15 @@ check_twin() {
         --output "$OUT/models/$name" || return
     step plain-package "$name" $SPECDEPLOY package "$twin" --engines-dir "$OUT/engines" \
         --output "$OUT/models/$plain" || return
-    for arm in speculative plain; do
-        local served=$pipeline repository=$OUT/models/$name
+    for arm in speculative plain; do  # disjoint seeds: the twins' samples are independent
+        local served=$pipeline repository=$OUT/models/$name sampled=()
+        [[ $2 == medusa ]] && sampled=(--sampled 0)
         [[ $arm == plain ]] && { served=$twin; repository=$OUT/models/$plain; }
+        [[ $arm == plain && $2 == medusa ]] && sampled=(--sampled 100000)
         serve "$name" "$served" "$repository" || return
         if ready "$name"; then
-            step "$arm-run" "$name" $HELPER twin-run "$GRPC" "$OUT/prompts.jsonl" "$OUT/$name/$arm-run.json"
+            step "$arm-run" "$name" $HELPER twin-run "$GRPC" "$OUT/prompts.jsonl" "$OUT/$name/$arm-run.json" \
+                "${sampled[@]}"
         fi
         stop "$name"
     done
@@ -197,6 +208,7 @@ for method in $METHODS; do
     if ready "$name"; then
         step greedy "$name" $HELPER greedy "$shipped" "$GRPC" "$OUT/prompts.jsonl" "$OUT/$name/greedy.json"
         step distribution "$name" $HELPER distribution "$GRPC" "$OUT/$name/distribution.json"
+        step budget "$name" $HELPER budget "$shipped" "$GRPC" "$OUT/$name/budget.json"
         step speed "$name" $SPECDEPLOY bench --url "$GRPC" --concurrency 1,8 --max-tokens 64 \
             --prompts "$OUT/prompts.jsonl" --json "$OUT/$name/speed.json"
     fi

@@ -13,8 +13,11 @@ of this repository with specdeploy installed (build/Dockerfile.gpu installs it t
       greedy text of each prompt: the server's speculative against its plain decoding, and against the torch engine
       of the shipped pipeline (built beforehand; SPECDEPLOY_DEVICE, default cpu)
   python3 scripts/trtllm_check.py distribution URL OUT.json
-      sampled tokens at temperature 0.7, top-k 4: the server's speculative against its plain decoding (a two-sample
-      test pooled over each trial's prefix; TRTLLM_CHECK_TRIALS requests per arm, default 3000)
+      sampled tokens at each of SAMPLED_ARMS (T 0.7 top-k 4; T 1.0 top-k 0; T 0.7 top-k 4 with a repetition penalty;
+      T 0.7 top-p 0.9 with a penalty, reported only): the server's speculative against its plain decoding (a
+      two-sample test pooled over each trial's prefix; TRTLLM_CHECK_TRIALS requests per arm and side, default 3000)
+  python3 scripts/trtllm_check.py budget SHIPPED.yaml URL OUT.json
+      one greedy request filling limits.max_sequence_length exactly returns every token, and one more is refused
   python3 scripts/trtllm_check.py summary DIR
       one table of every check in DIR; exit status 1 if any failed
 
@@ -37,13 +40,14 @@ The lookahead and Medusa slices run on the engine line, but their target engine 
       SHIPPED's target with lookahead decoding (W, N, G = LOOKAHEAD_SIZES) on the engine line; --plain, the same
       target without speculation (SHIPPED: smollm2-ngram.yaml, whose target the slice borrows); without --lookahead,
       SHIPPED's own method (smollm2-medusa.yaml) and its plain twin
-  python3 scripts/trtllm_check.py twin-run GRPC_URL PROMPTS.jsonl OUT.json
+  python3 scripts/trtllm_check.py twin-run GRPC_URL PROMPTS.jsonl OUT.json [--sampled SEED_OFFSET]
       on one server: each prompt's greedy tokens and drafts, a sampled request (refused or not, and the message),
-      and tokens/s at concurrency 1 and 8
+      and tokens/s at concurrency 1 and 8; --sampled (Medusa), TRTLLM_CHECK_TRIALS requests at each of MEDUSA_ARMS
+      (T 1.0, top-k 4: what its engine samples), seeds from SEED_OFFSET on
   python3 scripts/trtllm_check.py twin-compare SHIPPED.yaml SPECULATIVE.json PLAIN.json OUT_DIR
       greedy.json (speculative against plain and the torch engine, every prompt drafted), refusal.json (the
-      speculative server refused the request at T 0.7, top-k 4 naming temperature, the plain one served it) and
-      speed.json
+      speculative server refused the request at T 0.7, top-k 4 naming temperature, the plain one served it),
+      speed.json, and after --sampled runs distribution.json (the twins' samples, two-sample test)
 """
 
 from __future__ import annotations
@@ -69,9 +73,24 @@ from specdeploy.decoding.prompt_lookup import common_prefix_length
 MIN_SHARED_TOKENS = 16
 DISTRIBUTION_TRIALS = int(os.environ.get("TRTLLM_CHECK_TRIALS", 3000))  # per arm
 DISTRIBUTION_PROMPT = "Once upon a time"
+# The sampling each distribution check compares speculative with plain decoding at, four tokens a request: the top-k
+# the check began with, what most clients send (T 1 and no top-k: q is the whole softmax), a repetition penalty on
+# the exact path, and a nucleus with a penalty. The last is reported, not required: at top_p < 1 TensorRT-LLM's
+# verification keeps the token crossing top_p at full mass while its plain steps give it only its mass below the
+# threshold (docs/tensorrt-llm.md), so a sound path may differ there.
+SAMPLED_ARMS = {"T 0.7, top-k 4": {"temperature": 0.7, "top_k": 4},
+                "T 1.0, top-k 0": {"temperature": 1.0, "top_k": 0},
+                "T 0.7, top-k 4, penalty 1.2": {"temperature": 0.7, "top_k": 4, "repetition_penalty": 1.2},
+                "T 0.7, top-p 0.9, penalty 1.2": {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.2}}
+REPORTED_ONLY = {"T 0.7, top-p 0.9, penalty 1.2"}
+# Medusa's engine samples at temperature 1 with top-k alone (the speculative model refuses anything else); its
+# tokens are the target's own samples wherever a draft is accepted, so they follow the plain twin's distribution.
+MEDUSA_ARMS = {"T 1.0, top-k 4": {"temperature": 1.0, "top_k": 4}}
+TESTED_POSITIONS = (1, 2)  # the tokens of the first speculative step (the first comes from the prefill)
 DISTRIBUTION_P_VALUE = 1e-3  # below this, speculative sampling differs from plain
 MIN_PER_PREFIX = 30  # trials of each arm a prefix needs to enter the test
-CHECK_FILES = ("greedy.json", "distribution.json", "refusal.json", "speed.json")  # what trtllm-check.sh writes
+# what trtllm-check.sh writes
+CHECK_FILES = ("greedy.json", "distribution.json", "budget.json", "refusal.json", "speed.json")
 # The lookahead slice's (W, N, G): the LLM API example's, as in pipelines/gpu/llama8b-lookahead.yaml (23 draft tokens)
 LOOKAHEAD_SIZES = {"window": 4, "ngram": 4, "verification_set": 4}
 # What a lookahead or Medusa server must refuse (neither engine scales by a temperature), and a plain one serve
@@ -159,6 +178,14 @@ def generate_ids(url: str, prompt: str, max_tokens: int, **fields) -> tuple[list
 
 def generate_counted(url: str, prompt: str, max_tokens: int, **fields) -> tuple[list[int], int, int]:
     """generate_ids, and the drafted tokens the request accepted."""
+    steps = generate_steps(url, prompt, max_tokens, stream=False, **fields)
+    return [token for ids, _, _ in steps for token in ids], steps[-1][1], steps[-1][2]
+
+
+def generate_steps(url: str, prompt: str, max_tokens: int, stream: bool, **fields) -> list[tuple[list[int], int, int]]:
+    """The responses of one request to the `speculative` model: (its new token ids, the request's drafted and
+    accepted tokens so far). Streamed, a response is one engine step's tokens, so the counts say which steps
+    drafted; not streamed, there is one response."""
     import tritonclient.grpc as grpcclient
 
     from specdeploy.serve.client import ENTRY_MODEL, build_inputs
@@ -166,10 +193,9 @@ def generate_counted(url: str, prompt: str, max_tokens: int, **fields) -> tuple[
     client = grpcclient.InferenceServerClient(url)
     responses: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
-    ids: list[int] = []
-    drafted = accepted = 0
+    steps: list[tuple[list[int], int, int]] = []
     try:
-        client.async_stream_infer(ENTRY_MODEL, build_inputs(prompt, max_tokens, False, **fields),
+        client.async_stream_infer(ENTRY_MODEL, build_inputs(prompt, max_tokens, stream, **fields),
                                   outputs=[grpcclient.InferRequestedOutput("output_ids"),
                                            grpcclient.InferRequestedOutput("total_draft_tokens"),
                                            grpcclient.InferRequestedOutput("total_accepted_draft_tokens")],
@@ -180,14 +206,25 @@ def generate_counted(url: str, prompt: str, max_tokens: int, **fields) -> tuple[
                 raise RuntimeError(str(error))
             response = result.get_response()
             if response.outputs:
-                ids += result.as_numpy("output_ids").reshape(-1).tolist()
-                drafted = int(result.as_numpy("total_draft_tokens").reshape(-1)[0])
-                accepted = int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])
+                steps.append((result.as_numpy("output_ids").reshape(-1).tolist(),
+                              int(result.as_numpy("total_draft_tokens").reshape(-1)[0]),
+                              int(result.as_numpy("total_accepted_draft_tokens").reshape(-1)[0])))
             if response.parameters["triton_final_response"].bool_param:
-                return ids, drafted, accepted
+                return steps or [([], 0, 0)]
     finally:
         client.stop_stream()
         client.close()
+
+
+def drafted_by(steps: list[tuple[list[int], int, int]], position: int) -> bool:
+    """Whether a step up to the one that emitted token `position` (0-based) drafted: the drafted count of the
+    response that carried it (counts are cumulative)."""
+    emitted = 0
+    for ids, drafted, _ in steps:
+        emitted += len(ids)
+        if emitted > position:
+            return drafted > 0
+    return False
 
 
 def agrees(first: list[int], second: list[int]) -> bool:
@@ -264,26 +301,78 @@ def homogeneity(first: list[tuple[int, ...]], second: list[tuple[int, ...]], pos
     return (chi_square_sf(statistic, dof) if dof else 1.0), dof, tested
 
 
-def distribution(url: str, out: Path, num_draft_tokens: int = 2) -> dict:
-    """DISTRIBUTION_TRIALS requests per arm at temperature 0.7, top-k 4, four tokens each, every request its own
-    seed: the first comes from the prefill, the second and third from the first speculative step (drafted, then
-    verified by the executor)."""
-    def sample(gamma: int, offset: int) -> list[tuple[tuple[int, ...], int]]:
-        with ThreadPoolExecutor(16) as pool:
-            return list(pool.map(lambda seed: generate_ids(
-                url, DISTRIBUTION_PROMPT, 4, temperature=0.7, top_k=4, random_seed=seed, end_id=-1,
-                num_draft_tokens=gamma), range(offset, offset + DISTRIBUTION_TRIALS)))
+def distribution(url: str, out: Path, num_draft_tokens: int = 2, arms: dict[str, dict] | None = None) -> dict:
+    """For each sampling arm (SAMPLED_ARMS), DISTRIBUTION_TRIALS requests speculative and as many plain, four tokens
+    each, every request its own seed (disjoint between the arms): the first token comes from the prefill, the second
+    and third (TESTED_POSITIONS) from the first speculative step, drafted then verified by the executor. The
+    requests stream, so that a request counts as drafted only when a step up to the last tested token drafted."""
+    def sample(fields: dict, gamma: int, offset: int) -> list[tuple[tuple[int, ...], bool]]:
+        def one(seed: int) -> tuple[tuple[int, ...], bool]:
+            steps = generate_steps(url, DISTRIBUTION_PROMPT, 4, stream=True, random_seed=seed, end_id=-1,
+                                   num_draft_tokens=gamma, **fields)
+            return tuple(token for ids, _, _ in steps for token in ids), drafted_by(steps, TESTED_POSITIONS[-1])
 
-    speculative, plain = sample(num_draft_tokens, 0), sample(0, DISTRIBUTION_TRIALS)
-    drafting = sum(drafted > 0 for _, drafted in speculative) / len(speculative)
-    p_value, dof, tested = homogeneity([tuple(ids) for ids, _ in speculative], [tuple(ids) for ids, _ in plain], (1, 2))
-    # Without drafts both arms decode plainly and the test says nothing.
-    report = {"check": "distribution", "p_value": p_value, "dof": dof, "tested": tested, "drafting": drafting,
-              "ok": p_value > DISTRIBUTION_P_VALUE and tested > 0 and drafting >= 0.9,
-              "detail": f"p = {p_value:.3g} (χ², {dof} dof, {tested} tokens), {drafting:.0%} of speculative requests "
-                        f"drafted; speculative and plain at T 0.7 top-k 4"}
+        with ThreadPoolExecutor(16) as pool:
+            return list(pool.map(one, range(offset, offset + DISTRIBUTION_TRIALS)))
+
+    results = []
+    for number, (label, fields) in enumerate((arms or SAMPLED_ARMS).items()):
+        offset = 2 * number * DISTRIBUTION_TRIALS
+        speculative = sample(fields, num_draft_tokens, offset)
+        plain = sample(fields, 0, offset + DISTRIBUTION_TRIALS)
+        results.append(arm_report(label, [ids for ids, _ in speculative], [ids for ids, _ in plain],
+                                  sum(drafted for _, drafted in speculative) / len(speculative)))
+    report = distribution_report(results, "speculative and plain")
     out.write_text(json.dumps(report, indent=2))
     return report
+
+
+def arm_report(label: str, speculative: list[tuple[int, ...]], plain: list[tuple[int, ...]], drafting: float) -> dict:
+    """One sampling arm's two-sample test at TESTED_POSITIONS. Without drafts at those positions both arms decode
+    plainly and the test says nothing, so 90% of the speculative requests must have drafted there."""
+    p_value, dof, tested = homogeneity(list(speculative), list(plain), TESTED_POSITIONS)
+    required = label not in REPORTED_ONLY
+    passed = p_value > DISTRIBUTION_P_VALUE and tested > 0 and drafting >= 0.9
+    return {"arm": label, "p_value": p_value, "dof": dof, "tested": tested, "drafting": drafting,
+            "required": required, "ok": passed or not required,
+            "detail": f"{label}: p = {p_value:.3g} (χ², {dof} dof, {tested} tokens), {drafting:.0%} drafted at the "
+                      f"tested tokens" + ("" if required else " (reported, not required: the top-p discrepancy)")}
+
+
+def distribution_report(arms: list[dict], compared: str) -> dict:
+    """distribution.json: every arm, ok when each required arm passed."""
+    return {"check": "distribution", "arms": arms, "ok": all(arm["ok"] for arm in arms),
+            "detail": f"{compared}; " + "; ".join(arm["detail"] for arm in arms)}
+
+
+def budget(shipped: Path, url: str, out: Path) -> dict:
+    """One greedy request whose prompt and max_tokens fill limits.max_sequence_length exactly (end_id -1: it cannot
+    end early) must return every token, with drafts, and one token more must be refused naming that limit."""
+    from specdeploy.spec.pipeline import load_pipeline
+    from specdeploy.workflows import load_engine
+
+    engine = load_engine(shipped, Path(os.environ.get("SPECDEPLOY_ENGINES", "engines")),
+                         device=os.environ.get("SPECDEPLOY_DEVICE", "cpu"))
+    room = load_pipeline(shipped).limits.max_sequence_length - len(engine.encode_prompt(DISTRIBUTION_PROMPT))
+    report = budget_report(room, lambda max_tokens: generate_counted(url, DISTRIBUTION_PROMPT, max_tokens,
+                                                                     temperature=0.0, end_id=-1))
+    out.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def budget_report(room: int, ask) -> dict:
+    """budget.json from ask(max_tokens) → (ids, drafted, accepted), which raises RuntimeError when refused."""
+    ids, drafted, _ = ask(room)
+    try:
+        ask(room + 1)
+        refusal = ""
+    except RuntimeError as exc:
+        refusal = str(exc)
+    refused = "max_sequence_length" in refusal
+    ok = len(ids) == room and drafted > 0 and refused
+    return {"check": "budget", "ok": ok, "room": room, "tokens": len(ids), "drafted": drafted,
+            "detail": f"{len(ids)}/{room} tokens up to limits.max_sequence_length, {drafted} drafted; one more: "
+                      + (f"refused ({refusal[:80]})" if refusal else "served (should be refused)")}
 
 
 def llmapi_generate(url: str, tokenizer, prompt: str, max_tokens: int, **sampling) -> tuple[list[int], int, int]:
@@ -333,21 +422,18 @@ def llmapi_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_
     """The checks of the EAGLE-3 slice from its two runs, written as the engine slices write theirs."""
     speculative, plain = json.loads(speculative_file.read_text()), json.loads(plain_file.read_text())
     greedy_report = twin_greedy_report(shipped, speculative["greedy"], plain["greedy"], max_tokens)
+    # the LLM API answers a request at once, so "drafted" counts the whole request's drafts (four tokens)
     spec_samples, plain_samples = speculative["samples"], plain["samples"]
-    drafting = sum(s["drafted"] > 0 for s in spec_samples) / len(spec_samples)
-    p_value, dof, tested = homogeneity([tuple(s["ids"]) for s in spec_samples],
-                                       [tuple(s["ids"]) for s in plain_samples], (1, 2))
-    distribution_report = {
-        "check": "distribution", "p_value": p_value, "dof": dof, "tested": tested, "drafting": drafting,
-        "ok": p_value > DISTRIBUTION_P_VALUE and tested > 0 and drafting >= 0.9,
-        "detail": f"p = {p_value:.3g} (χ², {dof} dof, {tested} tokens), {drafting:.0%} of speculative requests "
-                  f"drafted; speculative and plain servers at T 0.7 top-k 4"}
+    arm = arm_report("T 0.7, top-k 4", [tuple(s["ids"]) for s in spec_samples],
+                     [tuple(s["ids"]) for s in plain_samples],
+                     sum(s["drafted"] > 0 for s in spec_samples) / len(spec_samples))
+    report = distribution_report([arm], "speculative and plain servers")
     levels = twin_speed_levels(speculative["speed"], plain["speed"])
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "greedy.json").write_text(json.dumps(greedy_report, indent=2))
-    (out_dir / "distribution.json").write_text(json.dumps(distribution_report, indent=2))
+    (out_dir / "distribution.json").write_text(json.dumps(report, indent=2))
     (out_dir / "speed.json").write_text(json.dumps({"levels": levels}, indent=2))
-    return greedy_report["ok"] and distribution_report["ok"] and all(level["failed"] == 0 for level in levels)
+    return greedy_report["ok"] and report["ok"] and all(level["failed"] == 0 for level in levels)
 
 
 def twin_greedy_report(shipped: Path, speculative: list[dict], plain: list[dict], max_tokens: int) -> dict:
@@ -405,9 +491,10 @@ def speed_run(ask, prompts: list[str]) -> list[dict]:
     return speed
 
 
-def twin_run(url: str, prompts_file: Path, out: Path, max_tokens: int = 64) -> dict:
+def twin_run(url: str, prompts_file: Path, out: Path, max_tokens: int = 64, arms: dict[str, dict] | None = None,
+             seed_offset: int = 0) -> dict:
     """Everything the lookahead or Medusa comparison needs from one server, through the `speculative` model
-    (gRPC)."""
+    (gRPC); with arms (Medusa: MEDUSA_ARMS), DISTRIBUTION_TRIALS sampled requests of four tokens for each."""
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]
     greedy = [generate_counted(url, prompt, max_tokens, temperature=0.0) for prompt in prompts]
     try:
@@ -418,7 +505,15 @@ def twin_run(url: str, prompts_file: Path, out: Path, max_tokens: int = 64) -> d
     speed = speed_run(lambda prompt: generate_counted(url, prompt, max_tokens, temperature=0.0), prompts)
     report = {"greedy": [{"prompt": prompt, "ids": ids, "drafted": drafted}
                          for prompt, (ids, drafted, _) in zip(prompts, greedy)],
-              "refusal": refusal, "speed": speed}
+              "refusal": refusal, "speed": speed, "samples": {}}
+    for label, fields in (arms or {}).items():  # seeds from seed_offset on: disjoint between the twins
+        def one(seed: int, fields: dict = fields) -> dict:
+            steps = generate_steps(url, DISTRIBUTION_PROMPT, 4, stream=True, random_seed=seed, end_id=-1, **fields)
+            return {"ids": [token for ids, _, _ in steps for token in ids],
+                    "drafted": drafted_by(steps, TESTED_POSITIONS[-1])}
+
+        with ThreadPoolExecutor(16) as pool:
+            report["samples"][label] = list(pool.map(one, range(seed_offset, seed_offset + DISTRIBUTION_TRIALS)))
     out.write_text(json.dumps(report))
     return report
 
@@ -442,7 +537,13 @@ def twin_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_di
     (out_dir / "greedy.json").write_text(json.dumps(greedy_report, indent=2))
     (out_dir / "refusal.json").write_text(json.dumps(refusal_report, indent=2))
     (out_dir / "speed.json").write_text(json.dumps({"levels": levels}, indent=2))
-    return greedy_report["ok"] and refusal_ok and all(level["failed"] == 0 for level in levels)
+    sampled = speculative.get("samples") or {}
+    arms = [arm_report(label, [tuple(s["ids"]) for s in samples], [tuple(s["ids"]) for s in plain["samples"][label]],
+                       sum(s["drafted"] for s in samples) / len(samples)) for label, samples in sampled.items()]
+    report = distribution_report(arms, "speculative and plain twins") if arms else {"ok": True}
+    if arms:
+        (out_dir / "distribution.json").write_text(json.dumps(report, indent=2))
+    return greedy_report["ok"] and refusal_ok and report["ok"] and all(level["failed"] == 0 for level in levels)
 
 
 def summary(directory: Path) -> int:
@@ -479,13 +580,17 @@ def main(argv: list[str]) -> int:
         return 0 if greedy(Path(arguments[0]), arguments[1], Path(arguments[2]), Path(arguments[3]))["ok"] else 1
     elif command == "distribution":
         return 0 if distribution(arguments[0], Path(arguments[1]))["ok"] else 1
+    elif command == "budget":
+        return 0 if budget(Path(arguments[0]), arguments[1], Path(arguments[2]))["ok"] else 1
     elif command == "llmapi-run":
         llmapi_run(arguments[0], Path(arguments[1]), Path(arguments[2]), int(arguments[3]), Path(arguments[4]))
     elif command == "llmapi-compare":
         return 0 if llmapi_compare(Path(arguments[0]), Path(arguments[1]), Path(arguments[2]),
                                    Path(arguments[3])) else 1
     elif command == "twin-run":
-        twin_run(arguments[0], Path(arguments[1]), Path(arguments[2]))
+        sampled = "--sampled" in arguments[3:]
+        twin_run(arguments[0], Path(arguments[1]), Path(arguments[2]), arms=MEDUSA_ARMS if sampled else None,
+                 seed_offset=int(arguments[4]) if sampled else 0)
     elif command == "twin-compare":
         return 0 if twin_compare(Path(arguments[0]), Path(arguments[1]), Path(arguments[2]),
                                       Path(arguments[3])) else 1

@@ -35,7 +35,7 @@ def configs_read_once():
     from specdeploy.build import checkpoints
     from specdeploy.build.trtllm import engine_build as trtllm
 
-    read, seen = checkpoints.target_config, {}
+    read, seen = checkpoints.target_hf_config, {}
     with pytest.MonkeyPatch.context() as patch:
         def cached(pipeline):
             key = pipeline.target.checkpoint
@@ -43,8 +43,8 @@ def configs_read_once():
                 seen[key] = read(pipeline)
             return seen[key]
 
-        patch.setattr(checkpoints, "target_config", cached)
-        patch.setattr(trtllm, "target_config", cached)
+        patch.setattr(checkpoints, "target_hf_config", cached)  # target_config reads it too
+        patch.setattr(trtllm, "target_hf_config", cached)
         yield
 
 
@@ -64,7 +64,7 @@ def test_the_script_parses_and_its_dry_run_prints_every_step_and_runs_none(tmp_p
         name = f"smollm2-{method}-trtllm"
         steps = [line.split(": ")[1] for line in lines if line.startswith(f"[trtllm-check] {name}: ")]
         expected = ["variant", "build", "torch-build", "package", "serve", "ready", "greedy", "distribution",
-                    "speed", "stop the server (SIGTERM to its process group, then wait)"]
+                    "budget", "speed", "stop the server (SIGTERM to its process group, then wait)"]
         assert steps == expected, (method, steps)
         assert f"specdeploy build {out}/pipelines/{name}.yaml --engines-dir {out}/engines" in result.stdout
         assert f"specdeploy package {out}/pipelines/{name}.yaml" in result.stdout
@@ -368,6 +368,110 @@ def test_the_two_sample_test_passes_equal_samples_and_fails_biased_ones():
     assert p_value > check.DISTRIBUTION_P_VALUE and dof > 0 and tested > trials
     p_value, _, _ = check.homogeneity(samples(model, trials, 1), samples(biased, trials, 2), (1, 2))
     assert p_value < 1e-6
+
+
+MODEL = [[0.4, 0.3, 0.2, 0.1], [0.5, 0.25, 0.15, 0.1], [0.2, 0.3, 0.3, 0.2]]
+BIASED = [[0.4, 0.3, 0.2, 0.1], [0.75, 0.125, 0.075, 0.05], [0.2, 0.3, 0.3, 0.2]]  # token matching's p(2 − p)
+
+
+def served_steps(biased_arm: str | None, drafting_step: int = 1):
+    """A stand-in for the `speculative` model's streamed responses: four tokens from the toy model (the first from
+    the prefill, then one response a step), the speculative arm of `biased_arm` drawing from BIASED, and the drafts
+    counted from step `drafting_step` on (1: the step that makes the tested tokens)."""
+    check = helper()
+    labels = {json.dumps(fields, sort_keys=True): label for label, fields in
+              {**check.SAMPLED_ARMS, **check.MEDUSA_ARMS}.items()}
+
+    def generate_steps(url, prompt, max_tokens, stream, random_seed, num_draft_tokens, end_id, **fields):
+        assert stream and max_tokens == 4 and end_id == -1
+        arm = labels[json.dumps(fields, sort_keys=True)]
+        rows = BIASED if num_draft_tokens and arm == biased_arm else MODEL
+        (sequence,) = samples(rows, 1, random_seed)
+        tokens = [*sequence, 0]
+        return [([token], 2 * (num_draft_tokens > 0 and step >= drafting_step), 0)
+                for step, token in enumerate(tokens)]
+    return generate_steps
+
+
+@pytest.mark.parametrize("biased", [None, *load_script("trtllm_check").SAMPLED_ARMS])
+def test_each_sampling_arm_of_the_distribution_check_fails_on_a_planted_bias(tmp_path, monkeypatch, biased):
+    """Every arm the check samples (T 0.7 top-k 4; T 1.0 top-k 0; a penalty; top-p with a penalty) is a two-sample
+    test of its own at the check's trials: the arm whose speculative side draws from a biased rule fails, and so does
+    the whole check unless that arm is the reported-only top-p one; unbiased, every arm passes."""
+    check = helper()
+    monkeypatch.setattr(check, "generate_steps", served_steps(biased))
+    report = check.distribution("grpc", tmp_path / "distribution.json")
+    arms = {arm["arm"]: arm for arm in report["arms"]}
+    assert list(arms) == list(check.SAMPLED_ARMS)
+    for label, arm in arms.items():
+        assert arm["drafting"] == 1.0 and arm["tested"] > check.DISTRIBUTION_TRIALS
+        assert (arm["p_value"] < check.DISTRIBUTION_P_VALUE) == (label == biased), (label, arm["p_value"])
+    assert report["ok"] == (biased is None or biased in check.REPORTED_ONLY)
+    assert json.loads((tmp_path / "distribution.json").read_text()) == report
+
+
+def test_a_request_counts_as_drafted_only_where_the_tested_tokens_were_drafted(tmp_path, monkeypatch):
+    """Review M6: a request whose first drafts come after the tested positions decoded them plainly, so both sides
+    are plain there and the test could not see a broken rule; such requests do not count, and the check fails."""
+    check = helper()
+    monkeypatch.setattr(check, "DISTRIBUTION_TRIALS", 200)
+    monkeypatch.setattr(check, "generate_steps", served_steps(None, drafting_step=3))
+    report = check.distribution("grpc", tmp_path / "distribution.json", arms={"T 0.7, top-k 4": {
+        "temperature": 0.7, "top_k": 4}})
+    assert report["arms"][0]["drafting"] == 0.0 and not report["ok"]
+    assert not check.drafted_by([([5], 0, 0), ([6], 0, 0), ([7], 0, 0), ([8, 9], 2, 1)], 2)
+    assert check.drafted_by([([5], 0, 0), ([6, 7], 2, 1)], 2)
+
+
+def test_the_budget_check_fills_the_sequence_and_needs_one_more_refused():
+    check = helper()
+
+    def server(served: int, drafted: int = 4, refuses: bool = True):
+        def ask(max_tokens):
+            if max_tokens > 100 and refuses:
+                raise RuntimeError("max_tokens: the prompt and max_tokens exceed limits.max_sequence_length (2048)")
+            return list(range(min(max_tokens, served))), drafted, drafted // 2
+        return ask
+
+    assert check.budget_report(100, server(100))["ok"]
+    assert not check.budget_report(100, server(99))["ok"]  # cut short of the limit
+    assert not check.budget_report(100, server(100, drafted=0))["ok"]  # never drafted near the end
+    assert not check.budget_report(100, server(100, refuses=False))["ok"]  # past the limit served
+
+
+def test_medusa_twins_sample_at_what_its_engine_supports_and_a_bias_fails(tmp_path, monkeypatch):
+    """The Medusa slice's twin runs sample at MEDUSA_ARMS (T 1.0, top-k 4) from disjoint seeds, and the comparison
+    writes distribution.json: passing for equal rules, failing when the speculative twin's tokens are biased."""
+    check = helper()
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": "hello"}) + "\n")
+    def counted(url, prompt, max_tokens, **fields):
+        if url == "speculative" and fields.get("temperature") == 0.7:
+            raise RuntimeError("temperature: TensorRT-LLM's Medusa samples at temperature 1; send 1, got 0.7")
+        return list(range(max_tokens)), 4 if url == "speculative" else 0, 2
+
+    monkeypatch.setattr(check, "generate_counted", counted)
+
+    class Engine:
+        def encode_prompt(self, prompt):
+            return prompt
+
+        def generate(self, prompt, params, max_tokens, num_draft_tokens):
+            return type("Run", (), {"run": lambda run_self: list(range(max_tokens))})()
+
+    monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: Engine())
+    for biased in (None, "T 1.0, top-k 4"):
+        steps = served_steps(biased)
+        monkeypatch.setattr(check, "generate_steps", lambda url, *args, steps=steps, **fields: steps(
+            url, *args, num_draft_tokens=int(url == "speculative"), **fields))
+        for url, offset in (("speculative", 0), ("plain", 100000)):
+            check.twin_run(url, prompts, tmp_path / f"{url}.json", max_tokens=20, arms=check.MEDUSA_ARMS,
+                           seed_offset=offset)
+        results = tmp_path / "results"
+        passed = check.twin_compare(Path("smollm2-medusa.yaml"), tmp_path / "speculative.json",
+                                    tmp_path / "plain.json", results, max_tokens=20)
+        report = json.loads((results / "distribution.json").read_text())
+        assert passed == report["ok"] == (biased is None) and report["arms"][0]["drafting"] == 1.0
 
 
 def test_greedy_texts_agree_when_equal_or_parting_after_sixteen_tokens():
