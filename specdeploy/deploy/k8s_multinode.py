@@ -19,7 +19,8 @@ LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 # Not the Service's name: LWS creates its headless Service, named like the set, only where no Service of that name
 # exists (kubernetes-sigs/lws@060ab4da pkg/controllers/leaderworkerset_controller.go), and the pods' DNS names need it
 GROUP_NAME = f"{base.SERVER}-group"
-WORKER_PROBE_KEYS = ("startupProbe", "livenessProbe", "readinessProbe", "ports", "lifecycle")
+HOLD_EXIT_MARGIN = 5  # seconds a worker's hold leaves itself to exit before the kubelet's SIGKILL
+WORKER_PROBE_KEYS = ("startupProbe", "livenessProbe", "readinessProbe", "ports")
 
 
 def merged(document: dict, patch: dict) -> dict:
@@ -75,10 +76,12 @@ def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, l
     leader["spec"]["containers"][0]["startupProbe"] = base.probe("/v2/health/ready", 15,
                                                                  120 + GROUP_WAIT_SECONDS // 15)
     worker = merged(leader, {"metadata": {"labels": worker_labels}})
-    # Workers host the ranks the leader starts in them: no endpoint, no API access, and a PID 1 that exits on
-    # SIGTERM (sleep ignores it as PID 1, holding every rollout for the whole grace period)
+    # Workers host the ranks the leader starts in them: no endpoint, no API access, and a PID 1 that on SIGTERM
+    # waits for those ranks to end (the leader drains the group through mpirun; launch.py hold), after the same
+    # preStop pause as the leader's and within the same grace period
+    grace = leader["spec"]["terminationGracePeriodSeconds"]
     worker_container = {**worker["spec"]["containers"][0], "command": list(LAUNCHER),
-                        "args": ["hold"]}
+                        "args": ["hold", "--drain-timeout", str(grace - base.PRESTOP_SECONDS - HOLD_EXIT_MARGIN)]}
     worker_container.pop("env", None)
     worker_container["env"] = base.environment()
     for key in WORKER_PROBE_KEYS:

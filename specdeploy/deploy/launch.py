@@ -29,7 +29,12 @@ run [--group-selector S --group-size N] [--drain-timeout S] -- COMMAND...
      teardown only.
 hold
   Workers' PID 1: `sleep infinity` as PID 1 ignores SIGTERM (the kernel drops signals PID 1 has no handler for),
-  so every rollout waited out the whole grace period. hold exits 0 on SIGTERM or SIGINT.
+  so every rollout waited out the whole grace period. On SIGTERM or SIGINT hold waits until the tritonserver
+  processes in its pod (ranks the leader's mpirun started there) have exited, at most --drain-timeout, then exits 0.
+  LWS deletes the workers a few seconds after their leader (the leader pod owns the worker StatefulSet:
+  kubernetes-sigs/lws@060ab4da pkg/controllers/pod_controller.go), so a worker that exited at once took its ranks
+  down while the leader was still draining, and mpirun aborted the requests in flight. Waiting keeps them until
+  mpirun's teardown ends them, after the leader's drain.
 """
 
 from __future__ import annotations
@@ -252,14 +257,41 @@ def run(arguments: argparse.Namespace) -> int:
     return 0 if drained else status
 
 
-def hold() -> int:
+def processes_named(name: str) -> list[int]:
+    """Every live process called `name` in this PID namespace. A worker's ranks are not PID 1's children: the
+    leader's mpirun starts them through `kubectl exec`."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            matches = (entry / "comm").read_text().strip() == name
+        except OSError:
+            continue
+        if matches and alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found
+
+
+def hold(process: str, timeout_s: float) -> int:
+    """A worker pod's PID 1: wait for SIGTERM or SIGINT, then for the `process` processes it hosts to exit (at most
+    timeout_s), then exit 0. The leader drains the group through mpirun; a worker that exited at once would take its
+    ranks with it while the leader still serves, and mpirun would abort the requests in flight."""
     # Blocked signals are queued even for PID 1 (which drops those left at their default action), and sigwait
     # takes them off the queue without a handler's race between checking a flag and sleeping.
     stop = {signal.SIGTERM, signal.SIGINT}
     signal.pthread_sigmask(signal.SIG_BLOCK, stop)
     log("holding until SIGTERM or SIGINT")
     received = signal.sigwait(stop)
-    log(f"{signal.Signals(received).name} received: exiting")
+    running = processes_named(process)
+    log(f"{signal.Signals(received).name} received: waiting up to {timeout_s:g} s for the {process} processes here "
+        f"({', '.join(map(str, running)) or 'none'}) to exit")
+    deadline = time.monotonic() + timeout_s
+    while running and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        running = processes_named(process)
+    log(f"{process} still running (pids {', '.join(map(str, running))}): exiting anyway" if running
+        else "exiting")
     return 0
 
 
@@ -280,14 +312,18 @@ def parser() -> argparse.ArgumentParser:
     run_parser.add_argument("--drain-process", default="tritonserver", help="name of the processes to drain")
     run_parser.add_argument("--drain-rank", type=int, help="drain only this MPI rank (OMPI_COMM_WORLD_RANK)")
     run_parser.add_argument("command", nargs=argparse.REMAINDER, help="-- COMMAND [ARGS...]")
-    modes.add_parser("hold", help="sleep until SIGTERM or SIGINT, then exit 0")
+    hold_parser = modes.add_parser("hold", help="sleep until SIGTERM or SIGINT, wait for the hosted processes to "
+                                                "exit, then exit 0")
+    hold_parser.add_argument("--drain-process", default="tritonserver", help="name of the processes to wait for")
+    hold_parser.add_argument("--drain-timeout", type=float, default=60.0,
+                             help="seconds to wait for them after the signal")
     return main_parser
 
 
 def main(argv: list[str] | None = None) -> int:
     arguments = parser().parse_args(argv)
     if arguments.mode == "hold":
-        return hold()
+        return hold(arguments.drain_process, arguments.drain_timeout)
     if arguments.command[:1] == ["--"]:
         arguments.command = arguments.command[1:]
     if not arguments.command:

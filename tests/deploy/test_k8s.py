@@ -626,8 +626,9 @@ def test_job_lifecycle_is_bounded(rendered):
 
 def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rendered):
     """LeaderCreated (LeaderReady would create the workers only after a leader that needs them is Ready); the
-    leader's launcher waits for every pod with its group key before mpirun; workers hold on a PID 1 that exits on
-    SIGTERM and get no API token; the leader's token serves kubessh."""
+    leader's launcher waits for every pod with its group key before mpirun; workers hold on a PID 1 that, on
+    SIGTERM after the leader's preStop pause, waits for the ranks it hosts until just before the grace period ends
+    (the leader drains the group: review N2), and get no API token; the leader's token serves kubessh."""
     lws = one(rendered["multinode"], "LeaderWorkerSet")
     group = lws["spec"]["leaderWorkerTemplate"]
     assert lws["spec"]["startupPolicy"] == "LeaderCreated"
@@ -641,7 +642,12 @@ def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rend
     assert env["GROUP_KEY"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.labels['leaderworkerset.sigs.k8s.io/group-key']"
     held = serving_container(worker)
-    assert held["command"] + held["args"] == ["python3", "-m", "specdeploy.deploy.launch", "hold"]
+    assert held["command"] + held["args"][:2] == ["python3", "-m", "specdeploy.deploy.launch", "hold",
+                                                  "--drain-timeout"]
+    grace = worker["spec"]["terminationGracePeriodSeconds"]
+    assert grace == leader["spec"]["terminationGracePeriodSeconds"]
+    assert held["lifecycle"] == serving_container(leader)["lifecycle"]  # the same pause before SIGTERM
+    assert grace - 10 > int(held["args"][2]) >= grace - held["lifecycle"]["preStop"]["sleep"]["seconds"] - 10
     assert worker["spec"]["automountServiceAccountToken"] is False
     assert leader["spec"]["automountServiceAccountToken"] is True
     for documents in rendered.values():  # orchestrator mode runs under the launcher too, single-node mpirun alike

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -211,10 +212,38 @@ def test_drain_rank_drains_only_that_rank(pod):
 
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
-def test_hold_exits_promptly(pod, signum):
-    holder = launch(pod, "hold")
+def test_hold_exits_promptly_when_it_hosts_no_rank(pod, signum):
+    holder = launch(pod, "hold", "--drain-process", f"rank-{os.getpid()}")
     wait_for(lambda: "holding" in pod["log"].read_text())
     sent = time.monotonic()
     holder.send_signal(signum)
     assert holder.wait(5) == 0
     assert time.monotonic() - sent < 1.0
+
+
+def test_hold_keeps_the_worker_until_the_ranks_it_hosts_have_exited(pod):
+    """A worker's ranks were started by the leader's mpirun (no child of hold); on SIGTERM hold waits for them, so
+    the pod outlives them while the leader drains (review N2), and gives up at --drain-timeout."""
+    name = f"rank-{os.getpid()}"[:15]  # a process's comm: at most 15 characters
+    (pod["dir"] / name).symlink_to(shutil.which("sleep"))
+
+    def rank() -> subprocess.Popen:  # started apart from hold, as mpirun's orted starts it
+        process = subprocess.Popen([str(pod["dir"] / name), "30"], start_new_session=True)
+        pod["started"].append(process)
+        return process
+
+    hosted = rank()
+    holder = launch(pod, "hold", "--drain-process", name, "--drain-timeout", "20")
+    wait_for(lambda: "holding" in pod["log"].read_text())
+    holder.send_signal(signal.SIGTERM)
+    wait_for(lambda: f"({hosted.pid}) to exit" in pod["log"].read_text())
+    time.sleep(1.0)
+    assert holder.poll() is None  # still holding while the rank runs
+    hosted.kill()
+    hosted.wait()
+    assert holder.wait(5) == 0 and "exiting" in pod["log"].read_text()
+    late = rank()
+    bounded = launch(pod, "hold", "--drain-process", name, "--drain-timeout", "1")
+    wait_for(lambda: "holding" in pod["log"].read_text())
+    bounded.send_signal(signal.SIGTERM)
+    assert bounded.wait(5) == 0 and f"still running (pids {late.pid})" in pod["log"].read_text()
