@@ -3,14 +3,18 @@ building" from "the build has failed for good" without API access.
 
 `record` wraps one step of the build Job (`specdeploy build`, then `specdeploy package`): it appends a JSON line when
 the step starts and one when it fails, keyed by the pipeline file's SHA-256 and the Job's uid, and exits with the
-step's status (a SIGKILL from the OOM killer is recorded by this wrapper, which the step itself could not do).
-`wait` is the serving pods' init container: it returns once the package stamp records the pipeline's digest, and
+step's status. A SIGKILL of the step alone (the OOM killer on cgroup v1) is recorded by this wrapper; on cgroup v2
+the kubelet makes every container one OOM group (memory.oom.group, kubernetes@b94367ca pkg/kubelet/kuberuntime/
+kuberuntime_container_linux.go), so the wrapper dies with the step and records nothing: the wait's deadline ends
+that case.
+`wait` is the serving pods' init container: it returns once the package stamp records the pipeline's digest and
+this image's specdeploy and Triton model code (a new image waits for its own build Job's repository), and
 gives up with a message naming the failure once the newest Job of this pipeline has failed as often as its
 backoffLimit allows, or with exit status 2 (a configuration error: the Job's podFailurePolicy fails it at once).
 
     python3 -m specdeploy.deploy.build_journal record --journal J --pipeline P --job-uid UID --step build -- CMD...
     python3 -m specdeploy.deploy.build_journal wait --journal J --pipeline P --stamp S --backoff-limit 2
-Standard library only: it runs before anything else in the pod.
+It imports little beyond the standard library (the stamp's check): it runs before anything else in the pod.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import time
 from pathlib import Path
 
 from specdeploy.deploy.launch import exit_status
+from specdeploy.package.package_stamp import stale_for_this_code
 
 CONFIGURATION_ERROR = 2  # specdeploy's exit status for a bad pipeline or input: retrying cannot help
 INTERRUPTED = "interrupted"  # the pod was stopped (eviction, preemption, deletion): not the build's failure
@@ -106,12 +111,30 @@ def verdict(history: list[dict], backoff_limit: int) -> str | None:
     return None
 
 
-def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s: float) -> int:
+def stamp_state(stamp: Path, digest: str) -> str | None:
+    """None once the repository's stamp says this image packaged it from this pipeline, else why not yet."""
+    try:
+        recorded = json.loads(stamp.read_text())
+    except (OSError, ValueError):
+        return "no complete repository yet"
+    return stale_for_this_code(recorded, digest)
+
+
+def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s: float,
+         give_up_after_s: float | None = None) -> int:
+    """0 once the repository is this pipeline's and this image's; 1, naming why, once the journal shows the build
+    Job failed for good, or after give_up_after_s (the Job's activeDeadlineSeconds and a margin): by then the Job
+    has succeeded or failed whatever the journal holds. What the journal cannot show ends there: DeadlineExceeded
+    (the Job's pods deleted), an OOM kill that takes the wrapper too (on cgroup v2 the kubelet sets
+    memory.oom.group for every container), a Job never scheduled or whose image cannot be pulled."""
     digest = pipeline_digest(pipeline)
     said = None
+    started = time.monotonic()
     while True:
-        if stamp.is_file() and digest in stamp.read_text(errors="replace"):
-            print(f"the repository is packaged from this pipeline ({digest[:12]})", flush=True)
+        stale = stamp_state(stamp, digest)
+        if stale is None:
+            print(f"the repository is packaged from this pipeline ({digest[:12]}) by this image's specdeploy",
+                  flush=True)
             return 0
         history = entries(journal, digest)
         reason = verdict(history, backoff_limit)
@@ -119,9 +142,16 @@ def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s:
             print(f"giving up: {reason}. Read its logs (kubectl logs job/<name> --all-containers), fix the cause, "
                   f"delete the Job and apply again; journal: {journal}", file=sys.stderr, flush=True)
             return 1
-        state = "building" if history else "waiting for the build Job to start"
+        if give_up_after_s is not None and time.monotonic() - started > give_up_after_s:
+            print(f"giving up after {give_up_after_s:.0f} s, past the build Job's activeDeadlineSeconds: the Job "
+                  f"has ended without packaging this repository ({stale}). Its journal shows "
+                  f"{len(history)} entries; what it cannot show: DeadlineExceeded, an OOM kill of the whole "
+                  f"container, a pod never scheduled or an image that cannot be pulled. kubectl describe job/<name>, "
+                  f"fix the cause, delete the Job and apply again", file=sys.stderr, flush=True)
+            return 1
+        state = f"{'building' if history else 'waiting for the build Job to start'}: {stamp}: {stale}"
         if state != said:
-            print(f"{state}: {stamp} does not record pipeline {digest[:12]} yet", flush=True)
+            print(state, flush=True)
             said = state
         time.sleep(poll_s)
 
@@ -139,13 +169,14 @@ def main(argv: list[str] | None = None) -> int:
     commands.choices["wait"].add_argument("--stamp", type=Path, required=True)
     commands.choices["wait"].add_argument("--backoff-limit", type=int, required=True)
     commands.choices["wait"].add_argument("--poll", type=float, default=5.0)
+    commands.choices["wait"].add_argument("--give-up-after", type=float, help="seconds (the Job's deadline and more)")
     args = parser.parse_args(argv)
     if args.command == "record":
         step_command = args.step_command[1:] if args.step_command[:1] == ["--"] else args.step_command
         if not step_command:
             parser.error("record: give the step's command after --")
         return record(args.journal, args.pipeline, args.job_uid, args.step, step_command)
-    return wait(args.journal, args.pipeline, args.stamp, args.backoff_limit, args.poll)
+    return wait(args.journal, args.pipeline, args.stamp, args.backoff_limit, args.poll, args.give_up_after)
 
 
 if __name__ == "__main__":

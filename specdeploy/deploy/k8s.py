@@ -216,7 +216,7 @@ def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, opt
             "spec": {"terminationGracePeriodSeconds": base.PRESTOP_SECONDS + drain + EXIT_MARGIN + KILL_MARGIN
                      + (STOP_GRACE_S if under_launcher(command) else 0),
                      "initContainers": [{"name": "wait-for-repository",
-                                         "env": base.journal_environment(repository)}],
+                                         "env": base.wait_environment(repository, build_deadline_s(pipeline, size))}],
                      "containers": [container],
                      "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{size.shm_gib}Gi"}}],
                      **placement_spec}}

@@ -28,6 +28,8 @@ PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
 SERVER_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "server"}
 BUILD_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "engine-build"}
 PRESTOP_SECONDS = 10  # endpoints stop routing to a terminating pod before the server starts draining
+BUILD_DEADLINE_S = 3600  # the base build Job's activeDeadlineSeconds (overlays set their own)
+WAIT_MARGIN_S = 300  # the serving pods' wait outlasts the Job's deadline by this much
 BUILD_BACKOFF_LIMIT = 2  # retries of a failed build pod; the serving pods' wait gives up after as many failures + 1
 BUILD_TTL_SECONDS = 7 * 24 * 3600  # a finished build Job (and its logs) is kept a week, then removed
 QUEUE_COMPUTE_METRIC = "triton:queue_compute:ratio"
@@ -55,6 +57,13 @@ def journal_environment(repository: str = MODELS_DIR) -> list[dict]:
     set the repository's path."""
     return [{"name": "REPOSITORY", "value": repository}, {"name": "JOURNAL", "value": f"{repository}.build-journal"},
             {"name": "PIPELINE", "value": f"{PIPELINE_DIR}/{PIPELINE_KEY}"}]
+
+
+def wait_environment(repository: str, build_deadline_s: int) -> list[dict]:
+    """The wait's: the journal's, and how long it waits (the build Job's activeDeadlineSeconds and WAIT_MARGIN_S,
+    after which the Job has ended whatever the journal says)."""
+    return [*journal_environment(repository),
+            {"name": "GIVE_UP_AFTER", "value": str(build_deadline_s + WAIT_MARGIN_S)}]
 
 
 def mounts(pipeline: bool = True) -> list[dict]:
@@ -103,7 +112,7 @@ def build_job() -> dict:
 
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": BUILD_JOB, "labels": BUILD_LABELS},
             "spec": {"backoffLimit": BUILD_BACKOFF_LIMIT, "ttlSecondsAfterFinished": BUILD_TTL_SECONDS,
-                     "activeDeadlineSeconds": 3600,
+                     "activeDeadlineSeconds": BUILD_DEADLINE_S,
                      "podFailurePolicy": {"rules": [
                          {"action": "FailJob", "onExitCodes": {"operator": "In", "values": [2]}},
                          {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]}]},
@@ -141,8 +150,9 @@ def wait_container(repository: str = MODELS_DIR) -> dict:
     naming the failure, when the build journal shows that the Job has failed for good."""
     return {"name": "wait-for-repository", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
             "command": [*journal_command("wait"), "--stamp", f"$(REPOSITORY)/{STAMP_FILE}",
-                        "--backoff-limit", str(BUILD_BACKOFF_LIMIT)],
-            "env": journal_environment(repository), "volumeMounts": mounts(), "securityContext": container_security(),
+                        "--backoff-limit", str(BUILD_BACKOFF_LIMIT), "--give-up-after", "$(GIVE_UP_AFTER)"],
+            "env": wait_environment(repository, BUILD_DEADLINE_S), "volumeMounts": mounts(),
+            "securityContext": container_security(),
             "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}}}
 
 

@@ -30,10 +30,29 @@ def package_stamp(pipeline_file: Path, engine_dir: Path, served_at: Path, trtllm
     engine_dir = Path(engine_dir).resolve()
     files = {"pipeline_file": digest(Path(pipeline_file))}
     files.update({name: digest(engine_dir / name) for name in (MANIFEST_FILE, PIPELINE_FILE, MEASURED_POLICY_FILE)})
-    files.update({f"model_repo/{path.relative_to(MODEL_CODE)}": digest(path)
-                  for path in sorted(MODEL_CODE.rglob("*.py"))})
+    files.update(model_code_files())
     return {"specdeploy": specdeploy.__version__, "engine": str(engine_dir), "served_at": str(served_at),
             "trtllm_source": str(Path(trtllm_source).resolve()) if trtllm_source else None, "files": files}
+
+
+def model_code_files() -> dict[str, str | None]:
+    """The Triton model code this specdeploy copies into a repository, by its stamp key, with its digests."""
+    return {f"model_repo/{path.relative_to(MODEL_CODE)}": digest(path) for path in sorted(MODEL_CODE.rglob("*.py"))}
+
+
+def stale_for_this_code(stamp: dict, pipeline_digest: str) -> str | None:
+    """Why a repository stamped `stamp` is not what this specdeploy packages from the pipeline file whose digest is
+    `pipeline_digest` (another pipeline, another specdeploy version, other Triton model code), None when it is.
+    A serving pod of a new image must not start on a repository, and its model.py, that an older image packaged."""
+    if stamp.get("files", {}).get("pipeline_file") != pipeline_digest:
+        return f"it was packaged from another pipeline file than {pipeline_digest[:12]}"
+    if stamp.get("specdeploy") != specdeploy.__version__:
+        return f"it was packaged by specdeploy {stamp.get('specdeploy')}, this image has {specdeploy.__version__}"
+    code = model_code_files()
+    changed = sorted(name for name, value in code.items() if stamp["files"].get(name) != value)
+    if changed:
+        return f"its Triton model code differs from this image's ({', '.join(changed[:3])})"
+    return None
 
 
 def is_current(repository: Path, stamp: dict) -> bool:

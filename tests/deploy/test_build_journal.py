@@ -4,6 +4,7 @@ volume, and the serving pods' wait gives up once the newest Job of the pipeline 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -29,20 +30,21 @@ def record(volume: dict, job: str, *command: str) -> subprocess.CompletedProcess
                           capture_output=True, text=True, timeout=30)
 
 
-def wait(volume: dict, timeout: float = 1.5) -> subprocess.CompletedProcess | None:
+def wait(volume: dict, timeout: float = 1.5, *extra: str) -> subprocess.CompletedProcess | None:
     """The wait's result, or None while it still waits after `timeout` seconds."""
     try:
         return subprocess.run([*MODULE, "wait", "--journal", str(volume["journal"]), "--pipeline",
                                str(volume["pipeline"]), "--stamp", str(volume["stamp"]), "--backoff-limit", "2",
-                               "--poll", "0.2"], capture_output=True, text=True, timeout=timeout)
+                               "--poll", "0.2", *extra], capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:
         return None
 
 
-OOM_KILLED = ("python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+OOM_KILLED = ("python3", "-c", "import os, signal; os.kill(os.getpid(), signal.SIGKILL)")  # the step alone
 
 
 def test_a_killed_step_is_recorded_and_the_wait_gives_up_after_backoff_limit_plus_one_failures(volume):
+    """A step SIGKILLed alone (the OOM killer on cgroup v1) is recorded by its wrapper."""
     assert wait(volume) is None  # no Job yet: waiting
     for attempt in range(3):
         assert record(volume, "job-1", *OOM_KILLED).returncode == 137
@@ -63,16 +65,47 @@ def test_a_configuration_error_gives_up_at_once_and_a_new_job_waits_again(volume
     assert wait(volume) is None
 
 
-def test_the_stamp_of_this_pipeline_ends_the_wait_and_another_pipelines_does_not(volume):
+def test_only_this_pipelines_and_this_images_repository_ends_the_wait(volume):
+    """The stamp must record this pipeline file, this specdeploy and this image's Triton model code: pods of a new
+    image (an image-only rollout) wait for their own build Job's repository instead of loading the old model.py
+    (review N5)."""
     import hashlib
 
-    volume["stamp"].parent.mkdir(parents=True)
-    volume["stamp"].write_text(json.dumps({"pipeline_sha256": "0" * 64}))
-    assert wait(volume) is None
+    import specdeploy
+    from specdeploy.package.package_stamp import model_code_files
+
     digest = hashlib.sha256(volume["pipeline"].read_bytes()).hexdigest()
-    volume["stamp"].write_text(json.dumps({"pipeline_sha256": digest}))
+    current = {"specdeploy": specdeploy.__version__, "files": {"pipeline_file": digest, **model_code_files()}}
+    first_code = next(iter(model_code_files()))
+    volume["stamp"].parent.mkdir(parents=True)
+    for stale in ({**current, "files": {**current["files"], "pipeline_file": "0" * 64}},  # another pipeline
+                  {**current, "specdeploy": "0.0.1"},  # packaged by an older image
+                  {**current, "files": {**current["files"], first_code: "0" * 64}}):  # other model code
+        volume["stamp"].write_text(json.dumps(stale))
+        assert wait(volume) is None, stale
+    volume["stamp"].write_text(json.dumps(current))
     result = wait(volume)
     assert result is not None and result.returncode == 0
+
+
+def test_the_wait_gives_up_past_the_jobs_deadline_whatever_the_journal_holds(volume):
+    """What the journal cannot show: on cgroup v2 the OOM killer takes the wrapper with the step (one OOM group per
+    container), the Job's deadline deletes its pods, a pod is never scheduled. The journal then holds a start and
+    nothing more, and the wait ends once the Job's deadline (and a margin) has passed (review N3)."""
+    wrapper = subprocess.Popen([*MODULE, "record", "--journal", str(volume["journal"]), "--pipeline",
+                                str(volume["pipeline"]), "--job-uid", "job-1", "--step", "build", "--", "sleep", "30"],
+                               start_new_session=True)
+    deadline = time.monotonic() + 10
+    while not (volume["journal"].is_file() and volume["journal"].read_text()):
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    os.killpg(wrapper.pid, signal.SIGKILL)  # the container's whole OOM group: wrapper and step
+    wrapper.wait()
+    assert [json.loads(line)["event"] for line in volume["journal"].read_text().splitlines()] == ["start"]
+    assert wait(volume, 1.5) is None  # without a bound it would wait for good
+    result = wait(volume, 10, "--give-up-after", "1")
+    assert result is not None and result.returncode == 1
+    assert "past the build Job's activeDeadlineSeconds" in result.stderr and "OOM" in result.stderr
 
 
 def test_a_stopped_pod_is_not_counted_as_a_failure(volume):

@@ -621,7 +621,12 @@ def test_job_lifecycle_is_bounded(rendered):
         assert {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget"}]} in \
             job["podFailurePolicy"]["rules"]
         wait = server_templates(documents)[0]["spec"]["initContainers"][0]
-        assert wait["command"][-1] == str(base.BUILD_BACKOFF_LIMIT), name  # gives up after as many failures
+        command = wait["command"]
+        assert command[command.index("--backoff-limit") + 1] == str(base.BUILD_BACKOFF_LIMIT), name
+        # and past the Job's own deadline, after which the Job has ended whatever its journal shows (review N3)
+        assert command[command.index("--give-up-after") + 1] == "$(GIVE_UP_AFTER)", name
+        give_up = int(container_variables(wait)["GIVE_UP_AFTER"])
+        assert job["activeDeadlineSeconds"] < give_up <= job["activeDeadlineSeconds"] + 600, name
 
 
 def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rendered):

@@ -193,8 +193,30 @@ def run_command(step: Step, log: Path) -> None:
 
 
 def build_inputs(pipeline: PipelineSpec, final: Path) -> dict:
-    versions = {"specdeploy": specdeploy.__version__, "tensorrt_llm": TRTLLM_VERSION}
-    return fingerprint(pipeline, pipeline_sources(pipeline), versions, final)
+    return fingerprint(pipeline, pipeline_sources(pipeline), {"specdeploy": specdeploy.__version__,
+                                                              **installed_toolchain()}, final)
+
+
+def installed_toolchain() -> dict:
+    """What a built engine is valid for, as installed here: TensorRT-LLM's and TensorRT's versions (an engine
+    deserializes only under the TensorRT that built it) and the GPU (engines are not portable across GPU
+    architectures). An image rebuilt on a newer Triton base, or a build on another GPU, then rebuilds instead of
+    reusing engines its runtime cannot load. None where a part is not installed (a package's metadata missing)."""
+    import importlib.metadata
+
+    import torch
+
+    def version(distribution: str) -> str | None:
+        try:
+            return importlib.metadata.version(distribution)
+        except importlib.metadata.PackageNotFoundError:
+            return None
+
+    gpu = None
+    if torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability(0)
+        gpu = f"{torch.cuda.get_device_name(0)} (SM {major}{minor})"
+    return {"tensorrt_llm": version("tensorrt_llm"), "tensorrt": version("tensorrt"), "gpu": gpu}
 
 
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:

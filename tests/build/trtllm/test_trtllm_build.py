@@ -340,3 +340,26 @@ def test_medusa_on_a_target_with_rope_scaling_is_refused_and_draft_target_plans_
         trtllm.plan(medusa, tmp_path / "engines")
     steps, notes = trtllm.plan(load_pipeline(trtllm_pipeline(tmp_path / "dt", target)), tmp_path / "engines")
     assert steps and any(note.startswith("target: llama") for note in notes)
+
+
+def test_engines_are_keyed_on_the_installed_tensorrt_llm_and_gpu(double, tmp_path, tiny_checkpoints, monkeypatch):
+    """An image rebuilt on another TensorRT-LLM (or TensorRT) must rebuild its engines, not reuse ones its runtime
+    cannot deserialize (review N5): the build's fingerprint holds the installed versions and the GPU."""
+    import torch
+
+    path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"])
+    engines = tmp_path / "engines"
+    assert run_cli("build", str(path), "--engines-dir", str(engines)).returncode == 0
+    assert "up to date" in run_cli("build", str(path), "--engines-dir", str(engines)).stdout
+    newer = tmp_path / "site" / "tensorrt_llm-9.9.9.dist-info"
+    newer.mkdir(parents=True)
+    (newer / "METADATA").write_text("Metadata-Version: 2.1\nName: tensorrt_llm\nVersion: 9.9.9\n")
+    monkeypatch.syspath_prepend(str(newer.parent))  # run_cli runs the CLI in this process
+    again = run_cli("build", str(path), "--engines-dir", str(engines))
+    assert again.returncode == 0 and "up to date" not in again.stdout
+    manifest = json.loads((engines / "t" / "build_manifest.json").read_text())
+    assert json.dumps(manifest).count('"9.9.9"') >= 1
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert trtllm.installed_toolchain()["gpu"] == "NVIDIA H100 80GB HBM3 (SM 90)"
