@@ -265,6 +265,8 @@ def test_pods_run_hardened(rendered):
         for template in all_templates(documents):
             pod = template["spec"]["securityContext"]
             assert pod["runAsNonRoot"] and pod["runAsUser"] != 0, name
+            # no walk over every engine file at each pod start (review N13)
+            assert pod["fsGroupChangePolicy"] == "OnRootMismatch", name
             for container in containers(template):
                 context = container["securityContext"]
                 assert context["allowPrivilegeEscalation"] is False, (name, container["name"])
