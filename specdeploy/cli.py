@@ -528,7 +528,8 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
 @click.option("--gpu-product", default=None,
               help="trtllm (required): the nvidia.com/gpu.product label of the GPU nodes; the build Job and the "
                    "servers are pinned to it, since an engine runs only on the GPU type it was built on.")
-@click.option("--storage-class", default=None, help="The data volume's storage class (default: the cluster's).")
+@click.option("--storage-class", default=None, help="The data volume's storage class (default: the cluster's; "
+              "required for ReadWriteMany, which few default classes provide).")
 @click.option("--access-mode", type=click.Choice(["ReadWriteOnce", "ReadWriteMany"]), default=None,
               help="The data volume's access mode (default: ReadWriteOnce where one node serves, ReadWriteMany, "
                    "required, where a group spans nodes).")

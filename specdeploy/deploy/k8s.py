@@ -338,6 +338,7 @@ def checked_overlay(pipeline_path: Path, options: OverlayOptions) -> Overlay:
     prefix = checked_prefix(pipeline, pipeline_path)
     gpu_product = placement.checked_gpu_product(pipeline, options.gpu_product)
     mode = placement.access_mode(size, options.access_mode)
+    placement.check_shared_class(mode, options.storage_class)
     image = image_reference(pipeline, options.image)
     text = pipeline_path.read_text()
     pipeline_hash = hashlib.sha256(f"{text}\n{image_text(image)}".encode()).hexdigest()[:10]

@@ -90,6 +90,16 @@ def access_mode(size: PodSize, requested: str | None) -> str:
     return requested or READ_WRITE_ONCE
 
 
+def check_shared_class(mode: str, storage_class: str | None) -> None:
+    """SpecdeployError for a ReadWriteMany volume on the cluster's default class: few default classes provide it
+    (EBS allows ReadWriteMany for block volumes only, kubernetes-sigs/aws-ebs-csi-driver#2178), and such a claim
+    stays Pending with every pod that mounts it."""
+    if mode == READ_WRITE_MANY and storage_class is None:
+        raise SpecdeployError(f"the data volume must be {READ_WRITE_MANY} (every node of a group, or every replica, "
+                              f"mounts the engines), which the default storage class rarely provides: name one that "
+                              f"does with --storage-class (NFS, CephFS, EFS, Filestore, Azure Files)")
+
+
 def volume_gib(size: PodSize, build_copies: int) -> int:
     """The data volume: what a build writes (`build_copies` × the weights: engines, TensorRT-LLM checkpoints and any
     exported Hugging Face copy), twice, because a rebuild stages its new engine beside the old one it replaces,

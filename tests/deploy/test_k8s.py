@@ -681,11 +681,12 @@ def test_gpu_pods_are_guaranteed_and_pinned_to_the_gpu_product(rendered):
 
 def test_the_data_volume_fits_the_cluster_storage(rendered, tmp_path):
     """ReadWriteOnce where one node serves (with every pod of the pipeline on the volume's node), ReadWriteMany
-    where a group spans nodes; a storage class when given; the size holds a rebuild beside the old engines."""
+    where a group spans nodes, on a class named for it (the default class rarely provides ReadWriteMany: review
+    A3); a storage class when given; the size holds a rebuild beside the old engines."""
     for name, documents in rendered.items():
         claim = one(documents, "PersistentVolumeClaim")["spec"]
-        assert "storageClassName" not in claim
         many = name == "multinode"
+        assert claim.get("storageClassName") == ("nfs-client" if many else None), name
         assert claim["accessModes"] == ["ReadWriteMany" if many else "ReadWriteOnce"], name
         for template in all_templates(documents):
             colocated = template["spec"].get("affinity", {}).get("podAffinity")
@@ -700,6 +701,11 @@ def test_the_data_volume_fits_the_cluster_storage(rendered, tmp_path):
     with pytest.raises(SpecdeployError, match="spans 2 nodes.*ReadWriteMany"):
         write_overlay(REPO / OVERLAYS["multinode"][0], tmp_path,
                       OverlayOptions(**OVERLAYS["multinode"][1], access_mode="ReadWriteOnce"))
+    default_class = {**OVERLAYS["multinode"][1], "storage_class": None}
+    with pytest.raises(SpecdeployError, match="must be ReadWriteMany.*--storage-class"):
+        write_overlay(REPO / OVERLAYS["multinode"][0], tmp_path, OverlayOptions(**default_class))
+    with pytest.raises(SpecdeployError, match="--storage-class"):
+        write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path, OverlayOptions(access_mode="ReadWriteMany"))
 
 
 def test_monitoring_objects_are_selected_by_the_release_and_can_be_left_out(rendered, tmp_path):

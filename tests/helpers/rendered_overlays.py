@@ -29,7 +29,8 @@ OVERLAYS = {
     "gpu-eagle": ("pipelines/gpu/llama8b-eagle3.yaml", {"weights_gib": 15.8, "gpu_product": H100}),
     "gpu-lookahead": ("pipelines/gpu/llama8b-lookahead.yaml", {"weights_gib": 15, "gpu_product": H100}),
     "gpu-moe": ("pipelines/gpu/mixtral-draft-target.yaml", {"weights_gib": 111, "gpu_product": H100}),
-    "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755, "gpu_product": H100}),
+    "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755, "gpu_product": H100,
+                                                         "storage_class": "nfs-client"}),
 }
 FIELD_VALUES = {"metadata.labels['batch.kubernetes.io/controller-uid']": "job-uid-1"}  # the downward API's
 
