@@ -540,10 +540,12 @@ def twin_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_di
     sampled = speculative.get("samples") or {}
     arms = [arm_report(label, [tuple(s["ids"]) for s in samples], [tuple(s["ids"]) for s in plain["samples"][label]],
                        sum(s["drafted"] for s in samples) / len(samples)) for label, samples in sampled.items()]
-    report = distribution_report(arms, "speculative and plain twins") if arms else {"ok": True}
+    sampled_ok = True  # lookahead samples nothing: its refusal check stands for it
     if arms:
+        report = distribution_report(arms, "speculative and plain twins")
         (out_dir / "distribution.json").write_text(json.dumps(report, indent=2))
-    return greedy_report["ok"] and refusal_ok and report["ok"] and all(level["failed"] == 0 for level in levels)
+        sampled_ok = report["ok"]
+    return greedy_report["ok"] and refusal_ok and sampled_ok and all(level["failed"] == 0 for level in levels)
 
 
 def summary(directory: Path) -> int:

@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from specdeploy.deploy.launch import exit_status
-from specdeploy.package.package_stamp import stale_for_this_code
+from specdeploy.package.package_stamp import model_code_files, stale_for_this_code
 
 CONFIGURATION_ERROR = 2  # specdeploy's exit status for a bad pipeline or input: retrying cannot help
 INTERRUPTED = "interrupted"  # the pod was stopped (eviction, preemption, deletion): not the build's failure
@@ -111,13 +111,14 @@ def verdict(history: list[dict], backoff_limit: int) -> str | None:
     return None
 
 
-def stamp_state(stamp: Path, digest: str) -> str | None:
-    """None once the repository's stamp says this image packaged it from this pipeline, else why not yet."""
+def stamp_state(stamp: Path, digest: str, code: dict[str, str | None]) -> str | None:
+    """None once the repository's stamp says this image (its Triton model code: `code`) packaged it from this
+    pipeline, else why not yet."""
     try:
         recorded = json.loads(stamp.read_text())
     except (OSError, ValueError):
         return "no complete repository yet"
-    return stale_for_this_code(recorded, digest)
+    return stale_for_this_code(recorded, digest, code)
 
 
 def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s: float,
@@ -127,11 +128,11 @@ def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s:
     has succeeded or failed whatever the journal holds. What the journal cannot show ends there: DeadlineExceeded
     (the Job's pods deleted), an OOM kill that takes the wrapper too (on cgroup v2 the kubelet sets
     memory.oom.group for every container), a Job never scheduled or whose image cannot be pulled."""
-    digest = pipeline_digest(pipeline)
+    digest, code = pipeline_digest(pipeline), model_code_files()  # this image's code does not change while it waits
     said = None
     started = time.monotonic()
     while True:
-        stale = stamp_state(stamp, digest)
+        stale = stamp_state(stamp, digest, code)
         if stale is None:
             print(f"the repository is packaged from this pipeline ({digest[:12]}) by this image's specdeploy",
                   flush=True)

@@ -49,8 +49,9 @@ class ModelConfig:
         model only described, as TensorRT-LLM's builds do (rope_scaling then says what the config has)."""
         rope = getattr(hf_config, "rope_parameters", None) or {}
         theta = rope.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
-        if torch_engine and rope_scaling(hf_config) is not None:
-            raise SpecdeployError(f"rope scaling {rope.get('rope_type')!r} is not supported (allowed: default)")
+        scaling = rope_scaling(hf_config)
+        if torch_engine and scaling is not None:
+            raise SpecdeployError(f"rope scaling {scaling['rope_type']!r} is not supported (allowed: default)")
         eos = hf_config.eos_token_id
         eos = [eos] if isinstance(eos, int) else list(eos or [])
         head_dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads

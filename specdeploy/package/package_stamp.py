@@ -40,15 +40,15 @@ def model_code_files() -> dict[str, str | None]:
     return {f"model_repo/{path.relative_to(MODEL_CODE)}": digest(path) for path in sorted(MODEL_CODE.rglob("*.py"))}
 
 
-def stale_for_this_code(stamp: dict, pipeline_digest: str) -> str | None:
+def stale_for_this_code(stamp: dict, pipeline_digest: str, code: dict[str, str | None]) -> str | None:
     """Why a repository stamped `stamp` is not what this specdeploy packages from the pipeline file whose digest is
-    `pipeline_digest` (another pipeline, another specdeploy version, other Triton model code), None when it is.
-    A serving pod of a new image must not start on a repository, and its model.py, that an older image packaged."""
+    `pipeline_digest` (another pipeline, another specdeploy version, other Triton model code than `code`, which
+    model_code_files gives), None when it is. A serving pod of a new image must not start on a repository, and its
+    model.py, that an older image packaged."""
     if stamp.get("files", {}).get("pipeline_file") != pipeline_digest:
         return f"it was packaged from another pipeline file than {pipeline_digest[:12]}"
     if stamp.get("specdeploy") != specdeploy.__version__:
         return f"it was packaged by specdeploy {stamp.get('specdeploy')}, this image has {specdeploy.__version__}"
-    code = model_code_files()
     changed = sorted(name for name, value in code.items() if stamp["files"].get(name) != value)
     if changed:
         return f"its Triton model code differs from this image's ({', '.join(changed[:3])})"

@@ -102,8 +102,8 @@ def programs_compile_seconds(directory: Path) -> float | None:
     """Wall seconds the build spent compiling the engine's step programs (side by side, so less than the sum of
     each program's compile seconds), None when it compiled none."""
     record = read_record(directory) or {}
-    compiles = [entry for entry in record.get("components", {}).values() if "compile_seconds" in entry]
-    return record.get("compile_wall_seconds") if compiles else None
+    compiled = any("compile_seconds" in entry for entry in record.get("components", {}).values())
+    return record.get("compile_wall_seconds") if compiled else None
 
 
 def build_step_programs(pipeline: PipelineSpec, directory: Path, quiet: bool = False) -> dict:
@@ -162,10 +162,9 @@ def measure_programs(pipeline: PipelineSpec, directory: Path, compiled: dict[tup
             doing = "timing"
         else:
             entry, doing = next(iter(variants.values())), "compiling"
-        if failed(entry):
-            refuse_in_compiled_mode(entry, directory, component, doing, mode)
         record["components"][component] = entry
         if failed(entry):
+            refuse_in_compiled_mode(entry, directory, component, doing, mode)
             entry["kept"] = False
             why = "eager, " + entry["skipped"] if "skipped" in entry else f"{doing} failed, eager"
             progress.update(tasks[component], completed=1, total=1, description=f"[{pipeline.name}] {component}: {why}")
