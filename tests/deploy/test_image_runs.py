@@ -290,7 +290,8 @@ def test_the_cpu_overlay_runs_in_the_image(cpu_overlay, image, folders):
     job = Pod(one(cpu_overlay, "Job")["spec"]["template"], image, folders)
     build, package = job.spec["initContainers"][0], job.spec["containers"][0]
     first = [job.run(build), job.run(package)]
-    assert all(r.returncode == 0 for r in first), [f"{r.stdout[-1000:]}\n{r.stderr[-3000:]}" for r in first]
+    assert all(r.returncode == 0 for r in first), [f"exit status {r.returncode}\n{r.stdout[-1000:]}\n{r.stderr[-3000:]}"
+                                                   for r in first]
     assert "\nbuilt " in "\n" + first[0].stdout and first[1].stdout.startswith("wrote "), first[0].stdout[-2000:]
 
     deployment = Pod(one(cpu_overlay, "Deployment")["spec"]["template"], image, folders)
