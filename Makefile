@@ -65,15 +65,17 @@ lint: venv
 GPU_PRODUCT ?= NVIDIA-H100-80GB-HBM3
 # A class with ReadWriteMany filesystems for the multinode overlay (the NFS subdir provisioner's usual name)
 RWX_STORAGE_CLASS ?= nfs-client
+# The GPU overlays' image: the registry your GPU nodes pull build/Dockerfile.gpu's image from (a placeholder here)
+GPU_IMAGE ?= registry.example/specdeploy-gpu:0.1.0
 k8s: venv
 	rm -rf k8s/base k8s/monitoring k8s/overlays
 	$(VENV)/bin/specdeploy k8s pipelines/smollm2-draft-target.yaml --output k8s --name cpu
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama70b-draft-target.yaml --output k8s --name gpu-draft-target --weights-gib 134 --gpu-product $(GPU_PRODUCT)
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-medusa.yaml --output k8s --name gpu-medusa --weights-gib 15.3 --gpu-product $(GPU_PRODUCT)
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-eagle3.yaml --output k8s --name gpu-eagle --weights-gib 15.8 --gpu-product $(GPU_PRODUCT)
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-lookahead.yaml --output k8s --name gpu-lookahead --weights-gib 15 --gpu-product $(GPU_PRODUCT)
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/mixtral-draft-target.yaml --output k8s --name gpu-moe --weights-gib 111 --gpu-product $(GPU_PRODUCT)
-	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama405b-ngram.yaml --output k8s --name multinode --weights-gib 755 --gpu-product $(GPU_PRODUCT) --storage-class $(RWX_STORAGE_CLASS)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama70b-draft-target.yaml --output k8s --name gpu-draft-target --weights-gib 134 --gpu-product $(GPU_PRODUCT) --image $(GPU_IMAGE)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-medusa.yaml --output k8s --name gpu-medusa --weights-gib 15.3 --gpu-product $(GPU_PRODUCT) --image $(GPU_IMAGE)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-eagle3.yaml --output k8s --name gpu-eagle --weights-gib 15.8 --gpu-product $(GPU_PRODUCT) --image $(GPU_IMAGE)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama8b-lookahead.yaml --output k8s --name gpu-lookahead --weights-gib 15 --gpu-product $(GPU_PRODUCT) --image $(GPU_IMAGE)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/mixtral-draft-target.yaml --output k8s --name gpu-moe --weights-gib 111 --gpu-product $(GPU_PRODUCT) --image $(GPU_IMAGE)
+	$(VENV)/bin/specdeploy k8s pipelines/gpu/llama405b-ngram.yaml --output k8s --name multinode --weights-gib 755 --gpu-product $(GPU_PRODUCT) --image $(GPU_IMAGE) --storage-class $(RWX_STORAGE_CLASS)
 
 # The CPU image, built with podman (installed from Debian's packages when missing; as root) on a locally
 # bootstrapped bookworm base, with the host's pip settings: scripts/podman_image.py. About 3 minutes, 1.8 GB.

@@ -510,7 +510,8 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
               help="Writes OUTPUT/base, OUTPUT/monitoring and OUTPUT/overlays/NAME.")
 @click.option("--name", default=None, help="The overlay's folder name (default: the pipeline's name).")
 @click.option("--image", default=None, help="Image repository:tag or repository@sha256:digest (pin a digest in "
-              "production; default: specdeploy-cpu or specdeploy-gpu at this version).")
+              "production). Required for trtllm, naming the registry the GPU nodes pull from; default for torch: "
+              "specdeploy-cpu at this version, loaded into a local cluster.")
 @click.option("--namespace", default=OverlayOptions.namespace, show_default=True)
 @click.option("--weights-gib", type=click.FloatRange(min=0, min_open=True), default=None,
               help="The model's weights in GiB (default: estimated from the target's configuration; required when "
@@ -530,6 +531,10 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
                    "servers are pinned to it, since an engine runs only on the GPU type it was built on.")
 @click.option("--storage-class", default=None, help="The data volume's storage class (default: the cluster's; "
               "required for ReadWriteMany, which few default classes provide).")
+@click.option("--volume-read-gibps", type=click.FloatRange(min=0, min_open=True),
+              default=OverlayOptions.volume_read_gibps, show_default=True,
+              help="trtllm: GiB/s the data volume reads at; GPU servers' startup probes allow the engines' bytes at "
+                   "this rate (x1.5, at least 30 min). An EBS gp3 volume's baseline is 0.12.")
 @click.option("--access-mode", type=click.Choice(["ReadWriteOnce", "ReadWriteMany"]), default=None,
               help="The data volume's access mode (default: ReadWriteOnce where one node serves, ReadWriteMany, "
                    "required, where a group spans nodes).")
@@ -541,7 +546,8 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
               help="Where that Prometheus runs (the adapter's URL).")
 def k8s(pipeline_path: str, output: Path, name: str | None, image: str | None, namespace: str,
         weights_gib: float | None, gpus_per_node: int, longest_generation: int, draft_cost_ratio: float | None,
-        verify_cost_ratio: float, gpu_product: str | None, storage_class: str | None, access_mode: str | None,
+        verify_cost_ratio: float, gpu_product: str | None, storage_class: str | None, volume_read_gibps: float,
+        access_mode: str | None,
         monitoring: bool, prometheus_release: str, prometheus_namespace: str) -> None:
     """Write a kustomize overlay for the pipeline (and the shared base): the pipeline ConfigMap, the engine-build
     Job, the Triton Deployment (a LeaderWorkerSet across nodes), Service, PDB, NetworkPolicy, HPA, PodMonitor and
@@ -551,7 +557,8 @@ def k8s(pipeline_path: str, output: Path, name: str | None, image: str | None, n
     options = OverlayOptions(name=name, image=image, namespace=namespace, weights_gib=weights_gib,
                              gpus_per_node=gpus_per_node, longest_generation_s=longest_generation,
                              draft_cost_ratio=draft_cost_ratio, verify_cost_ratio=verify_cost_ratio,
-                             gpu_product=gpu_product, storage_class=storage_class, access_mode=access_mode,
+                             gpu_product=gpu_product, storage_class=storage_class,
+                             volume_read_gibps=volume_read_gibps, access_mode=access_mode,
                              monitoring=monitoring, prometheus_release=prometheus_release,
                              prometheus_namespace=prometheus_namespace)
     overlay = write_overlay(Path(pipeline_path), output, options)

@@ -34,18 +34,19 @@ from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, re
 from specdeploy.deploy.k8s_multinode import GROUP_NAME, group_disruption_budget, leader_worker_set
 from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.overlay_options import OverlayOptions
-from specdeploy.deploy.sizing import PodSize, check_node_span, pod_size
+from specdeploy.deploy.sizing import PodSize, check_node_span, engine_load_seconds, pod_size
 from specdeploy.errors import SpecdeployError
 from specdeploy.serve.tritonserver import EXIT_MARGIN, KILL_MARGIN
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 from specdeploy.speculative.speedup import break_even_tokens_per_step
 
 CHECKPOINTS_CLAIM = "specdeploy-checkpoints"  # the user's volume holding the checkpoints a pipeline names
-DEFAULT_IMAGES = {"torch": "specdeploy-cpu", "trtllm": "specdeploy-gpu"}
+CPU_IMAGE = "specdeploy-cpu"  # the CPU overlay's default: loaded into a local cluster (kind, minikube), never pulled
 KUSTOMIZATION = {"apiVersion": "kustomize.config.k8s.io/v1beta1", "kind": "Kustomization"}
 INSTANCE_LABEL = "app.kubernetes.io/instance"
 LONGEST_NAME = f"{base.BUILD_JOB}-0123456789"  # the build Job, named after the pipeline's hash
 DIGEST = re.compile(r"^sha256:[0-9a-f]{64}$")
+STARTUP_PERIOD_S = 15  # a GPU server's startup probe period
 MONITORING_KINDS = ("PodMonitor", "HorizontalPodAutoscaler")  # base objects left out by --no-monitoring
 
 
@@ -210,8 +211,10 @@ def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, opt
                  "resources": placement.server_resources(size)}
     if env:
         container["env"] = env
-    if pipeline.backend.kind == "trtllm":  # loading engines of tens of GB: up to 30 minutes
-        container["startupProbe"] = base.probe("/v2/health/ready", 15, 120)
+    if pipeline.backend.kind == "trtllm":  # loading engines of tens to hundreds of GB from the data volume
+        load_s = engine_load_seconds(size, options.volume_read_gibps)
+        container["startupProbe"] = base.probe("/v2/health/ready", STARTUP_PERIOD_S,
+                                               math.ceil(load_s / STARTUP_PERIOD_S))
     return {"metadata": {"annotations": {"specdeploy.dev/pipeline": pipeline_hash}},
             "spec": {"terminationGracePeriodSeconds": base.PRESTOP_SECONDS + drain + EXIT_MARGIN + KILL_MARGIN
                      + (STOP_GRACE_S if under_launcher(command) else 0),
@@ -248,12 +251,20 @@ def with_pod_build(overlay: Overlay, pod: dict) -> dict:
 
 def image_reference(pipeline: PipelineSpec, image: str | None) -> dict:
     """kustomize's `images` entry for `--image`: repository:tag (a pinned tag) or repository@sha256:digest (what
-    production should pin: a tag can be moved, a digest cannot)."""
-    reference = image or f"{DEFAULT_IMAGES[pipeline.backend.kind]}:{specdeploy.__version__}"
+    production should pin: a tag can be moved, a digest cannot). A GPU cluster's nodes pull their image from a
+    registry, so a trtllm pipeline needs `--image` naming one (review N15: a bare default name could not be pulled)."""
+    gpu = pipeline.backend.kind == "trtllm"
+    if image is None and gpu:
+        raise SpecdeployError("--image is required for a trtllm pipeline: GPU nodes pull the serving image from a "
+                              "registry. Build build/Dockerfile.gpu, push it where the cluster pulls from, and pass "
+                              "--image REGISTRY/specdeploy-gpu@sha256:<digest> (or REGISTRY/specdeploy-gpu:<tag>)")
+    reference = image or f"{CPU_IMAGE}:{specdeploy.__version__}"
     if "@" in reference:
         name, _, digest = reference.partition("@")
         if not name or not DIGEST.match(digest):
             raise SpecdeployError(f"--image {reference!r}: a digest reference is repository@sha256:<64 hex digits>")
+        if gpu:
+            check_pullable(reference, name)
         return {"name": base.IMAGE, "newName": name, "digest": digest}
     name, _, tag = reference.rpartition(":")
     if not name or "/" in tag:
@@ -261,7 +272,17 @@ def image_reference(pipeline: PipelineSpec, image: str | None) -> dict:
                               f"repository@sha256:digest")
     if tag == "latest":
         raise SpecdeployError(f"--image {reference!r}: the tag latest is refused (pin a version or a digest)")
+    if gpu:
+        check_pullable(reference, name)
     return {"name": base.IMAGE, "newName": name, "newTag": tag}
+
+
+def check_pullable(reference: str, name: str) -> None:
+    """A name with no registry or namespace in it is Docker Hub's official library (docker.io/library/NAME), where
+    no specdeploy image lives: on GPU nodes it could only fail with ErrImagePull."""
+    if "/" not in name:
+        raise SpecdeployError(f"--image {reference!r}: a trtllm pipeline's image must name the registry the GPU "
+                              f"nodes pull from, REGISTRY/{name}; a bare name means Docker Hub's library")
 
 
 def image_text(entry: dict) -> str:
@@ -295,7 +316,7 @@ class Overlay:
     size: PodSize
     prefix: str  # every object's name prefix
     image: dict  # kustomize's `images` entry
-    pipeline_hash: str  # of the pipeline file and the image: a change rolls the servers and names a new build Job
+    pipeline_hash: str  # of the pipeline file and the image: a change rolls the servers (and names a new build Job)
     gpu_product: str | None  # the GPU nodes' product label the pods are pinned to
     access_mode: str  # the data volume's
     build_memory_gib: int
@@ -351,8 +372,9 @@ def server_files(overlay: Overlay) -> dict[str, Manifest]:
     pod = server_pod_patch(overlay.pipeline, overlay.repository, overlay.size, overlay.options, overlay.pipeline_hash,
                            overlay.placement)
     if overlay.builds_in_pod:
-        # The build's deadline, then loading the engines (the startup probe's 30 minutes)
-        deadline = build_deadline_s(overlay.pipeline, overlay.size) + 1800
+        # The build's deadline, then loading the engines (the startup probe's allowance)
+        deadline = build_deadline_s(overlay.pipeline, overlay.size) + engine_load_seconds(
+            overlay.size, overlay.options.volume_read_gibps)
         return {"deployment.yaml": Manifest(deployment_patch(with_pod_build(overlay, pod), overlay.rollout, deadline))}
     if overlay.size.nodes == 1:
         return {"deployment.yaml": Manifest(deployment_patch(pod))}
@@ -389,6 +411,19 @@ def group_patches(overlay: Overlay) -> list[dict]:
     return patches
 
 
+def overlay_build_job(overlay: Overlay) -> dict:
+    return build_job_patch(overlay.pipeline, overlay.repository, overlay.size, overlay.build_memory_gib,
+                           overlay.placement)
+
+
+def build_job_hash(overlay: Overlay) -> str:
+    """The build Job's name suffix: a hash of the pipeline, the image and the whole Job as written (the base's and
+    the overlay's), since a Job's pod template cannot be changed in place (kubernetes review N8): another
+    --gpu-product, --weights-gib or version of the Job gets a new Job, not a rejected apply."""
+    job = yaml.safe_dump([base.build_job(), overlay_build_job(overlay)], sort_keys=True)
+    return hashlib.sha256(f"{overlay.pipeline_hash}\n{job}".encode()).hexdigest()[:10]
+
+
 def kustomization(overlay: Overlay) -> Manifest:
     """The overlay's kustomization.yaml: the base, the overlay's objects and patches, its names and labels."""
     options, size, multinode = overlay.options, overlay.size, overlay.size.nodes > 1
@@ -402,7 +437,7 @@ def kustomization(overlay: Overlay) -> Manifest:
     else:
         patches += [{"path": "build-job.yaml"}, {"path": "pvc.yaml"},
                     json_patch("Job", base.BUILD_JOB, [{"op": "replace", "path": "/metadata/name",
-                                                        "value": f"{base.BUILD_JOB}-{overlay.pipeline_hash}"}])]
+                                                        "value": f"{base.BUILD_JOB}-{build_job_hash(overlay)}"}])]
     if options.monitoring:
         resources.append("prometheusrule.yaml")
     patches.append({"path": "podmonitor.yaml" if options.monitoring else "monitoring-delete.yaml"})
@@ -434,8 +469,7 @@ def overlay_files(overlay: Overlay) -> dict[str, Manifest]:
             delete_patch("Job", "batch/v1", base.BUILD_JOB),
             delete_patch("NetworkPolicy", "networking.k8s.io/v1", base.BUILD_JOB)])}
     else:
-        build = {"build-job.yaml": Manifest(build_job_patch(pipeline, overlay.repository, size,
-                                                            overlay.build_memory_gib, overlay.placement))}
+        build = {"build-job.yaml": Manifest(overlay_build_job(overlay))}
     files = {**build,
              "pvc.yaml": Manifest(placement.data_claim_patch(size, overlay.access_mode, options.storage_class,
                                                              build_copies(pipeline))),

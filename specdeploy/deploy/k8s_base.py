@@ -25,12 +25,15 @@ PIPELINE_DIR = "/etc/specdeploy"
 PIPELINE_KEY = "pipeline.yaml"
 UID = 10001  # the images' user (build/Dockerfile.*)
 PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+# gRPC is HTTP/2 in clear text: Gateway and Ingress implementations proxy it as such only when told (review N10)
+APP_PROTOCOLS = {"grpc": "kubernetes.io/h2c"}
 SERVER_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "server"}
 BUILD_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "engine-build"}
 PRESTOP_SECONDS = 10  # endpoints stop routing to a terminating pod before the server starts draining
 BUILD_DEADLINE_S = 3600  # the base build Job's activeDeadlineSeconds (overlays set their own)
 WAIT_MARGIN_S = 300  # the serving pods' wait outlasts the Job's deadline by this much
 BUILD_BACKOFF_LIMIT = 2  # retries of a failed build pod; the serving pods' wait gives up after as many failures + 1
+MAX_REPLICAS = 4  # the autoscaler's (overlays lower it where one node must hold every pod)
 BUILD_TTL_SECONDS = 7 * 24 * 3600  # a finished build Job (and its logs) is kept a week, then removed
 QUEUE_COMPUTE_METRIC = "triton:queue_compute:ratio"
 WAITING_METRIC = "specdeploy_waiting_requests"
@@ -179,7 +182,8 @@ def deployment() -> dict:
 def service() -> dict:
     return {"apiVersion": "v1", "kind": "Service", "metadata": {"name": SERVER, "labels": SERVER_LABELS},
             "spec": {"type": "ClusterIP", "selector": SERVER_LABELS,
-                     "ports": [{"name": name, "port": port, "targetPort": name, "protocol": "TCP"}
+                     "ports": [{"name": name, "port": port, "targetPort": name, "protocol": "TCP",
+                                **({"appProtocol": APP_PROTOCOLS[name]} if name in APP_PROTOCOLS else {})}
                                for name, port in PORTS.items()]}}
 
 
@@ -214,7 +218,7 @@ def autoscaler() -> dict:
     signal (above 1 per pod on average). The HPA follows whichever asks for more replicas."""
     return {"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": {"name": SERVER},
             "spec": {"scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": SERVER},
-                     "minReplicas": 1, "maxReplicas": 4,
+                     "minReplicas": 1, "maxReplicas": MAX_REPLICAS,
                      "metrics": [pods_metric(QUEUE_COMPUTE_METRIC, "1000m"), pods_metric(WAITING_METRIC, "1")],
                      "behavior": {"scaleDown": {"stabilizationWindowSeconds": 300}}}}
 

@@ -21,6 +21,35 @@ LWS_NAME_LABEL = "leaderworkerset.sigs.k8s.io/name"
 GROUP_NAME = f"{base.SERVER}-group"
 HOLD_EXIT_MARGIN = 5  # seconds a worker's hold leaves itself to exit before the kubelet's SIGKILL
 WORKER_PROBE_KEYS = ("startupProbe", "livenessProbe", "readinessProbe", "ports")
+LAUNCHER_ACCOUNT = "mpi-launcher"  # the leader's alone: the build Job and the workers keep the base's, with no Role
+MAX_SURGE = 1  # groups a rolling update adds beside the autoscaler's maximum
+
+
+def worker_pod_names(set_name: str, nodes: int, groups: int = base.MAX_REPLICAS + MAX_SURGE) -> list[str]:
+    """Every worker pod name the set can have: group i's leader pod is `<set>-<i>` and its workers, a StatefulSet
+    named after the leader pod with ordinals from 1, are `<set>-<i>-<j>` (kubernetes-sigs/lws@060ab4da
+    pkg/controllers/pod_controller.go); a rolling update adds groups at indices up to replicas + maxSurge - 1
+    (leaderworkerset_controller.go). The autoscaler's maximum bounds the replicas."""
+    return [f"{set_name}-{group}-{worker}" for group in range(groups) for worker in range(1, nodes)]
+
+
+def launcher_role(set_name: str, nodes: int) -> list[dict]:
+    """The leader's account, and a Role that lets it exec into its set's workers only. `list` on pods cannot be
+    narrowed by name (the group wait lists by label); `get` and exec can. Exec needs `create`, and `get` where a
+    WebSocket exec is authorized by its GET (Kubernetes before 1.35's AuthorizePodWebsocketUpgradeCreatePermission,
+    kubernetes/website content/en/docs/reference/command-line-tools-reference/feature-gates)."""
+    workers = worker_pod_names(set_name, nodes)
+    account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": LAUNCHER_ACCOUNT},
+               "automountServiceAccountToken": False}
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "mpi"},
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+                      {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"], "resourceNames": workers},
+                      {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"],
+                       "resourceNames": workers}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "mpi"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "mpi"},
+               "subjects": [{"kind": "ServiceAccount", "name": LAUNCHER_ACCOUNT}]}
+    return [account, role, binding]
 
 
 def merged(document: dict, patch: dict) -> dict:
@@ -69,12 +98,14 @@ def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, l
     leader = prefixed_references(merged({"metadata": {"labels": leader_labels}, "spec": base.server_pod()},
                                         pod_patch), prefix)
     leader["spec"]["automountServiceAccountToken"] = True
+    leader["spec"]["serviceAccountName"] = prefix + LAUNCHER_ACCOUNT
     leader["metadata"]["annotations"] = {**leader["metadata"].get("annotations", {}),
                                          "checkov.io/skip1": "CKV_K8S_38=kubessh: the leader's mpirun runs kubectl "
                                                              "exec into its workers"}
     # The leader waits for its group before loading the engines: its startup probe covers both
-    leader["spec"]["containers"][0]["startupProbe"] = base.probe("/v2/health/ready", 15,
-                                                                 120 + GROUP_WAIT_SECONDS // 15)
+    loading = leader["spec"]["containers"][0]["startupProbe"]
+    leader["spec"]["containers"][0]["startupProbe"] = {
+        **loading, "failureThreshold": loading["failureThreshold"] + GROUP_WAIT_SECONDS // loading["periodSeconds"]}
     worker = merged(leader, {"metadata": {"labels": worker_labels}})
     # Workers host the ranks the leader starts in them: no endpoint, no API access, and a PID 1 that on SIGTERM
     # waits for those ranks to end (the leader drains the group through mpirun; launch.py hold), after the same
@@ -94,7 +125,8 @@ def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, l
                                                              "ends with it; the ranks it hosts are watched by the "
                                                              "leader's mpirun and liveness probe, and any pod's "
                                                              "restart recreates the group"}
-    worker["spec"] = {**worker["spec"], "automountServiceAccountToken": False, "containers": [worker_container]}
+    worker["spec"] = {**worker["spec"], "serviceAccountName": prefix + base.SERVICE_ACCOUNT,
+                      "automountServiceAccountToken": False, "containers": [worker_container]}
     del worker["spec"]["initContainers"]
     for template in (leader, worker):
         for container in template["spec"].get("initContainers", []) + template["spec"]["containers"]:
@@ -103,21 +135,16 @@ def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, l
            "metadata": {"name": GROUP_NAME, "labels": base.SERVER_LABELS},
            "spec": {"startupPolicy": "LeaderCreated",  # no replicas: the HPA owns the count (default 1)
                     "rolloutStrategy": {"type": "RollingUpdate",
-                                        "rollingUpdateConfiguration": {"maxUnavailable": 0, "maxSurge": 1}},
+                                        "rollingUpdateConfiguration": {"maxUnavailable": 0,
+                                                                       "maxSurge": MAX_SURGE}},
                     "leaderWorkerTemplate": {"size": size.nodes, "restartPolicy": "RecreateGroupOnPodRestart",
                                              "leaderTemplate": leader, "workerTemplate": worker}}}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "mpi"},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list"]},
-                      {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create"]}]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "mpi"},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "mpi"},
-               "subjects": [{"kind": "ServiceAccount", "name": base.SERVICE_ACCOUNT}]}
     group = {LWS_NAME_LABEL: prefix + GROUP_NAME}
     # MPI and NCCL between a group's pods use ports of their own choosing
     group_traffic = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": "group"},
                      "spec": {"podSelector": {"matchLabels": group}, "policyTypes": ["Ingress"],
                               "ingress": [{"from": [{"podSelector": {"matchLabels": group}}]}]}}
-    return [lws, role, binding, group_traffic]
+    return [lws, *launcher_role(prefix + GROUP_NAME, size.nodes), group_traffic]
 
 
 def group_disruption_budget(prefix: str) -> dict:

@@ -30,8 +30,6 @@ from specdeploy.deploy import k8s_placement as placement
 from specdeploy.deploy.sizing import PodSize
 from specdeploy.spec.pipeline import PipelineSpec
 
-MAX_REPLICAS = 4  # the base autoscaler's maximum, where the node leaves more room
-
 
 @dataclass(frozen=True)
 class Rollout:
@@ -55,7 +53,7 @@ def rollout(size: PodSize, gpus_per_node: int) -> Rollout:
     the ones it waits for: at most `slots` pods of size.gpus fit, the maximum leaves one slot for the surge pod."""
     slots = gpus_per_node // size.gpus
     if slots >= 2:
-        return Rollout(max_surge=1, max_unavailable=0, max_replicas=min(MAX_REPLICAS, slots - 1))
+        return Rollout(max_surge=1, max_unavailable=0, max_replicas=min(base.MAX_REPLICAS, slots - 1))
     return Rollout(max_surge=0, max_unavailable=1, max_replicas=1)
 
 

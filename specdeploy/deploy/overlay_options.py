@@ -18,6 +18,7 @@ class OverlayOptions:
     verify_cost_ratio: float = 1.1  # v
     gpu_product: str | None = None  # the nvidia.com/gpu.product label value engines are built and served on
     storage_class: str | None = None  # the data volume's class (default: the cluster's default class)
+    volume_read_gibps: float = 0.25  # the rate engines are read from the data volume (GPU startup probes)
     access_mode: str | None = None  # ReadWriteOnce / ReadWriteMany (default: by how many nodes a group spans)
     monitoring: bool = True  # PodMonitor, PrometheusRule and the HPA (need prometheus-operator's CRDs)
     prometheus_release: str = "prometheus"  # kube-prometheus-stack's Helm release, which selects by `release`

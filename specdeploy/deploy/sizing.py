@@ -18,6 +18,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 INT4_BYTES = 0.5
 RUNTIME_GIB = 1.5  # the interpreter, torch, Triton and its Python backend stubs
 GPU_HOST_GIB_PER_GPU = 8  # host memory per GPU on the GPU overlays (Triton's TensorRT-LLM tutorials use 8 GiB per CPU)
+LOAD_FLOOR_S = 1800  # the least a GPU server's startup probe allows for loading its engines
+LOAD_MARGIN = 1.5  # deserialising the engines and copying them to the GPUs, on top of reading them
 
 
 def parameters(config: ModelConfig) -> int:
@@ -115,6 +117,14 @@ def pod_size(pipeline: PipelineSpec, target: ModelConfig | None, weights_gib: fl
     return PodSize(gpus=gpus, nodes=nodes, weights_gib=weights_gib, kv_gib=0.0, memory_request_gib=request,
                    memory_limit_gib=math.ceil(request * 1.25), cpu_request=max(4, gpus), cpu_limit=max(8, 2 * gpus),
                    shm_gib=max(2, 2 * gpus))
+
+
+def engine_load_seconds(size: PodSize, read_gibps: float) -> int:
+    """How long a GPU server's startup may take to load its engines: every engine byte read from the data volume at
+    `read_gibps`, with LOAD_MARGIN, and at least LOAD_FLOOR_S. The whole model's bytes, not one pod's share: the
+    pods of a group read one shared volume at once, whose server bounds the rate they share. A 405B model's
+    755 GiB at 0.25 GiB/s takes 50 minutes to read, past the 30 minutes once allowed (kubernetes review B7)."""
+    return max(LOAD_FLOOR_S, math.ceil(size.weights_gib / read_gibps * LOAD_MARGIN))
 
 
 def check_node_span(pipeline: PipelineSpec, size: PodSize, gpus_per_node: int, where: object) -> None:

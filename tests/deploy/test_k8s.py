@@ -42,9 +42,11 @@ from helpers.rendered_overlays import (
 )
 from helpers.repo import REPO
 
+import specdeploy
 from specdeploy.build.trtllm.plan import build_workers
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.k8s import OverlayOptions, write_overlay
+from specdeploy.deploy.k8s_commands import GROUP_WAIT_SECONDS
 from specdeploy.deploy.k8s_monitoring import adapter_values
 from specdeploy.errors import SpecdeployError
 from specdeploy.serve.tritonserver import free_port
@@ -200,6 +202,8 @@ def test_probes_ports_and_shared_memory_of_the_serving_container(rendered):
         triton = serving_container(template)
         assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {"http": 8000, "grpc": 8001,
                                                                              "metrics": 8002}, name
+        service_ports = {p["name"]: p for p in one(documents, "Service")["spec"]["ports"]}
+        assert service_ports["grpc"]["appProtocol"] == "kubernetes.io/h2c", name  # review N10
         for probe, path in (("startupProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live"),
                             ("readinessProbe", "/v2/health/ready")):
             assert triton[probe]["httpGet"]["path"] == path, (name, probe)
@@ -209,6 +213,29 @@ def test_probes_ports_and_shared_memory_of_the_serving_container(rendered):
         assert volumes[shm["name"]]["emptyDir"]["medium"] == "Memory", name
         data = next(m for m in triton["volumeMounts"] if m["mountPath"] == base.DATA_DIR)
         assert volumes[data["name"]]["persistentVolumeClaim"]["claimName"] == prefixed(base.DATA_CLAIM, name)
+
+
+def startup_allowance_s(container: dict) -> int:
+    probe = container["startupProbe"]
+    return probe["periodSeconds"] * probe["failureThreshold"]
+
+
+def test_a_gpu_servers_startup_probe_covers_reading_its_engines(rendered, tmp_path):
+    """Review B7: a GPU server may take as long to start as reading every engine byte from the data volume at
+    --volume-read-gibps (plus the group wait across nodes), and at least 30 minutes. The 405B group's 755 GiB at
+    0.25 GiB/s is 50 minutes of reading alone: the 30 + 20 minutes allowed before would have restarted it."""
+    for name, (_, options) in OVERLAYS.items():
+        if "weights_gib" not in options:
+            continue
+        triton = serving_container(server_templates(rendered[name])[0])
+        group_wait = GROUP_WAIT_SECONDS if name == "multinode" else 0
+        reading = options["weights_gib"] / OverlayOptions.volume_read_gibps
+        assert startup_allowance_s(triton) >= max(1800, reading) + group_wait, name
+    assert startup_allowance_s(serving_container(server_templates(rendered["multinode"])[0])) > 3000 + 1200
+    pipeline, options = OVERLAYS["multinode"]
+    slow = write_overlay(REPO / pipeline, tmp_path, OverlayOptions(**options, volume_read_gibps=0.125))
+    leader = one(kustomize(slow), "LeaderWorkerSet")["spec"]["leaderWorkerTemplate"]["leaderTemplate"]
+    assert startup_allowance_s(serving_container(leader)) >= 755 / 0.125 + GROUP_WAIT_SECONDS
 
 
 def test_orchestrator_mode_keeps_triton_off_the_workers_gpus(rendered):
@@ -631,6 +658,21 @@ def test_job_lifecycle_is_bounded(rendered):
         assert job["activeDeadlineSeconds"] < give_up <= job["activeDeadlineSeconds"] + 600, name
 
 
+def test_a_changed_build_job_gets_a_new_name(tmp_path):
+    """Review N8: a Job's pod template is immutable, so a Job regenerated with other resources or placement under
+    its old name fails `kubectl apply` until the old one's TTL ends. The name follows the whole Job."""
+    pipeline, options = OVERLAYS["multinode"]
+
+    def job_name(folder: str, **changes) -> str:
+        overlay = write_overlay(REPO / pipeline, tmp_path / folder, OverlayOptions(**{**options, **changes}))
+        return one(kustomize(overlay), "Job")["metadata"]["name"]
+
+    same = job_name("a")
+    assert job_name("b") == same
+    assert job_name("c", weights_gib=800) != same  # the Job's memory
+    assert job_name("d", gpu_product="NVIDIA-A100-SXM4-80GB") != same  # its node affinity
+
+
 def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rendered):
     """LeaderCreated (LeaderReady would create the workers only after a leader that needs them is Ready); the
     leader's launcher waits for every pod with its group key before mpirun; workers hold on a PID 1 that, on
@@ -661,6 +703,31 @@ def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rend
         triton = serving_container(server_templates(documents)[0])
         if "mpirun" in triton["command"]:
             assert triton["command"][:4] == ["python3", "-m", "specdeploy.deploy.launch", "run"]
+
+
+def test_the_leader_alone_may_exec_and_only_into_its_sets_workers(rendered):
+    """Review N12: the Role's exec is narrowed by name to the worker pods LWS can create (`<set>-<group>-<worker>`
+    for every group the autoscaler and a surge can make), and only the leader's own account is bound to it: the
+    build Job and the workers keep an account with no Role."""
+    documents = rendered["multinode"]
+    lws = one(documents, "LeaderWorkerSet")
+    group = lws["spec"]["leaderWorkerTemplate"]
+    leader = group["leaderTemplate"]
+    groups = one(documents, "HorizontalPodAutoscaler")["spec"]["maxReplicas"] + \
+        lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["maxSurge"]
+    workers = {f"{lws['metadata']['name']}-{i}-{j}" for i in range(groups) for j in range(1, group["size"])}
+    role = one(documents, "Role")
+    for rule in role["rules"]:
+        if rule["verbs"] == ["list"]:  # the group wait lists by label: a name cannot narrow it
+            assert rule["resources"] == ["pods"]
+        else:
+            assert set(rule["resourceNames"]) == workers, rule
+    assert any(rule["resources"] == ["pods/exec"] and "create" in rule["verbs"] for rule in role["rules"])
+    bound = {subject["name"] for subject in one(documents, "RoleBinding")["subjects"]}
+    assert bound == {leader["spec"]["serviceAccountName"]}
+    others = [template for template in all_templates(documents) if template is not leader]
+    assert others and all(t["spec"]["serviceAccountName"] not in bound for t in others)
+    assert all(not objects(documents, "RoleBinding") for name, documents in rendered.items() if name != "multinode")
 
 
 def test_gpu_pods_are_guaranteed_and_pinned_to_the_gpu_product(rendered):
@@ -786,6 +853,23 @@ def test_an_image_digest_is_kept_and_a_broken_one_refused(tmp_path):
         write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path, OverlayOptions(image="sd@sha256:12"))
     with pytest.raises(SpecdeployError, match="--gpu-product"):
         write_overlay(REPO / "pipelines/gpu/llama8b-medusa.yaml", tmp_path, OverlayOptions(weights_gib=15.3))
+
+
+def test_a_gpu_overlay_names_a_registry_its_nodes_can_pull_from(tmp_path):
+    """Review N15: GPU nodes pull their image, and `specdeploy-gpu:0.1.0` (a bare name: Docker Hub's library)
+    exists nowhere. A trtllm pipeline needs --image with a registry; the CPU overlay keeps its local image."""
+    medusa = REPO / "pipelines/gpu/llama8b-medusa.yaml"
+    options = {"weights_gib": 15.3, "gpu_product": H100}
+    for image in (None, "specdeploy-gpu:0.1.0", "specdeploy-gpu@sha256:" + "ab" * 32):
+        with pytest.raises(SpecdeployError, match="--image") as refused:
+            write_overlay(medusa, tmp_path, OverlayOptions(image=image, **options))
+        assert "REGISTRY/specdeploy-gpu" in str(refused.value)
+    overlay = write_overlay(medusa, tmp_path, OverlayOptions(image="registry.example:5000/ml/sd-gpu:1.2", **options))
+    assert serving_container(one(kustomize(overlay), "Deployment")["spec"]["template"])["image"] == \
+        "registry.example:5000/ml/sd-gpu:1.2"
+    cpu = write_overlay(REPO / "pipelines/smollm2-ngram.yaml", tmp_path)
+    assert serving_container(one(kustomize(cpu), "Deployment")["spec"]["template"])["image"] == \
+        f"specdeploy-cpu:{specdeploy.__version__}"
 
 
 def test_no_replica_count_beside_the_autoscaler(rendered):

@@ -22,15 +22,16 @@ BIN = Path(sys.executable).parent
 K8S = REPO / "k8s"
 H100 = "NVIDIA-H100-80GB-HBM3"  # the Makefile's GPU_PRODUCT
 # overlay → (pipeline, extra `specdeploy k8s` arguments), as the Makefile's k8s target writes them
+GPU_IMAGE = "registry.example/specdeploy-gpu:0.1.0"  # the Makefile's GPU_IMAGE
+GPU = {"gpu_product": H100, "image": GPU_IMAGE}
 OVERLAYS = {
     "cpu": ("pipelines/smollm2-draft-target.yaml", {}),
-    "gpu-draft-target": ("pipelines/gpu/llama70b-draft-target.yaml", {"weights_gib": 134, "gpu_product": H100}),
-    "gpu-medusa": ("pipelines/gpu/llama8b-medusa.yaml", {"weights_gib": 15.3, "gpu_product": H100}),
-    "gpu-eagle": ("pipelines/gpu/llama8b-eagle3.yaml", {"weights_gib": 15.8, "gpu_product": H100}),
-    "gpu-lookahead": ("pipelines/gpu/llama8b-lookahead.yaml", {"weights_gib": 15, "gpu_product": H100}),
-    "gpu-moe": ("pipelines/gpu/mixtral-draft-target.yaml", {"weights_gib": 111, "gpu_product": H100}),
-    "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755, "gpu_product": H100,
-                                                         "storage_class": "nfs-client"}),
+    "gpu-draft-target": ("pipelines/gpu/llama70b-draft-target.yaml", {"weights_gib": 134, **GPU}),
+    "gpu-medusa": ("pipelines/gpu/llama8b-medusa.yaml", {"weights_gib": 15.3, **GPU}),
+    "gpu-eagle": ("pipelines/gpu/llama8b-eagle3.yaml", {"weights_gib": 15.8, **GPU}),
+    "gpu-lookahead": ("pipelines/gpu/llama8b-lookahead.yaml", {"weights_gib": 15, **GPU}),
+    "gpu-moe": ("pipelines/gpu/mixtral-draft-target.yaml", {"weights_gib": 111, **GPU}),
+    "multinode": ("pipelines/gpu/llama405b-ngram.yaml", {"weights_gib": 755, **GPU, "storage_class": "nfs-client"}),
 }
 FIELD_VALUES = {"metadata.labels['batch.kubernetes.io/controller-uid']": "job-uid-1"}  # the downward API's
 
