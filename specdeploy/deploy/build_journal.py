@@ -1,5 +1,6 @@
 """The build Job's journal on the data volume, so that serving pods waiting for a repository can tell "still
-building" from "the build has failed for good" without API access.
+building" from "the build has failed for good" (with the Job's own status where they can read it:
+deploy/job_status.py).
 
 `record` wraps one step of the build Job (`specdeploy build`, then `specdeploy package`): it appends a JSON line when
 the step starts and one when it fails, keyed by the pipeline file's SHA-256 and the Job's uid, and exits with the
@@ -9,8 +10,10 @@ kuberuntime_container_linux.go), so the wrapper dies with the step and records n
 that case.
 `wait` is the serving pods' init container: it returns once the package stamp records the pipeline's digest and
 this image's specdeploy and Triton model code (a new image waits for its own build Job's repository), and
-gives up with a message naming the failure once the newest Job of this pipeline has failed as often as its
-backoffLimit allows, or with exit status 2 (a configuration error: the Job's podFailurePolicy fails it at once).
+gives up with a message naming the failure once the build Job's own status says it failed (deploy/job_status.py,
+where the pod holds a token for it), or once the newest Job of this pipeline has failed as often as its
+backoffLimit allows by the journal, or with exit status 2 (a configuration error: the Job's podFailurePolicy fails it
+at once).
 
     python3 -m specdeploy.deploy.build_journal record --journal J --pipeline P --job-uid UID --step build -- CMD...
     python3 -m specdeploy.deploy.build_journal wait --journal J --pipeline P --stamp S --backoff-limit 2
@@ -29,6 +32,7 @@ import sys
 import time
 from pathlib import Path
 
+from specdeploy.deploy.job_status import JobReader, failure
 from specdeploy.deploy.launch import exit_status
 from specdeploy.package.package_stamp import model_code_files, stale_for_this_code
 
@@ -121,15 +125,29 @@ def stamp_state(stamp: Path, digest: str, code: dict[str, str | None]) -> str | 
     return stale_for_this_code(recorded, digest, code)
 
 
+def job_verdict(job: JobReader | None, said: set[str]) -> str | None:
+    """Why the build Job has failed, by its own status, or None while it has not or cannot be read (said once)."""
+    if job is None:
+        return None
+    try:
+        return failure(job.read())
+    except (OSError, ValueError) as error:
+        if "unreadable" not in said:
+            said.add("unreadable")
+            print(f"cannot read the build Job {job.job}'s status ({error}); going on with the journal and the "
+                  f"deadline", file=sys.stderr, flush=True)
+        return None
+
+
 def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s: float,
-         give_up_after_s: float | None = None) -> int:
-    """0 once the repository is this pipeline's and this image's; 1, naming why, once the journal shows the build
-    Job failed for good, or after give_up_after_s (the Job's activeDeadlineSeconds and a margin): by then the Job
-    has succeeded or failed whatever the journal holds. What the journal cannot show ends there: DeadlineExceeded
-    (the Job's pods deleted), an OOM kill that takes the wrapper too (on cgroup v2 the kubelet sets
-    memory.oom.group for every container), a Job never scheduled or whose image cannot be pulled."""
+         give_up_after_s: float | None = None, job: JobReader | None = None) -> int:
+    """0 once the repository is this pipeline's and this image's; 1, naming why, once the build Job has failed by
+    its own status (`job`, deploy/job_status.py) or for good by the journal, or after give_up_after_s (the Job's
+    activeDeadlineSeconds and a margin), the last resort where the API cannot be read: by then the Job has ended
+    whatever the journal holds."""
     digest, code = pipeline_digest(pipeline), model_code_files()  # this image's code does not change while it waits
-    said = None
+    said: set[str] = set()
+    state_said = None
     started = time.monotonic()
     while True:
         stale = stamp_state(stamp, digest, code)
@@ -137,6 +155,12 @@ def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s:
             print(f"the repository is packaged from this pipeline ({digest[:12]}) by this image's specdeploy",
                   flush=True)
             return 0
+        failed = job_verdict(job, said)
+        if failed is not None:
+            print(f"giving up: the build Job {job.job} has failed ({failed}). kubectl describe job/{job.job} and "
+                  f"its logs (kubectl logs job/{job.job} --all-containers) say why; fix the cause, delete the Job "
+                  f"and apply again", file=sys.stderr, flush=True)
+            return 1
         history = entries(journal, digest)
         reason = verdict(history, backoff_limit)
         if reason is not None:
@@ -151,9 +175,9 @@ def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s:
                   f"fix the cause, delete the Job and apply again", file=sys.stderr, flush=True)
             return 1
         state = f"{'building' if history else 'waiting for the build Job to start'}: {stamp}: {stale}"
-        if state != said:
+        if state != state_said:
             print(state, flush=True)
-            said = state
+            state_said = state
         time.sleep(poll_s)
 
 
@@ -171,13 +195,16 @@ def main(argv: list[str] | None = None) -> int:
     commands.choices["wait"].add_argument("--backoff-limit", type=int, required=True)
     commands.choices["wait"].add_argument("--poll", type=float, default=5.0)
     commands.choices["wait"].add_argument("--give-up-after", type=float, help="seconds (the Job's deadline and more)")
+    commands.choices["wait"].add_argument("--job", help="the build Job's name, whose status the wait reads where the "
+                                                         "pod has a token for it")
     args = parser.parse_args(argv)
     if args.command == "record":
         step_command = args.step_command[1:] if args.step_command[:1] == ["--"] else args.step_command
         if not step_command:
             parser.error("record: give the step's command after --")
         return record(args.journal, args.pipeline, args.job_uid, args.step, step_command)
-    return wait(args.journal, args.pipeline, args.stamp, args.backoff_limit, args.poll, args.give_up_after)
+    job = JobReader.in_cluster(args.job) if args.job else None
+    return wait(args.journal, args.pipeline, args.stamp, args.backoff_limit, args.poll, args.give_up_after, job)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,7 @@ from specdeploy.deploy import k8s_pod_build as pod_build
 from specdeploy.deploy.build_memory import build_memory_gib
 from specdeploy.deploy.k8s_commands import server_command, under_launcher
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
-from specdeploy.deploy.k8s_multinode import GROUP_NAME, group_disruption_budget, leader_worker_set
+from specdeploy.deploy.k8s_multinode import GROUP_NAME, LAUNCHER_ACCOUNT, group_disruption_budget, leader_worker_set
 from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.deploy.sizing import PodSize, check_node_span, engine_load_seconds, pod_size
@@ -204,7 +204,8 @@ def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize, memo
 
 
 def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, options: OverlayOptions,
-                     pipeline_hash: str, placement_spec: dict) -> dict:
+                     pipeline_hash: str, placement_spec: dict, build_job: str) -> dict:
+    """`build_job`: the build Job's name as applied (prefixed), whose status the wait reads."""
     drain = options.longest_generation_s
     command, arguments, env = server_command(pipeline, repository, drain, size)
     container = {"name": "triton", "command": command, "args": arguments,
@@ -219,7 +220,8 @@ def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, opt
             "spec": {"terminationGracePeriodSeconds": base.PRESTOP_SECONDS + drain + EXIT_MARGIN + KILL_MARGIN
                      + (STOP_GRACE_S if under_launcher(command) else 0),
                      "initContainers": [{"name": "wait-for-repository",
-                                         "env": base.wait_environment(repository, build_deadline_s(pipeline, size))}],
+                                         "env": base.wait_environment(repository, build_deadline_s(pipeline, size),
+                                                                             build_job)}],
                      "containers": [container],
                      "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{size.shm_gib}Gi"}}],
                      **placement_spec}}
@@ -370,7 +372,7 @@ def checked_overlay(pipeline_path: Path, options: OverlayOptions) -> Overlay:
 def server_files(overlay: Overlay) -> dict[str, Manifest]:
     """The serving pods: the base's Deployment patched, or across nodes a LeaderWorkerSet that replaces it."""
     pod = server_pod_patch(overlay.pipeline, overlay.repository, overlay.size, overlay.options, overlay.pipeline_hash,
-                           overlay.placement)
+                           overlay.placement, overlay.prefix + build_job_name(overlay))
     if overlay.builds_in_pod:
         # The build's deadline, then loading the engines (the startup probe's allowance)
         deadline = build_deadline_s(overlay.pipeline, overlay.size) + engine_load_seconds(
@@ -424,6 +426,25 @@ def build_job_hash(overlay: Overlay) -> str:
     return hashlib.sha256(f"{overlay.pipeline_hash}\n{job}".encode()).hexdigest()[:10]
 
 
+def build_job_name(overlay: Overlay) -> str:
+    """Before kustomize's name prefix."""
+    return f"{base.BUILD_JOB}-{build_job_hash(overlay)}"
+
+
+def build_status_role(overlay: Overlay) -> list[dict]:
+    """What the serving pods' wait may read: the build Job's status, that Job alone (review N3). Bound to the
+    account the waiting pods run under; only the wait's container mounts a token (k8s_base.api_token_volume)."""
+    job = overlay.prefix + build_job_name(overlay)  # kustomize does not prefix resourceNames
+    account = LAUNCHER_ACCOUNT if overlay.size.nodes > 1 else base.SERVICE_ACCOUNT  # across nodes the leader waits
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "build-status"},
+            "rules": [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"], "resourceNames": [job]}]}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+               "metadata": {"name": "build-status"},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "build-status"},
+               "subjects": [{"kind": "ServiceAccount", "name": account}]}
+    return [role, binding]
+
+
 def kustomization(overlay: Overlay) -> Manifest:
     """The overlay's kustomization.yaml: the base, the overlay's objects and patches, its names and labels."""
     options, size, multinode = overlay.options, overlay.size, overlay.size.nodes > 1
@@ -437,7 +458,8 @@ def kustomization(overlay: Overlay) -> Manifest:
     else:
         patches += [{"path": "build-job.yaml"}, {"path": "pvc.yaml"},
                     json_patch("Job", base.BUILD_JOB, [{"op": "replace", "path": "/metadata/name",
-                                                        "value": f"{base.BUILD_JOB}-{build_job_hash(overlay)}"}])]
+                                                        "value": build_job_name(overlay)}])]
+        resources.append("build-status.yaml")
     if options.monitoring:
         resources.append("prometheusrule.yaml")
     patches.append({"path": "podmonitor.yaml" if options.monitoring else "monitoring-delete.yaml"})
@@ -469,7 +491,8 @@ def overlay_files(overlay: Overlay) -> dict[str, Manifest]:
             delete_patch("Job", "batch/v1", base.BUILD_JOB),
             delete_patch("NetworkPolicy", "networking.k8s.io/v1", base.BUILD_JOB)])}
     else:
-        build = {"build-job.yaml": Manifest(overlay_build_job(overlay))}
+        build = {"build-job.yaml": Manifest(overlay_build_job(overlay)),
+                 "build-status.yaml": Manifest(build_status_role(overlay))}
     files = {**build,
              "pvc.yaml": Manifest(placement.data_claim_patch(size, overlay.access_mode, options.storage_class,
                                                              build_copies(pipeline))),

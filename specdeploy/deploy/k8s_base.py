@@ -8,12 +8,14 @@ need one file system), the pipeline ConfigMap is mounted at PIPELINE_DIR.
 
 from __future__ import annotations
 
+from specdeploy.deploy.job_status import SERVICE_ACCOUNT_DIR
 from specdeploy.package.package_stamp import STAMP_FILE
 
 APP = "specdeploy"
 # Object names; each overlay prefixes them with its pipeline's name, so several pipelines share a namespace
 SERVER = "triton"  # Deployment (or LeaderWorkerSet), Service, PDB, HPA, PodMonitor, NetworkPolicy
 BUILD_JOB = "engine-build"
+API_TOKEN_VOLUME = "api-token"  # the wait's credentials for reading the build Job's status
 DATA_CLAIM = "data"
 PIPELINE_CONFIGMAP = "pipeline"
 SERVICE_ACCOUNT = "server"
@@ -65,11 +67,20 @@ def journal_environment(repository: str = MODELS_DIR) -> list[dict]:
             {"name": "PIPELINE", "value": f"{PIPELINE_DIR}/{PIPELINE_KEY}"}]
 
 
-def wait_environment(repository: str, build_deadline_s: int) -> list[dict]:
-    """The wait's: the journal's, and how long it waits (the build Job's activeDeadlineSeconds and WAIT_MARGIN_S,
-    after which the Job has ended whatever the journal says)."""
-    return [*journal_environment(repository),
+def wait_environment(repository: str, build_deadline_s: int, job: str = BUILD_JOB) -> list[dict]:
+    """The wait's: the journal's, the build Job's name (whose status it reads) and how long it waits at most (the
+    Job's activeDeadlineSeconds and WAIT_MARGIN_S, after which the Job has ended whatever the journal says)."""
+    return [*journal_environment(repository), {"name": "BUILD_JOB", "value": job},
             {"name": "GIVE_UP_AFTER", "value": str(build_deadline_s + WAIT_MARGIN_S)}]
+
+
+def api_token_volume() -> dict:
+    """The service account's credentials as the kubelet would mount them (a token it rotates, the cluster's CA and
+    the namespace), for the one container that mounts this volume: the pod itself mounts no token."""
+    return {"name": API_TOKEN_VOLUME, "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "expirationSeconds": 3600}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+        {"downwardAPI": {"items": [{"path": "namespace", "fieldRef": {"fieldPath": "metadata.namespace"}}]}}]}}
 
 
 def mounts(pipeline: bool = True) -> list[dict]:
@@ -153,11 +164,15 @@ def server_container() -> dict:
 def wait_container(repository: str = MODELS_DIR) -> dict:
     """Holds the server back until the build Job has packaged the repository from this pipeline: the package stamp
     (written last) records the pipeline file's SHA-256, which a pod of an older pipeline's repository lacks. Gives up,
-    naming the failure, when the build journal shows that the Job has failed for good."""
+    naming the failure, when the Job's status or the build journal shows that it has failed for good. It alone
+    mounts the service account's token, which may read that Job only (the overlay's build-status Role)."""
     return {"name": "wait-for-repository", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
             "command": [*journal_command("wait"), "--stamp", f"$(REPOSITORY)/{STAMP_FILE}",
-                        "--backoff-limit", str(BUILD_BACKOFF_LIMIT), "--give-up-after", "$(GIVE_UP_AFTER)"],
-            "env": wait_environment(repository, BUILD_DEADLINE_S), "volumeMounts": mounts(),
+                        "--backoff-limit", str(BUILD_BACKOFF_LIMIT), "--give-up-after", "$(GIVE_UP_AFTER)",
+                        "--job", "$(BUILD_JOB)"],
+            "env": wait_environment(repository, BUILD_DEADLINE_S),
+            "volumeMounts": [*mounts(), {"name": API_TOKEN_VOLUME, "mountPath": str(SERVICE_ACCOUNT_DIR),
+                                         "readOnly": True}],
             "securityContext": container_security(),
             "resources": {"requests": {"cpu": "100m", "memory": "64Mi"}, "limits": {"cpu": "100m", "memory": "64Mi"}}}
 
@@ -169,7 +184,8 @@ def server_pod(grace_seconds: int = 60) -> dict:
             "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": DATA_CLAIM, "readOnly": True}},
                         {"name": "pipeline", "configMap": {"name": PIPELINE_CONFIGMAP}},
                         {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}},
-                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}}]}
+                        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": "1Gi"}},
+                        api_token_volume()]}
 
 
 def deployment() -> dict:

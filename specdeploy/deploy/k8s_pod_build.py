@@ -70,11 +70,11 @@ def init_containers(pipeline: PipelineSpec, package: list[str], step_resources: 
 
 
 def pod_build_patch(containers: list[dict], volumes: list[dict]) -> dict:
-    """The pod spec patch: the wait removed, the steps added, the data volume writable for them (the caller gives
-    the serving container a read-only mount), the checkpoint and scratch volumes."""
+    """The pod spec patch: the wait (and its token) removed, the steps added, the data volume writable for them (the
+    caller gives the serving container a read-only mount), the checkpoint and scratch volumes."""
     data = {"name": "data", "persistentVolumeClaim": {"claimName": base.DATA_CLAIM, "readOnly": False}}
     return {"initContainers": [{"name": "wait-for-repository", "$patch": "delete"}, *containers],
-            "volumes": [data, *volumes]}
+            "volumes": [data, {"name": base.API_TOKEN_VOLUME, "$patch": "delete"}, *volumes]}
 
 
 def read_only_data_mount() -> dict:

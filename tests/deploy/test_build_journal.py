@@ -1,17 +1,23 @@
 """The build journal (specdeploy/deploy/build_journal.py): the build Job's steps record their failures on the data
-volume, and the serving pods' wait gives up once the newest Job of the pipeline has failed for good."""
+volume, and the serving pods' wait gives up once the newest Job of the pipeline has failed for good, by the journal
+or by the Job's own status (deploy/job_status.py, against a stand-in API server)."""
 
 from __future__ import annotations
 
+import http.server
 import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
+
+from specdeploy.deploy import build_journal
+from specdeploy.deploy.job_status import JobReader
 
 MODULE = [sys.executable, "-m", "specdeploy.deploy.build_journal"]
 
@@ -124,3 +130,91 @@ def test_a_stopped_pod_is_not_counted_as_a_failure(volume):
     for _ in range(3):
         record(volume, "job-1", "sh", "-c", "kill -TERM $$")  # a step killed by a signal of its own is a failure
     assert wait(volume) is not None
+
+
+class StandInApi:
+    """A stand-in for the API server's Job endpoint: answers every GET with `status` and `body`, and keeps the
+    requests' paths and Authorization headers."""
+
+    def __init__(self, status: int, body: dict | None = None):
+        self.status, self.body, self.requests = status, body or {}, []
+        api = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):  # noqa: N802 (http.server's name)
+                api.requests.append((self.path, self.headers.get("Authorization")))
+                payload = json.dumps(api.body).encode()
+                self.send_response(api.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def reader(self, credentials: Path) -> JobReader:
+        credentials.mkdir(exist_ok=True)
+        (credentials / "token").write_text("token-1\n")
+        (credentials / "namespace").write_text("specdeploy\n")
+        return JobReader("p-engine-build-0123456789", f"http://127.0.0.1:{self.server.server_port}", credentials)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+FAILED_JOB = {"kind": "Job", "status": {"failed": 1, "conditions": [
+    {"type": "FailureTarget", "status": "True", "reason": "DeadlineExceeded",
+     "message": "Job was active longer than specified deadline"},
+    {"type": "Failed", "status": "True", "reason": "DeadlineExceeded",
+     "message": "Job was active longer than specified deadline"}]}}
+
+
+def test_the_wait_gives_up_when_the_jobs_own_status_says_it_failed(volume, tmp_path, capsys):
+    """Review N3: a Job past its activeDeadlineSeconds (its pods deleted; also where its pod was never scheduled or
+    its image never pulled) leaves the journal silent. The wait reads the Job's Failed condition and gives up at
+    once, naming the reason, rather than at its own deadline."""
+    api = StandInApi(200, FAILED_JOB)
+    try:
+        started = time.monotonic()
+        status = build_journal.wait(volume["journal"], volume["pipeline"], volume["stamp"], 2, 0.1,
+                                    give_up_after_s=60, job=api.reader(tmp_path / "credentials"))
+    finally:
+        api.close()
+    assert status == 1 and time.monotonic() - started < 10
+    error = capsys.readouterr().err
+    assert "p-engine-build-0123456789 has failed (DeadlineExceeded: Job was active longer" in error
+    assert api.requests[0] == ("/apis/batch/v1/namespaces/specdeploy/jobs/p-engine-build-0123456789", "Bearer token-1")
+
+
+@pytest.mark.parametrize("status, body", [(200, {"kind": "Job", "status": {"active": 1}}), (404, {}), (403, {})])
+def test_a_running_missing_or_unreadable_job_leaves_the_wait_to_its_journal_and_deadline(volume, tmp_path, capsys,
+                                                                                        status, body):
+    """A running Job, one not created yet (404), or a Role that does not let the pod read it (403): the wait goes on
+    (saying once why it cannot read the Job) and ends as it did without the API, here at its deadline."""
+    api = StandInApi(status, body)
+    try:
+        result = build_journal.wait(volume["journal"], volume["pipeline"], volume["stamp"], 2, 0.1,
+                                    give_up_after_s=0.8, job=api.reader(tmp_path / "credentials"))
+    finally:
+        api.close()
+    error = capsys.readouterr().err
+    assert result == 1 and "past the build Job's activeDeadlineSeconds" in error
+    assert len(api.requests) >= 3
+    assert error.count("cannot read the build Job") == (1 if status == 403 else 0)
+
+
+def test_the_reader_is_made_only_where_the_pod_has_a_token(tmp_path, monkeypatch):
+    credentials = tmp_path / "serviceaccount"
+    credentials.mkdir()
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "fd00::1")
+    monkeypatch.setenv("KUBERNETES_SERVICE_PORT", "443")
+    assert JobReader.in_cluster("job", credentials) is None  # no token mounted: the journal alone
+    (credentials / "token").write_text("t")
+    assert JobReader.in_cluster("job", credentials).api == "https://[fd00::1]:443"
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    assert JobReader.in_cluster("job", credentials) is None

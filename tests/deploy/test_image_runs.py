@@ -92,7 +92,7 @@ class Pod:
                             else ["--tmpfs", f"{path}:rw,size={size},mode=1777"])
                 continue
             claim = volume.get("persistentVolumeClaim", {})
-            read_only = mount.get("readOnly") or claim.get("readOnly") or "configMap" in volume
+            read_only = mount.get("readOnly") or claim.get("readOnly") or "configMap" in volume or "projected" in volume
             options += ["--volume", f"{self.folders[mount['name']]}:{path}:{'ro' if read_only else 'rw'}"]
         return options
 
@@ -139,10 +139,17 @@ def folders(cpu_overlay, tmp_path_factory) -> dict[str, Path]:
     data.chmod(0o2770)  # fsGroup: the group owns the volume, may write it, and new files inherit the group
     pipeline.mkdir()
     (pipeline / base.PIPELINE_KEY).write_text(one(cpu_overlay, "ConfigMap")["data"][base.PIPELINE_KEY])
-    for folder in (root, pipeline):
+    # the wait's projected token, as the kubelet writes it; no API server is named (KUBERNETES_SERVICE_HOST) or
+    # reachable (--network none) here, so the wait goes by its journal
+    token = root / "api-token"
+    token.mkdir()
+    for name, text in (("token", "not-a-token"), ("namespace", "specdeploy"), ("ca.crt", "")):
+        (token / name).write_text(text)
+        (token / name).chmod(0o644)
+    for folder in (root, pipeline, token):
         folder.chmod(0o755)
     (pipeline / base.PIPELINE_KEY).chmod(0o644)
-    yield {"data": data, "pipeline": pipeline}
+    yield {"data": data, "pipeline": pipeline, base.API_TOKEN_VOLUME: token}
     shutil.rmtree(root, ignore_errors=True)
 
 

@@ -673,6 +673,39 @@ def test_a_changed_build_job_gets_a_new_name(tmp_path):
     assert job_name("d", gpu_product="NVIDIA-A100-SXM4-80GB") != same  # its node affinity
 
 
+def test_the_wait_alone_holds_a_token_and_may_read_only_its_build_job(rendered):
+    """Review N3: the serving pods' wait reads its build Job's status (deploy/job_status.py). Its container alone
+    mounts a token (a projected one: the pods mount none), and the Role it is bound through may `get` that one Job,
+    named as the render names it. Overlays whose serving pods build have neither."""
+    for name, documents in rendered.items():
+        jobs = objects(documents, "Job")
+        templates = server_templates(documents)
+        if not jobs:
+            assert all(v["name"] != base.API_TOKEN_VOLUME for t in templates for v in t["spec"]["volumes"]), name
+            assert not any(r["metadata"]["name"].endswith("build-status") for r in objects(documents, "Role"))
+            continue
+        job = one(documents, "Job")["metadata"]["name"]
+        role = next(r for r in objects(documents, "Role") if r["metadata"]["name"].endswith("build-status"))
+        assert role["rules"] == [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"],
+                                  "resourceNames": [job]}], name
+        binding = next(b for b in objects(documents, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"])
+        waiting = [t for t in templates if t["spec"].get("initContainers")]
+        assert {s["name"] for s in binding["subjects"]} == {t["spec"]["serviceAccountName"] for t in waiting}, name
+        for template in [*templates, *(j["spec"]["template"] for j in jobs)]:
+            for container in containers(template):
+                mounted = any(m["name"] == base.API_TOKEN_VOLUME for m in container.get("volumeMounts", []))
+                assert mounted == (container["name"] == "wait-for-repository"), (name, container["name"])
+        for template in waiting:
+            wait = template["spec"]["initContainers"][0]
+            assert container_variables(wait)["BUILD_JOB"] == job, name
+            assert wait["command"][wait["command"].index("--job") + 1] == "$(BUILD_JOB)"
+            token = next(m for m in wait["volumeMounts"] if m["name"] == base.API_TOKEN_VOLUME)
+            assert token["mountPath"] == "/var/run/secrets/kubernetes.io/serviceaccount" and token["readOnly"]
+            volume = next(v for v in template["spec"]["volumes"] if v["name"] == base.API_TOKEN_VOLUME)
+            assert {"serviceAccountToken", "configMap", "downwardAPI"} == {k for s in volume["projected"]["sources"]
+                                                                           for k in s}
+
+
 def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rendered):
     """LeaderCreated (LeaderReady would create the workers only after a leader that needs them is Ready); the
     leader's launcher waits for every pod with its group key before mpirun; workers hold on a PID 1 that, on
@@ -716,18 +749,21 @@ def test_the_leader_alone_may_exec_and_only_into_its_sets_workers(rendered):
     groups = one(documents, "HorizontalPodAutoscaler")["spec"]["maxReplicas"] + \
         lws["spec"]["rolloutStrategy"]["rollingUpdateConfiguration"]["maxSurge"]
     workers = {f"{lws['metadata']['name']}-{i}-{j}" for i in range(groups) for j in range(1, group["size"])}
-    role = one(documents, "Role")
+    role = next(role for role in objects(documents, "Role") if role["metadata"]["name"].endswith("-mpi"))
     for rule in role["rules"]:
         if rule["verbs"] == ["list"]:  # the group wait lists by label: a name cannot narrow it
             assert rule["resources"] == ["pods"]
         else:
             assert set(rule["resourceNames"]) == workers, rule
     assert any(rule["resources"] == ["pods/exec"] and "create" in rule["verbs"] for rule in role["rules"])
-    bound = {subject["name"] for subject in one(documents, "RoleBinding")["subjects"]}
+    binding = next(b for b in objects(documents, "RoleBinding") if b["roleRef"]["name"] == role["metadata"]["name"])
+    bound = {subject["name"] for subject in binding["subjects"]}
     assert bound == {leader["spec"]["serviceAccountName"]}
     others = [template for template in all_templates(documents) if template is not leader]
     assert others and all(t["spec"]["serviceAccountName"] not in bound for t in others)
-    assert all(not objects(documents, "RoleBinding") for name, documents in rendered.items() if name != "multinode")
+    for name, documents in rendered.items():  # no other overlay may exec at all
+        assert name == "multinode" or not any("pods/exec" in rule["resources"] for role in objects(documents, "Role")
+                                              for rule in role["rules"])
 
 
 def test_gpu_pods_are_guaranteed_and_pinned_to_the_gpu_product(rendered):
@@ -804,7 +840,7 @@ def test_leaving_monitoring_out_changes_only_the_monitoring_files_as_data():
     kept = set(watched) & set(unwatched) - {f"{folder}/kustomization.yaml"}
     assert {path for path in kept if watched[path] != unwatched[path]} == set()
     resources = unwatched[f"{folder}/kustomization.yaml"].documents["resources"]
-    assert resources == ["../../base"]
+    assert resources == ["../../base", "build-status.yaml"]
 
 
 def test_two_pipelines_share_a_namespace(tmp_path):
