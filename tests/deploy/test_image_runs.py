@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from helpers.rendered_overlays import (
+    GPU_IMAGE,
     K8S,
     all_templates,
     check_serving_pod,
@@ -391,7 +392,7 @@ def test_the_gpu_images_own_layer_on_a_stand_in_base():
     layer, base_image = podman_image.GPU_LAYER_IMAGE, podman_image.TRTLLM_STANDIN
     assert podman_image.image_exists(layer), "build it first: make image-gpu-layer"
     containers = gpu_containers()
-    assert {c["image"] for _, c in containers} == {"specdeploy-gpu:0.1.0"}
+    assert {c["image"] for _, c in containers} == {GPU_IMAGE}  # the GPU layer is this image, as pushed
     modules = sorted({c["command"][2] for _, c in containers if c["command"][:2] == ["python3", "-m"]})
     assert {"specdeploy.deploy.build_journal", "specdeploy.deploy.launch"} <= set(modules), modules
     hardened = {tuple(security_options(pod["securityContext"], c)) for pod, c in containers}
