@@ -96,4 +96,4 @@ image-test: venv
 	 && echo "$$digest" > build/podman/image-test.sha256
 
 clean-engines:
-	rm -rf engines/*/ engines/.*.partial-* engines/.*.old-* engines/.*.lock
+	rm -rf engines/*/ engines/.*.partial-* engines/.*.old-* engines/.*.lock engines/.checkpoints

@@ -39,6 +39,8 @@ from pathlib import Path
 
 import yaml
 
+from specdeploy.build import gguf_store
+
 REPO = Path(__file__).resolve().parents[1]
 DOUBLE = REPO / "tests" / "trtllm_double"
 GIB = 1 << 30
@@ -100,7 +102,9 @@ def measure(kind: str, pipeline: Path, engines: Path, env: dict[str, str] | None
     start = time.monotonic()
     result = subprocess.run([sys.executable, __file__, "worker", kind, str(pipeline), str(engines)],
                             capture_output=True, text=True, timeout=timeout,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {})})
+                            env={**os.environ, "HF_HUB_OFFLINE": "1", **(env or {}),
+                                 # a store of its own: every measured build converts its GGUF, the first build's peak
+                                 gguf_store.STORE_VARIABLE: str(engines / gguf_store.STORE_FOLDER)})
     if result.returncode != 0:
         raise RuntimeError(f"{kind} build of {pipeline} failed:\n{result.stderr[-3000:]}")
     return {**json.loads(result.stdout.strip().splitlines()[-1]), "seconds": time.monotonic() - start}

@@ -4,6 +4,7 @@ embedded SmolLM2 engine (fp32) built once per session. The helpers they and the 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -17,6 +18,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("SPECDEPLOY_STEPS", "eager")
 # and keep the programs they compile in a store of their own (runtime/program_store.py), not the user's
 os.environ.setdefault("SPECDEPLOY_PROGRAMS", tempfile.mkdtemp(prefix="specdeploy-test-programs-"))
+# One GGUF conversion store for the run (build/gguf_store.py): every SmolLM2 build after the first reads its
+# conversion instead of parsing the GGUF again. Set before xdist starts its workers, so they share it.
+os.environ.setdefault("SPECDEPLOY_CHECKPOINTS", tempfile.mkdtemp(prefix="specdeploy-test-checkpoints-"))
+TEST_STORES = {name: os.environ[name] for name in ("SPECDEPLOY_PROGRAMS", "SPECDEPLOY_CHECKPOINTS")}
 pytest.register_assert_rewrite("helpers")  # the helpers' asserts explain their failures as the tests' own do
 
 from helpers.pipelines import tiny_pipeline, write_pipeline  # noqa: E402
@@ -33,6 +38,16 @@ def pytest_configure(config) -> None:
         threads = max(1, (os.cpu_count() or 1) // workers)
         os.environ["OMP_NUM_THREADS"] = str(threads)
         torch.set_num_threads(threads)
+
+
+def pytest_unconfigure(config) -> None:
+    """The run's stores go with it (about 550 MB for SmolLM2's conversion); the workers leave them to the run's
+    controlling process, which ends last. A store the caller named is theirs to keep."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    for path in TEST_STORES.values():
+        if Path(path).name.startswith("specdeploy-test-"):
+            shutil.rmtree(path, ignore_errors=True)
 
 
 def pytest_collection_modifyitems(config, items) -> None:

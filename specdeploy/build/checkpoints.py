@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from specdeploy.build import gguf_store
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.registry import ARCHITECTURES
@@ -88,28 +89,31 @@ def trained_folder_files(folder: Path, key: str, what: str, command: str) -> lis
     return found
 
 
-def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec) -> Checkpoint:
+def load_checkpoint(spec: CheckpointSpec, pipeline: PipelineSpec, engines_root: Path | None = None) -> Checkpoint:
     """The whole model in fp32, through transformers: about twice a bf16 checkpoint's size, held at once (a GGUF is
     dequantized whole by transformers, so nothing smaller is possible for one). Fine for the torch backend's CPU
     models; the trtllm builder calls it only for GGUF and packaged sources, and reads a Hugging Face checkpoint where
-    it is (build/trtllm/plan.hf_dirs) or a layer at a time (hf_tensors.HFTensors)."""
+    it is (build/trtllm/plan.hf_dirs) or a layer at a time (hf_tensors.HFTensors). A GGUF is read from its
+    conversion in the store beside `engines_root` (build/gguf_store.py), converted there on first use."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = locate(spec, pipeline)
-    if path.is_dir():
-        directory, extra = path, {}
-    else:
-        directory, extra = path.parent, {"gguf_file": path.name}
+    conversion = None if path.is_dir() else gguf_store.converted(path, engines_root)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
-        model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra)
+        if conversion is not None:
+            hf_config, state, tokenizer = gguf_store.load(conversion)
+        else:
+            directory, extra = (path, {}) if path.is_dir() else (path.parent, {"gguf_file": path.name})
+            tokenizer = AutoTokenizer.from_pretrained(directory, **extra)
+            model = AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32, **extra)
+            hf_config = model.config
+            state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
     except (OSError, ValueError, KeyError) as exc:
         raise BuildError(f"checkpoint {path}: could not be loaded: {exc}") from None
-    if model.config.model_type not in ARCHITECTURES:
-        raise BuildError(f"checkpoint {path}: architecture {model.config.model_type!r} is not supported "
+    if hf_config.model_type not in ARCHITECTURES:
+        raise BuildError(f"checkpoint {path}: architecture {hf_config.model_type!r} is not supported "
                          f"(allowed: {', '.join(ARCHITECTURES)})")
-    config = ModelConfig.from_hf(model.config)
-    state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+    config = ModelConfig.from_hf(hf_config)
     if config.tie_word_embeddings:
         state.pop("lm_head.weight", None)
     return Checkpoint(config, state, tokenizer, source_files(spec, pipeline))
@@ -120,9 +124,8 @@ def target_hf_config(pipeline: PipelineSpec):
     from transformers import AutoConfig
 
     path = locate(pipeline.target.checkpoint, pipeline)
-    directory, extra = (path, {}) if path.is_dir() else (path.parent, {"gguf_file": path.name})
     try:
-        hf_config = AutoConfig.from_pretrained(directory, **extra)
+        hf_config = AutoConfig.from_pretrained(path) if path.is_dir() else gguf_store.hf_config(path)
     except (OSError, ValueError, KeyError) as exc:
         raise BuildError(f"checkpoint {path}: its configuration could not be read: {exc}") from None
     if hf_config.model_type not in ARCHITECTURES:

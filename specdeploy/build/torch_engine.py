@@ -227,7 +227,7 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
     columns = (SpinnerColumn(), TextColumn("{task.description}"), TimeElapsedColumn())
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}] loading target checkpoint", total=None)
-        target = dense = load_checkpoint(pipeline.target.checkpoint, pipeline)
+        target = dense = load_checkpoint(pipeline.target.checkpoint, pipeline, final.parent)
         draft_spec = speculation.draft if speculation.uses_draft_model else None
         derive = None if draft_spec is None else draft_spec.derive
         precision = None if draft_spec is None else draft_spec.weight_only
@@ -261,7 +261,7 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
                                 quantization_record(draft_state, precision))
             else:
                 progress.update(task, description=f"[{pipeline.name}] loading draft checkpoint")
-                draft = load_checkpoint(draft_spec.checkpoint, pipeline)
+                draft = load_checkpoint(draft_spec.checkpoint, pipeline, final.parent)
                 check_tokenizers_match(target.tokenizer, draft.tokenizer)
                 draft_dtype = DTYPES[draft_spec.dtype]
                 write_component(staging / "draft", draft, {k: v.to(draft_dtype) for k, v in draft.state.items()},

@@ -146,13 +146,19 @@ def break_even_length(pipeline: PipelineSpec, options: OverlayOptions) -> float:
 
 def build_copies(pipeline: PipelineSpec) -> int:
     """How many copies of the weights a build leaves on the volume: the torch engine; or TensorRT-LLM's
-    checkpoints and engines, plus the Hugging Face directory where the plan exports one (a derived model)."""
+    checkpoints and engines, plus the Hugging Face directory where the plan exports one (a derived model); plus,
+    where a checkpoint is a GGUF file, its fp32 conversion beside the engines (build/gguf_store.py), counted as one
+    more copy (twice a bf16 engine's size, which the volume's rebuild factor covers)."""
+    checkpoints = [pipeline.target.checkpoint]
+    if pipeline.speculation.draft is not None and pipeline.speculation.draft.checkpoint is not None:
+        checkpoints.append(pipeline.speculation.draft.checkpoint)
+    converted = int(any(checkpoint.source != "hf_dir" for checkpoint in checkpoints))
     if pipeline.backend.kind == "torch":
-        return 1
+        return 1 + converted
     from specdeploy.build.trtllm.plan import build_plan
 
     exports = {"export target", "export draft", "export dense source"}
-    return 2 + any(step.action in exports for step in build_plan(pipeline, Path("/engine")))
+    return 2 + converted + any(step.action in exports for step in build_plan(pipeline, Path("/engine")))
 
 
 def build_deadline_s(pipeline: PipelineSpec, size: PodSize) -> int:

@@ -132,17 +132,18 @@ class Sources:
     read as they are (GGUF and packaged files, which transformers dequantizes whole; the small CPU models), since a
     Hugging Face checkpoint is read where it is or streamed (build/trtllm/plan.hf_dirs)."""
 
-    def __init__(self, pipeline: PipelineSpec) -> None:
-        self.pipeline = pipeline
+    def __init__(self, pipeline: PipelineSpec, engines_root: Path | None = None) -> None:
+        self.pipeline, self.engines_root = pipeline, engines_root  # the GGUF store's place (build/gguf_store.py)
         self.loaded: dict[str, Checkpoint] = {}
 
     def get(self, name: str) -> Checkpoint:
         if name not in self.loaded:
             pipeline = self.pipeline
             if name == "target":  # a derived MoE's dense source too (export_derived_target derives the MoE)
-                self.loaded[name] = load_checkpoint(pipeline.target.checkpoint, pipeline)
+                self.loaded[name] = load_checkpoint(pipeline.target.checkpoint, pipeline, self.engines_root)
             else:
-                self.loaded[name] = load_checkpoint(pipeline.speculation.draft.checkpoint, pipeline)
+                self.loaded[name] = load_checkpoint(pipeline.speculation.draft.checkpoint, pipeline,
+                                                    self.engines_root)
         return self.loaded[name]
 
 
@@ -242,7 +243,7 @@ def run_plan(pipeline: PipelineSpec, final: Path, inputs: dict, steps: list[Step
     with Progress(*columns, disable=quiet) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}]", total=None)
         save_engine_pipeline(staging, pipeline)
-        sources = Sources(pipeline)
+        sources = Sources(pipeline, final.parent)
         for number, step in enumerate(build_plan(pipeline, staging), 1):
             progress.update(task, description=f"[{pipeline.name}] {number}/{len(steps)}: {step.title}")
             if step.command is None:

@@ -1,0 +1,133 @@
+"""GGUF checkpoints converted once, and loaded from the conversion afterwards.
+
+transformers reads a GGUF file's whole metadata (a vocabulary is tens of thousands of fields) once for its
+configuration, again for its tokenizer and again for its weights, and maps every tensor name through a table it
+rebuilds per tensor: about 20 s of a 22 s SmolLM2 build on this CPU, before any weight is written. The store keeps
+what that conversion yields, keyed by the file's bytes and the transformers and gguf versions that converted it:
+the configuration, the tokenizer files and the fp32 weights as safetensors (what `load_checkpoint` holds, bit for
+bit), so a rebuild, another pipeline of the same model, or a test loads those in a second or two.
+
+The store is `$SPECDEPLOY_CHECKPOINTS`, else `.checkpoints` beside the engines of the build that asked (on the data
+volume in a pod), else none. A conversion is written to a staging folder and renamed into place, so concurrent
+builds never read half of one; where the store cannot be written, the GGUF is loaded as before.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import os
+import shutil
+import sys
+import uuid
+from pathlib import Path
+
+STORE_VARIABLE = "SPECDEPLOY_CHECKPOINTS"
+STORE_FOLDER = ".checkpoints"  # beside the engines of a build that names its engines root
+CONFIG_SUFFIX = ".config"  # a folder with the configuration alone (planning, sizing), before any conversion
+CHUNK = 1 << 24
+WEIGHTS = "model.safetensors"
+
+
+def store_dir(engines_root: Path | None) -> Path | None:
+    if os.environ.get(STORE_VARIABLE):
+        return Path(os.environ[STORE_VARIABLE])
+    return None if engines_root is None else Path(engines_root) / STORE_FOLDER
+
+
+@functools.lru_cache(maxsize=16)
+def _content_key(path: str, size: int, mtime_ns: int) -> str:
+    digest = hashlib.sha256()
+    for package in ("transformers", "gguf"):  # what the conversion depends on beside the file
+        digest.update(f"{package}=={importlib.metadata.version(package)}\n".encode())
+    with open(path, "rb") as handle:
+        while chunk := handle.read(CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()[:32]
+
+
+def entry_name(gguf: Path) -> str:
+    """`<file stem>-<key>`; the key is hashed once per file version in a process."""
+    stat = gguf.stat()
+    return f"{gguf.stem}-{_content_key(str(gguf.resolve()), stat.st_size, stat.st_mtime_ns)}"
+
+
+def converted(gguf: Path, engines_root: Path | None) -> Path | None:
+    """The folder holding `gguf` converted (config.json, tokenizer files, model.safetensors in fp32), converting it
+    on first use; None where there is no store or it cannot be written (the caller loads the GGUF itself)."""
+    store = store_dir(engines_root)
+    if store is None:
+        return None
+    folder = store / entry_name(gguf)
+    if (folder / "config.json").is_file():
+        return folder
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        staging = store / f".{folder.name}.partial-{uuid.uuid4().hex[:8]}"
+        convert(gguf, staging)
+        try:
+            staging.rename(folder)
+        except OSError:  # another build converted it first
+            shutil.rmtree(staging, ignore_errors=True)
+    except OSError as error:
+        print(f"note: {gguf.name} is loaded without its converted copy ({store}: {error})", file=sys.stderr)
+        return None
+    return folder
+
+
+def convert(gguf: Path, destination: Path) -> None:
+    """transformers' own conversion of `gguf`, saved as it loads it: the configuration (less the record that it came
+    from a GGUF, which would make the folder read as a quantized one), the fp32 state dict (a tied head left to its
+    embedding) and the tokenizer. transformers will not save a model it loaded from a GGUF, so the parts are saved
+    here."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+        config = model.config
+        del config.quantization_config
+        state = {name: tensor.detach().contiguous() for name, tensor in model.state_dict().items()}
+        if config.tie_word_embeddings:
+            state.pop("lm_head.weight", None)
+        destination.mkdir(parents=True)
+        config.save_pretrained(destination)
+        save_file(state, destination / WEIGHTS)
+        tokenizer.save_pretrained(destination)
+    except BaseException:
+        shutil.rmtree(destination, ignore_errors=True)
+        raise
+
+
+def load(folder: Path) -> tuple[object, dict, object]:
+    """(transformers configuration, fp32 state dict by transformers' names, tokenizer) of a conversion."""
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoTokenizer
+
+    return AutoConfig.from_pretrained(folder), load_file(folder / WEIGHTS), AutoTokenizer.from_pretrained(folder)
+
+
+def hf_config(gguf: Path, engines_root: Path | None = None):
+    """`gguf`'s transformers configuration without converting its weights: from the conversion, or from a
+    configuration saved the first time the GGUF's metadata was read (every later plan reads that); read from the
+    GGUF where there is no store."""
+    from transformers import AutoConfig
+
+    store = store_dir(engines_root)
+    if store is None:
+        return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    name = entry_name(gguf)
+    for folder in (store / name, store / f"{name}{CONFIG_SUFFIX}"):
+        if (folder / "config.json").is_file():
+            return AutoConfig.from_pretrained(folder)
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    staging = store / f".{name}.partial-{uuid.uuid4().hex[:8]}"
+    try:
+        config.save_pretrained(staging)
+        staging.rename(store / f"{name}{CONFIG_SUFFIX}")
+    except OSError:  # not writable, or saved by another process first
+        shutil.rmtree(staging, ignore_errors=True)
+    return config
