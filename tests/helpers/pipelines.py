@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import os
+import threading
 from pathlib import Path
 
 import yaml
 
 
 def write_pipeline(path: Path, **sections) -> Path:
-    path.write_text(yaml.safe_dump(sections, sort_keys=False))
+    """Written whole or not at all: session fixtures of several xdist workers write the same file in a shared
+    folder (conftest.shared_root), and one reading it while another truncated it read an empty pipeline."""
+    staging = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}")
+    staging.write_text(yaml.safe_dump(sections, sort_keys=False))
+    os.replace(staging, path)
     return path
 
 
