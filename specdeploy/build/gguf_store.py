@@ -15,6 +15,7 @@ builds never read half of one; where the store cannot be written, the GGUF is lo
 from __future__ import annotations
 
 import functools
+import gc
 import hashlib
 import importlib.metadata
 import os
@@ -66,6 +67,7 @@ def converted(gguf: Path, engines_root: Path | None) -> Path | None:
         store.mkdir(parents=True, exist_ok=True)
         staging = store / f".{folder.name}.partial-{uuid.uuid4().hex[:8]}"
         convert(gguf, staging)
+        gc.collect()  # the converted model, before its saved copy is loaded: one fp32 copy held at a time
         try:
             staging.rename(folder)
         except OSError:  # another build converted it first
