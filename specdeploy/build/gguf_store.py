@@ -29,6 +29,7 @@ STORE_FOLDER = ".checkpoints"  # beside the engines of a build that names its en
 CONFIG_SUFFIX = ".config"  # a folder with the configuration alone (planning, sizing), before any conversion
 CHUNK = 1 << 24
 WEIGHTS = "model.safetensors"
+CONVERSION = 1  # what `convert` saves: a change to it takes a new number, so no older entry is read
 
 
 def store_dir(engines_root: Path | None) -> Path | None:
@@ -39,7 +40,7 @@ def store_dir(engines_root: Path | None) -> Path | None:
 
 @functools.lru_cache(maxsize=16)
 def _content_key(path: str, size: int, mtime_ns: int) -> str:
-    digest = hashlib.sha256()
+    digest = hashlib.sha256(f"conversion {CONVERSION}\n".encode())
     for package in ("transformers", "gguf"):  # what the conversion depends on beside the file
         digest.update(f"{package}=={importlib.metadata.version(package)}\n".encode())
     with open(path, "rb") as handle:
