@@ -14,6 +14,7 @@ as data (so tests compare documents without writing), and `write_overlay` writes
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import re
@@ -271,18 +272,18 @@ def image_reference(pipeline: PipelineSpec, image: str | None) -> dict:
         name, _, digest = reference.partition("@")
         if not name or not DIGEST.match(digest):
             raise SpecdeployError(f"--image {reference!r}: a digest reference is repository@sha256:<64 hex digits>")
-        if gpu:
-            check_pullable(reference, name)
-        return {"name": base.IMAGE, "newName": name, "digest": digest}
-    name, _, tag = reference.rpartition(":")
-    if not name or "/" in tag:
-        raise SpecdeployError(f"--image {reference!r}: give repository:tag (a pinned tag, not latest) or "
-                              f"repository@sha256:digest")
-    if tag == "latest":
-        raise SpecdeployError(f"--image {reference!r}: the tag latest is refused (pin a version or a digest)")
+        entry = {"name": base.IMAGE, "newName": name, "digest": digest}
+    else:
+        name, _, tag = reference.rpartition(":")
+        if not name or "/" in tag:
+            raise SpecdeployError(f"--image {reference!r}: give repository:tag (a pinned tag, not latest) or "
+                                  f"repository@sha256:digest")
+        if tag == "latest":
+            raise SpecdeployError(f"--image {reference!r}: the tag latest is refused (pin a version or a digest)")
+        entry = {"name": base.IMAGE, "newName": name, "newTag": tag}
     if gpu:
-        check_pullable(reference, name)
-    return {"name": base.IMAGE, "newName": name, "newTag": tag}
+        check_pullable(reference, entry["newName"])
+    return entry
 
 
 def check_pullable(reference: str, name: str) -> None:
@@ -328,6 +329,15 @@ class Overlay:
     gpu_product: str | None  # the GPU nodes' product label the pods are pinned to
     access_mode: str  # the data volume's
     build_memory_gib: int
+
+    @functools.cached_property
+    def build_job_name(self) -> str:
+        """Before kustomize's name prefix: named after a hash of the pipeline, the image and the whole Job as written
+        (the base's and the overlay's), since a Job's pod template cannot be changed in place (kubernetes review
+        N8): another --gpu-product, --weights-gib or version of the Job gets a new Job, not a rejected apply."""
+        job = yaml.safe_dump([base.build_job(), overlay_build_job(self)], sort_keys=True)
+        digest = hashlib.sha256(f"{self.pipeline_hash}\n{job}".encode()).hexdigest()
+        return f"{base.BUILD_JOB}-{digest[:10]}"
 
     @property
     def repository(self) -> str:
@@ -378,7 +388,7 @@ def checked_overlay(pipeline_path: Path, options: OverlayOptions) -> Overlay:
 def server_files(overlay: Overlay) -> dict[str, Manifest]:
     """The serving pods: the base's Deployment patched, or across nodes a LeaderWorkerSet that replaces it."""
     pod = server_pod_patch(overlay.pipeline, overlay.repository, overlay.size, overlay.options, overlay.pipeline_hash,
-                           overlay.placement, overlay.prefix + build_job_name(overlay))
+                           overlay.placement, overlay.prefix + overlay.build_job_name)
     if overlay.builds_in_pod:
         # The build's deadline, then loading the engines (the startup probe's allowance)
         deadline = build_deadline_s(overlay.pipeline, overlay.size) + engine_load_seconds(
@@ -424,31 +434,13 @@ def overlay_build_job(overlay: Overlay) -> dict:
                            overlay.placement)
 
 
-def build_job_hash(overlay: Overlay) -> str:
-    """The build Job's name suffix: a hash of the pipeline, the image and the whole Job as written (the base's and
-    the overlay's), since a Job's pod template cannot be changed in place (kubernetes review N8): another
-    --gpu-product, --weights-gib or version of the Job gets a new Job, not a rejected apply."""
-    job = yaml.safe_dump([base.build_job(), overlay_build_job(overlay)], sort_keys=True)
-    return hashlib.sha256(f"{overlay.pipeline_hash}\n{job}".encode()).hexdigest()[:10]
-
-
-def build_job_name(overlay: Overlay) -> str:
-    """Before kustomize's name prefix."""
-    return f"{base.BUILD_JOB}-{build_job_hash(overlay)}"
-
-
 def build_status_role(overlay: Overlay) -> list[dict]:
     """What the serving pods' wait may read: the build Job's status, that Job alone (review N3). Bound to the
     account the waiting pods run under; only the wait's container mounts a token (k8s_base.api_token_volume)."""
-    job = overlay.prefix + build_job_name(overlay)  # kustomize does not prefix resourceNames
+    job = overlay.prefix + overlay.build_job_name  # kustomize does not prefix resourceNames
     account = LAUNCHER_ACCOUNT if overlay.size.nodes > 1 else base.SERVICE_ACCOUNT  # across nodes the leader waits
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "build-status"},
-            "rules": [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"], "resourceNames": [job]}]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-               "metadata": {"name": "build-status"},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "build-status"},
-               "subjects": [{"kind": "ServiceAccount", "name": account}]}
-    return [role, binding]
+    rules = [{"apiGroups": ["batch"], "resources": ["jobs"], "verbs": ["get"], "resourceNames": [job]}]
+    return base.bound_role("build-status", rules, account)
 
 
 def kustomization(overlay: Overlay) -> Manifest:
@@ -464,7 +456,7 @@ def kustomization(overlay: Overlay) -> Manifest:
     else:
         patches += [{"path": "build-job.yaml"}, {"path": "pvc.yaml"},
                     json_patch("Job", base.BUILD_JOB, [{"op": "replace", "path": "/metadata/name",
-                                                        "value": build_job_name(overlay)}])]
+                                                        "value": overlay.build_job_name}])]
         resources.append("build-status.yaml")
     if options.monitoring:
         resources.append("prometheusrule.yaml")

@@ -96,6 +96,16 @@ def volumes() -> list[dict]:
             {"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}]
 
 
+def bound_role(name: str, rules: list[dict], account: str) -> list[dict]:
+    """A Role named `name` with `rules`, and the RoleBinding that grants it to the service account `account`."""
+    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": name},
+            "rules": rules}
+    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": name},
+               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+               "subjects": [{"kind": "ServiceAccount", "name": account}]}
+    return [role, binding]
+
+
 def service_account() -> dict:
     return {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": SERVICE_ACCOUNT},
             "automountServiceAccountToken": False}

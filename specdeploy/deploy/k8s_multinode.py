@@ -41,15 +41,10 @@ def launcher_role(set_name: str, nodes: int) -> list[dict]:
     workers = worker_pod_names(set_name, nodes)
     account = {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": LAUNCHER_ACCOUNT},
                "automountServiceAccountToken": False}
-    role = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": {"name": "mpi"},
-            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
-                      {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"], "resourceNames": workers},
-                      {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"],
-                       "resourceNames": workers}]}
-    binding = {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": {"name": "mpi"},
-               "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "mpi"},
-               "subjects": [{"kind": "ServiceAccount", "name": LAUNCHER_ACCOUNT}]}
-    return [account, role, binding]
+    rules = [{"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+             {"apiGroups": [""], "resources": ["pods"], "verbs": ["get"], "resourceNames": workers},
+             {"apiGroups": [""], "resources": ["pods/exec"], "verbs": ["create", "get"], "resourceNames": workers}]
+    return [account, *base.bound_role("mpi", rules, LAUNCHER_ACCOUNT)]
 
 
 def merged(document: dict, patch: dict) -> dict:
