@@ -196,4 +196,10 @@ class LookaheadProposer(Proposer):
         state.pooled_upto = len(sequence.committed)
 
     def move_row(self, source: int, destination: int) -> None:
-        self.states[destination] = self.states.pop(source)
+        """The scheduler also moves a row admitted but not prefilled yet (another left at its prefill or was
+        cancelled in the same iteration): such a row has no state, and neither has its destination after the move."""
+        state = self.states.pop(source, None)
+        if state is None:
+            self.states.pop(destination, None)
+        else:
+            self.states[destination] = state

@@ -172,3 +172,35 @@ def test_the_bench_predicts_lookahead_from_its_accepted_depth(engine_dir):
     assert abs(modeled - summary.mean_accepted_length) < 0.15 * summary.mean_accepted_length
     assert summary.predicted_speedup == pytest.approx(
         modeled / (summary.proposal_cost_per_step + summary.verify_cost_ratio))
+
+
+def test_a_request_that_ends_at_its_prefill_while_others_join_leaves_the_scheduler_running(engine_dir):
+    """soak-5's reproduction: a long request decoding, then, admitted in one scheduler iteration, a request that
+    ends at its prefill (max_tokens 1) and five that join with it. Its row is refilled by a row not yet prefilled,
+    which has no lookahead state: the scheduler must move it, not die. Every request then equals plain greedy."""
+    from helpers.collector import Collector
+
+    from specdeploy.runtime.scheduler import Scheduler
+    from specdeploy.spec.pipeline import PolicySpec, ServingSpec
+    from specdeploy.spec.request import NO_END_ID, GenerationRequest
+
+    engine = Engine(engine_dir)
+    joining = [(PROMPTS[0], 1)] + [(prompt, 12) for prompt in PROMPTS[1:6]]
+    expected = [engine.start(GenerationRequest(p, n, SamplingParams(), 0, end_id=NO_END_ID)).run()
+                for p, n in [(PROMPTS[2], 60)] + joining]
+    scheduler = Scheduler(lambda: Engine(engine_dir, batch_size=8), ServingSpec(PolicySpec(full_up_to=8,
+                                                                                           off_above=8)))
+    try:
+        collectors = [Collector() for _ in expected]
+        scheduler.submit(GenerationRequest(PROMPTS[2], 60, SamplingParams(), end_id=NO_END_ID), collectors[0])
+        while len(collectors[0].tokens) < 3:
+            assert not collectors[0].done.wait(0.01)
+        with scheduler._lock:  # all six are admitted in one iteration, between two of the long request's steps
+            for (prompt, max_tokens), collector in zip(joining, collectors[1:]):
+                scheduler.submit(GenerationRequest(prompt, max_tokens, SamplingParams(), end_id=NO_END_ID), collector)
+        for collector in collectors:
+            assert collector.done.wait(60), "a request hung: the scheduler thread died"
+        assert [c.tokens for c in collectors] == expected
+        assert collectors[1].reason == "length" and len(collectors[1].tokens) == 1
+    finally:
+        scheduler.stop()
