@@ -104,9 +104,10 @@ def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False, lookahead:
     (its head drafting the chain TensorRT-LLM drafts: top_k 1). lookahead: the shipped pipeline's target with
     lookahead decoding instead of its method (LOOKAHEAD_SIZES, greedy defaults), named smollm2-lookahead-trtllm.
     plain: the same target without speculation."""
-    from specdeploy.spec.pipeline import LookaheadSpec, load_pipeline
+    from specdeploy.spec.pipeline import load_pipeline
+    from specdeploy.spec.speculation import LookaheadSpec
 
-    llm_api = load_pipeline(shipped).speculation.uses_features
+    llm_api = load_pipeline(shipped).speculation.traits.trtllm.lines == ("llm_api",)
     spec = yaml.safe_load(shipped.read_text())
     if lookahead:
         spec["name"] = "smollm2-lookahead"

@@ -25,6 +25,7 @@ from specdeploy.runtime.compile_engine import compile_engine, is_compiled
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.step_programs import build_step_programs, not_built_reason, steps_mode
 from specdeploy.runtime.step_programs import read_record as read_step_record
+from specdeploy.spec.backend import Device
 from specdeploy.spec.engine_paths import (
     MEASURED_POLICY_FILE,
     build_lock,
@@ -32,8 +33,9 @@ from specdeploy.spec.engine_paths import (
     measured_gamma_cap,
     model_repositories_dir,
 )
-from specdeploy.spec.pipeline import Device, PipelineSpec, load_pipeline
+from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
+from specdeploy.spec.speculation import EXIT_ADAPTER
 from specdeploy.training.eagle_options import EagleTrainingOptions
 from specdeploy.training.exit_adapter_options import ExitAdapterTrainingOptions
 from specdeploy.training.medusa_options import MedusaTrainingOptions
@@ -92,7 +94,7 @@ def build_torch_engine(pipeline: PipelineSpec, engines_dir: Path, force: bool = 
         build_step_programs(pipeline, result.directory, quiet)
         # the steps' costs changed, and with them the best gamma: measured again below
         (result.directory / MEASURED_POLICY_FILE).unlink(missing_ok=True)
-    if (pipeline.speculation.drafts_with_own_layers and pipeline.speculation.early_exit.exit_layer == "measured"
+    if (getattr(pipeline.speculation.settings, "exit_layer", None) == "measured"
             and measured_exit_layer(result.directory) is None):
         from specdeploy.bench.exit_layer import measure_exit_layer
 
@@ -299,7 +301,7 @@ def distillation_answers(pipeline_path: str | Path, engines_dir: Path, work_dir:
     """Build the pipeline's target alone, under its own name (the heads do not exist yet, so the pipeline's own
     engine cannot be built), and have it answer the training prompts, cached in work_dir/answers.jsonl."""
     from specdeploy.bench.prompts import load_prompts
-    from specdeploy.spec.pipeline import SpeculationSpec
+    from specdeploy.spec.speculation import SpeculationSpec
     from specdeploy.training.medusa import generate_answers
     from specdeploy.training.prompts import training_prompts
 
@@ -458,7 +460,7 @@ def train_exit_adapter(pipeline_path: str | Path, engines_dir: Path, output: Pat
     console = console or Console()
     started = time.perf_counter()
     pipeline = load_pipeline(pipeline_path)
-    if not pipeline.speculation.drafts_with_own_layers:
+    if EXIT_ADAPTER not in pipeline.speculation.traits.trained:
         raise SpecdeployError(f"{pipeline_path}: train-exit-adapter trains an early exit's adapter, and this "
                               f"pipeline's method is not early_exit")
     # checked before the answers, which take minutes

@@ -140,7 +140,7 @@ def test_the_lookahead_variants_plan_on_the_engine_line(tmp_path):
     pipeline = load_pipeline(check.trtllm_variant(REPO / "pipelines" / "smollm2-ngram.yaml", tmp_path,
                                                   lookahead=True))
     assert pipeline.name == "smollm2-lookahead-trtllm" and pipeline.backend.settings.line == "engine"
-    assert pipeline.speculation.drafts_by_lookahead and pipeline.speculation.lookahead.nodes == 23
+    assert pipeline.speculation.method == "lookahead" and pipeline.speculation.lookahead.nodes == 23
     assert pipeline.limits.max_draft_tokens >= 23 and pipeline.sampling.params().greedy
     steps, notes = plan(pipeline, tmp_path / "engines")
     assert notes[0].startswith("target: llama, 9 attention heads, 3 key/value heads")
@@ -336,7 +336,7 @@ def test_the_servers_command_is_the_overlays(tmp_path):
     two_engines = check.trtllm_variant(REPO / "pipelines" / "smollm2-draft-target.yaml", tmp_path)
     command = check.serve_command(two_engines, tmp_path / "repo")
     # mpirun runs under the launcher, which drains tritonserver on SIGTERM before stopping mpirun
-    assert command.startswith("env TRTLLM_ORCHESTRATOR=1 python3 -m specdeploy.deploy.launch run --drain-timeout 40 "
+    assert command.startswith("env TRTLLM_ORCHESTRATOR=1 python3 -m specdeploy.pods.launch run --drain-timeout 40 "
                               "--drain-rank 0 -- mpirun --allow-run-as-root -n 1 tritonserver")
     assert f"--model-repository={tmp_path / 'repo'}" in command
     assert "--pinned-memory-pool-byte-size=0 --enable-peer-access=false --cuda-memory-pool-byte-size=0:0" in command

@@ -9,6 +9,7 @@ from specdeploy.bench.measure import measure_verify_costs
 from specdeploy.bench.results import MedusaTree, Summary
 from specdeploy.bench.summary import PromptRun
 from specdeploy.runtime.engine import Engine
+from specdeploy.spec.speculation import MEDUSA_HEADS
 from specdeploy.speculative.speedup import speedup
 
 
@@ -34,7 +35,7 @@ def measure_medusa_tree(engine: Engine, runs: list[PromptRun], summary: Summary,
     expected = expected_accepted(paths, by_rank)
     costs = measure_verify_costs(engine, encoded[0], engine.pipeline.limits.max_draft_tokens)
     best = build_tree(by_rank, costs, head_cost)
-    held_out = engine.dir / "medusa" / ACCURACY_FILE
+    held_out = engine.dir / MEDUSA_HEADS.folder / ACCURACY_FILE
     expected_held_out = None
     if held_out.is_file():
         trained = [head["by_rank"] for head in json.loads(held_out.read_text())["held_out_accuracy"]]

@@ -31,6 +31,7 @@ from specdeploy.decoding.stats import RequestStats, decode_rate
 from specdeploy.models import machine
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.request import GenerationRequest
+from specdeploy.spec.speculation import EagleSpec, LookaheadSpec, MedusaSpec
 from specdeploy.speculative.speedup import speedup, tokens_per_step_by_position
 
 
@@ -156,17 +157,31 @@ def finish_report(engine: Engine, runs: list[PromptRun], encoded: list[list[int]
             predict_by_gamma(curve, summary.per_position_acceptance, summary.draft_cost_ratio,
                              request.gamma(engine.pipeline))
             summary.predicted_speedup = curve.predicted_speedup_by_gamma[-1]
-    if engine.speculation.uses_heads:
-        report.medusa = measure_medusa_tree(engine, runs, summary, encoded)
+    analyse_tree = TREE_ANALYSES.get(type(engine.speculation.settings))
+    if analyse_tree is not None:
         # the linear rule's formula does not describe a tree: the tree's own prediction replaces it
-        summary.predicted_speedup = report.medusa.predicted_speedup
-    if engine.speculation.uses_features:
-        report.eagle = measure_eagle_tree(engine, summary, encoded)
-        summary.predicted_speedup = report.eagle.predicted_speedup
-    if engine.speculation.drafts_by_lookahead:
-        # about ten nodes a step, most of them window guesses that are never meant to be accepted: the chain
-        # formula's acceptance over drafted nodes does not describe it; the accepted depth by position does
-        summary.predicted_speedup = speedup(
-            tokens_per_step_by_position(summary.per_position_acceptance, engine.num_draft_tokens),
-            summary.proposal_cost_per_step + summary.verify_cost_ratio)
+        analyse_tree(engine, report, runs, encoded)
     return report
+
+
+def analyse_medusa(engine: Engine, report: BenchReport, runs: list[PromptRun], encoded: list[list[int]]) -> None:
+    report.medusa = measure_medusa_tree(engine, runs, report.summary, encoded)
+    report.summary.predicted_speedup = report.medusa.predicted_speedup
+
+
+def analyse_eagle(engine: Engine, report: BenchReport, runs: list[PromptRun], encoded: list[list[int]]) -> None:
+    report.eagle = measure_eagle_tree(engine, report.summary, encoded)
+    report.summary.predicted_speedup = report.eagle.predicted_speedup
+
+
+def analyse_lookahead(engine: Engine, report: BenchReport, runs: list[PromptRun], encoded: list[list[int]]) -> None:
+    """About ten nodes a step, most of them window guesses that are never meant to be accepted: the chain formula's
+    acceptance over drafted nodes does not describe it; the accepted depth by position does."""
+    summary = report.summary
+    summary.predicted_speedup = speedup(
+        tokens_per_step_by_position(summary.per_position_acceptance, engine.num_draft_tokens),
+        summary.proposal_cost_per_step + summary.verify_cost_ratio)
+
+
+# Each tree method's own analysis and prediction, by its settings section (spec/speculation.py)
+TREE_ANALYSES = {MedusaSpec: analyse_medusa, EagleSpec: analyse_eagle, LookaheadSpec: analyse_lookahead}

@@ -18,7 +18,9 @@ from specdeploy.build import gguf_store
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
 from specdeploy.models.registry import ARCHITECTURES
-from specdeploy.spec.pipeline import CheckpointSpec, PipelineSpec
+from specdeploy.spec.checkpoint import CheckpointSpec
+from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.spec.speculation import TrainedSource
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -58,34 +60,29 @@ def source_files(spec: CheckpointSpec, pipeline: PipelineSpec) -> list[Path]:
 
 
 def pipeline_sources(pipeline: PipelineSpec) -> list[Path]:
-    """Every file a build of the pipeline reads: the target's and the draft's checkpoints, Medusa heads, an EAGLE-3
-    head's folder, an early exit's adapter folder."""
+    """Every file a build of the pipeline reads: the target's and the draft's checkpoints, and the method's trained
+    parts."""
     files = source_files(pipeline.target.checkpoint, pipeline)
     draft = pipeline.speculation.draft
     if draft is not None and draft.checkpoint is not None:
         files += source_files(draft.checkpoint, pipeline)
-    if pipeline.speculation.uses_heads:
-        heads = pipeline.resolve(pipeline.speculation.medusa.heads)
-        if not heads.is_file():
-            raise BuildError(f"speculation.medusa.heads: {heads} not found (train them with specdeploy "
-                             "train-medusa)")
-        files.append(heads)
-    if pipeline.speculation.uses_features:
-        files += trained_folder_files(pipeline.resolve(pipeline.speculation.eagle.head), "speculation.eagle.head",
-                                      "EAGLE-3 head", "train-eagle")
-    if pipeline.speculation.uses_exit_adapter:
-        files += trained_folder_files(pipeline.resolve(pipeline.speculation.early_exit.adapter),
-                                      "speculation.early_exit.adapter", "exit adapter", "train-exit-adapter")
+    for source in pipeline.speculation.trained_sources:
+        files += trained_files(pipeline.resolve(source.path), source)
     return files
 
 
-def trained_folder_files(folder: Path, key: str, what: str, command: str) -> list[Path]:
-    """The JSON and safetensors files of a trained folder the pipeline names at `key` (an EAGLE-3 head, an exit
-    adapter); a BuildError naming it and the command that trains one when it holds no config.json."""
-    found = sorted(folder.glob("*.json")) + sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
-    if not any(path.name == "config.json" for path in found):
-        raise BuildError(f"{key}: {folder} holds no {what} (config.json and model.safetensors; train one with "
-                         f"specdeploy {command})")
+def trained_files(path: Path, source: TrainedSource) -> list[Path]:
+    """The files of a trained part the pipeline names (a safetensors file; or a folder's JSON and safetensors); a
+    BuildError naming its key and the command that trains one when it is not there."""
+    part = source.part
+    if part.layout == "file":
+        if not path.is_file():
+            raise BuildError(f"{source.key}: {path} not found (train them with specdeploy {part.command})")
+        return [path]
+    found = sorted(path.glob("*.json")) + sorted(path.glob("*.safetensors")) if path.is_dir() else []
+    if not any(file.name == "config.json" for file in found):
+        raise BuildError(f"{source.key}: {path} holds no {part.what} (config.json and model.safetensors; train one "
+                         f"with specdeploy {part.command})")
     return found
 
 

@@ -31,12 +31,12 @@ from specdeploy.models.registry import DTYPES, projection_key
 from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, staging_dir, write_json
 from specdeploy.spec.manifest import build_unless_current, fingerprint, write_manifest
 from specdeploy.spec.pipeline import PipelineSpec
-from specdeploy.speculative.eagle import EAGLE_DIR
+from specdeploy.spec.speculation import EAGLE_HEAD, EXIT_ADAPTER, MEDUSA_HEADS
 from specdeploy.speculative.eagle_head import REPORT_FILE as EAGLE_REPORT_FILE
 from specdeploy.speculative.eagle_head import Eagle3Head
 from specdeploy.speculative.early_exit import EARLY_EXIT_FILE, draft_vocabulary
-from specdeploy.speculative.exit_adapter import ADAPTER_DIR, ExitAdapter, target_name
 from specdeploy.speculative.exit_adapter import REPORT_FILE as EXIT_ADAPTER_REPORT_FILE
+from specdeploy.speculative.exit_adapter import ExitAdapter, target_name
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
 ENGINE_FORMAT = 7  # bump whenever what a build writes changes, so existing engines are rebuilt
@@ -196,6 +196,10 @@ def write_exit_adapter(directory: Path, pipeline: PipelineSpec, target: Checkpoi
         shutil.copyfile(report, directory / EXIT_ADAPTER_REPORT_FILE)
 
 
+# Each trained part a method brings (spec/speculation.py), checked against the target and written into the engine
+TRAINED_PART_WRITERS = {MEDUSA_HEADS: write_medusa, EAGLE_HEAD: write_eagle, EXIT_ADAPTER: write_exit_adapter}
+
+
 def build(pipeline: PipelineSpec, engines_root: Path, force: bool = False, quiet: bool = False) -> BuildResult:
     """Build the pipeline's engines under engines_root/<name>/, unless they are up to date."""
     if pipeline.backend.kind != "torch":
@@ -228,7 +232,7 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
     with Progress(*columns, disable=quiet, transient=False) as progress, staging_dir(final) as staging:
         task = progress.add_task(f"[{pipeline.name}] loading target checkpoint", total=None)
         target = dense = load_checkpoint(pipeline.target.checkpoint, pipeline, final.parent)
-        draft_spec = speculation.draft if speculation.uses_draft_model else None
+        draft_spec = speculation.draft
         derive = None if draft_spec is None else draft_spec.derive
         precision = None if draft_spec is None else draft_spec.weight_only
         draft_key, draft_fix = f"speculation.draft.derive {derive}", "use derive: none with a draft checkpoint"
@@ -266,17 +270,11 @@ def write_engine(pipeline: PipelineSpec, final: Path, inputs: dict, quiet: bool)
                 draft_dtype = DTYPES[draft_spec.dtype]
                 write_component(staging / "draft", draft, {k: v.to(draft_dtype) for k, v in draft.state.items()},
                                 draft_spec.dtype, pipeline)
-        if speculation.uses_heads:
-            progress.update(task, description=f"[{pipeline.name}] writing Medusa heads")
-            write_medusa(staging / "medusa", pipeline, target)
-        if speculation.uses_features:
-            progress.update(task, description=f"[{pipeline.name}] writing the EAGLE-3 head")
-            write_eagle(staging / EAGLE_DIR, pipeline, target)
-        if speculation.drafts_with_own_layers:
+        if speculation.traits.reuses_target_layers:
             progress.update(task, description=f"[{pipeline.name}] writing the early exit's draft vocabulary")
             write_early_exit(staging, pipeline, target)
-        if speculation.uses_exit_adapter:
-            progress.update(task, description=f"[{pipeline.name}] writing the early exit's adapter")
-            write_exit_adapter(staging / ADAPTER_DIR, pipeline, target)
+        for source in speculation.trained_sources:
+            progress.update(task, description=f"[{pipeline.name}] writing the {source.part.what}")
+            TRAINED_PART_WRITERS[source.part](staging / source.part.folder, pipeline, target)
         write_manifest(staging, inputs, started)
         progress.update(task, description=f"[{pipeline.name}] engine written to {final}")

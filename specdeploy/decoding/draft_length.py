@@ -14,8 +14,9 @@ A step's gamma is decided in this order, each term only lowering it:
 
 from __future__ import annotations
 
-from specdeploy.spec.pipeline import PipelineSpec, PolicySpec, Schedule
+from specdeploy.spec.pipeline import PipelineSpec, PolicySpec
 from specdeploy.spec.request import GenerationRequest
+from specdeploy.spec.speculation import Schedule
 
 HEURISTIC_START = 4  # first proposal length under the heuristic (then it grows or shrinks)
 

@@ -76,7 +76,7 @@ def our_steps_gib(pipeline: PipelineSpec, weights_gib: float) -> float:
     path = our_path(pipeline)
     if path == "streamed":
         return STREAMED_RUNTIME_GIB + STREAMED_LAYER_K * weights_gib / FEWEST_LAYERS
-    medusa = pipeline.speculation.uses_heads
+    medusa = pipeline.speculation.traits.trtllm.converts_heads
     runtime, k = {"torch": (TORCH_RUNTIME_GIB, TORCH_K), "whole": (WHOLE_RUNTIME_GIB, WHOLE_K),
                   "read": (READ_RUNTIME_GIB, MEDUSA_K if medusa else 0.0)}[path]
     return runtime + k * weights_gib
@@ -90,7 +90,7 @@ def upstream_steps_gib(pipeline: PipelineSpec, weights_gib: float) -> float:
     spec = pipeline.backend.settings
     share = weights_gib / (spec.tp_size * spec.pp_size)
     convert = TRTLLM_RUNTIME_GIB + CONVERT_COPIES * share
-    if pipeline.speculation.uses_heads:
+    if pipeline.speculation.traits.trtllm.converts_heads:
         convert += weights_gib
     engines = build_workers(spec) * (TRTLLM_RUNTIME_GIB + ENGINE_COPIES * share)
     return max(convert, engines)

@@ -33,10 +33,10 @@ from specdeploy.deploy.build_memory import build_memory_gib
 from specdeploy.deploy.k8s_commands import server_command, under_launcher
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
 from specdeploy.deploy.k8s_multinode import GROUP_NAME, LAUNCHER_ACCOUNT, group_disruption_budget, leader_worker_set
-from specdeploy.deploy.launch import STOP_GRACE_S
 from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.deploy.sizing import PodSize, check_node_span, engine_load_seconds, pod_size
 from specdeploy.errors import SpecdeployError
+from specdeploy.pods.launch import STOP_GRACE_S
 from specdeploy.serve.tritonserver import EXIT_MARGIN, KILL_MARGIN
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 from specdeploy.speculative.speedup import break_even_tokens_per_step
@@ -91,20 +91,16 @@ def adapter_files(options: OverlayOptions) -> dict[str, Manifest]:
 
 
 def volume_files(pipeline: PipelineSpec) -> dict[str, str]:
-    """The files a build reads from volumes, by pipeline key: checkpoints not embedded in a package, Medusa heads,
-    an EAGLE-3 head's folder, an exit adapter's folder."""
+    """The files a build reads from volumes, by pipeline key: checkpoints not embedded in a package, and the
+    method's trained parts (a heads file, a head's or an adapter's folder)."""
     files = {}
     if pipeline.target.checkpoint.source != "package":
         files["target.checkpoint.path"] = pipeline.target.checkpoint.path
     draft = pipeline.speculation.draft
     if draft is not None and draft.checkpoint is not None and draft.checkpoint.source != "package":
         files["speculation.draft.checkpoint.path"] = draft.checkpoint.path
-    if pipeline.speculation.uses_heads:
-        files["speculation.medusa.heads"] = pipeline.speculation.medusa.heads
-    if pipeline.speculation.uses_features:
-        files["speculation.eagle.head"] = pipeline.speculation.eagle.head
-    if pipeline.speculation.uses_exit_adapter:
-        files["speculation.early_exit.adapter"] = pipeline.speculation.early_exit.adapter
+    for source in pipeline.speculation.trained_sources:
+        files[source.key] = source.path
     return files
 
 
@@ -141,7 +137,7 @@ def break_even_length(pipeline: PipelineSpec, options: OverlayOptions) -> float:
     than it yields."""
     cost = options.draft_cost_ratio
     if cost is None:
-        cost = 0.1 if pipeline.speculation.uses_draft_model else 0.0
+        cost = 0.1 if pipeline.speculation.draft is not None else 0.0
     return round(break_even_tokens_per_step(pipeline.speculation.num_draft_tokens, cost, options.verify_cost_ratio), 3)
 
 

@@ -8,8 +8,8 @@ need one file system), the pipeline ConfigMap is mounted at PIPELINE_DIR.
 
 from __future__ import annotations
 
-from specdeploy.deploy.job_status import SERVICE_ACCOUNT_DIR
 from specdeploy.package.package_stamp import STAMP_FILE
+from specdeploy.pods.job_status import SERVICE_ACCOUNT_DIR
 
 APP = "specdeploy"
 # Object names; each overlay prefixes them with its pipeline's name, so several pipelines share a namespace
@@ -118,7 +118,7 @@ def data_claim() -> dict:
 
 
 def journal_command(*arguments: str) -> list[str]:
-    return ["python3", "-m", "specdeploy.deploy.build_journal", *arguments, "--journal", "$(JOURNAL)",
+    return ["python3", "-m", "specdeploy.pods.build_journal", *arguments, "--journal", "$(JOURNAL)",
             "--pipeline", "$(PIPELINE)"]
 
 

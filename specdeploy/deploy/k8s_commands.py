@@ -6,7 +6,7 @@
   spawns one executor worker per GPU), as upstream's launch script does with --multi-model.
 - trtllm across nodes: the leader's mpirun starts one tritonserver per rank on its group's pods through `kubectl
   exec` (the kubessh agent of Triton's multi-node tutorials); only rank 0 serves.
-Under mpirun the command runs inside the launcher (deploy/launch.py): mpirun answers SIGTERM by killing its ranks
+Under mpirun the command runs inside the launcher (pods/launch.py): mpirun answers SIGTERM by killing its ranks
 within seconds, so the launcher hands SIGTERM to the local tritonserver instead and stops mpirun after the drain;
 across nodes it first waits for every pod of the group to be Ready.
 """
@@ -20,7 +20,7 @@ from specdeploy.spec.pipeline import PipelineSpec
 
 GROUP_KEY_LABEL = "leaderworkerset.sigs.k8s.io/group-key"  # on every pod of a LeaderWorkerSet group
 GROUP_WAIT_SECONDS = 1200  # workers scheduled and their (large) image pulled
-LAUNCHER = ["python3", "-m", "specdeploy.deploy.launch"]
+LAUNCHER = ["python3", "-m", "specdeploy.pods.launch"]
 
 
 def triton_arguments(repository: str, drain_s: int, rank: int = 0, load: list[str] | None = None) -> list[str]:

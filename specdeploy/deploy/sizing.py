@@ -12,6 +12,7 @@ from specdeploy.build.moe_derive import moe_config
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.config import ModelConfig
 from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.spec.speculation import TrainedSource
 
 GIB = 1 << 30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -62,7 +63,7 @@ def weight_only_bytes(config: ModelConfig, precision: str) -> float:
 
 
 def estimate_weights_gib(pipeline: PipelineSpec, checkpoint: ModelConfig) -> float:
-    """Target and draft (or heads, or an EAGLE-3 head) weights as the engine stores them; `checkpoint`: the target
+    """Target and draft (or the method's trained parts) weights as the engine stores them; `checkpoint`: the target
     checkpoint's dimensions (the dense source, where target.moe derives an MoE from it)."""
     moe = pipeline.target.moe
     target = checkpoint if moe is None else moe_config(checkpoint, moe)
@@ -70,29 +71,24 @@ def estimate_weights_gib(pipeline: PipelineSpec, checkpoint: ModelConfig) -> flo
     total = parameters(target) * DTYPE_BYTES[pipeline.target.dtype] if precision is None \
         else weight_only_bytes(target, precision)
     speculation = pipeline.speculation
-    if speculation.uses_draft_model and speculation.draft.weight_only is not None:
-        source = checkpoint if speculation.draft.derive == "int4_dense" else target
-        total += weight_only_bytes(source, speculation.draft.weight_only)
-    elif speculation.uses_heads:
-        heads = speculation.medusa
-        total += heads.num_heads * (heads.num_layers * target.hidden_size ** 2 + target.hidden_size
-                                    * target.vocab_size) * DTYPE_BYTES[pipeline.target.dtype]
-    elif speculation.uses_features:
-        total += eagle_head_bytes(pipeline, target)
+    draft = speculation.draft
+    if draft is not None and draft.weight_only is not None:
+        source = checkpoint if draft.derive == "int4_dense" else target
+        total += weight_only_bytes(source, draft.weight_only)
+    for source in speculation.trained_sources:
+        total += trained_part_bytes(pipeline, source, target)
     return total / GIB
 
 
-def eagle_head_bytes(pipeline: PipelineSpec, target: ModelConfig) -> float:
-    """An EAGLE-3 head as it is loaded: its safetensors' size where the folder is readable here, else the layout's
-    count at the target's dimensions (speculative/eagle_head.py: fc over three layers, one decoder layer whose
-    attention reads 2 × hidden, a vocabulary head; the draft vocabulary taken as the whole one, an upper bound)."""
-    head = pipeline.resolve(pipeline.speculation.eagle.head)
-    files = sorted(head.glob("*.safetensors")) if head.is_dir() else []
+def trained_part_bytes(pipeline: PipelineSpec, source: TrainedSource, target: ModelConfig) -> float:
+    """A trained part as it is loaded: its safetensors' size where it is readable here, else its section's count of
+    its parameters at the target's dimensions in the target's dtype (0 for a part without one: a small adapter)."""
+    path = pipeline.resolve(source.path)
+    files = [path] if path.is_file() else sorted(path.glob("*.safetensors")) if path.is_dir() else []
     if files:
-        return float(sum(path.stat().st_size for path in files))
-    h, q, kv = target.hidden_size, target.num_heads * target.head_dim, target.num_kv_heads * target.head_dim
-    weights = 3 * h * h + 2 * h * (q + 2 * kv) + q * h + 3 * h * target.intermediate_size + target.vocab_size * h
-    return weights * DTYPE_BYTES[pipeline.target.dtype]
+        return float(sum(file.stat().st_size for file in files))
+    count = getattr(pipeline.speculation.settings, "trained_parameters", None)
+    return 0.0 if count is None else count(target) * DTYPE_BYTES[pipeline.target.dtype]
 
 
 def pod_size(pipeline: PipelineSpec, target: ModelConfig | None, weights_gib: float | None,

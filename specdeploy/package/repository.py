@@ -144,7 +144,7 @@ def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict
 
 def trtllm_engines(pipeline: PipelineSpec) -> dict[str, str]:
     """The tensorrtllm models of a trtllm pipeline → the component whose engine each serves."""
-    if pipeline.speculation.uses_draft_model:
+    if pipeline.speculation.draft is not None:
         return {TARGET_MODEL: "target", DRAFT_MODEL: "draft"}
     return {TARGET_MODEL: "target"}
 

@@ -28,9 +28,10 @@ def decoding_parameters(pipeline: PipelineSpec, draft: bool) -> dict[str, str]:
     @ 0c8de69a, getExecutorConfigFromParams); top-k/top-p sampling otherwise (drafts then arrive as
     draft_input_ids)."""
     speculation = pipeline.speculation
-    if draft or not (speculation.uses_heads or speculation.drafts_by_lookahead):
+    mode = speculation.traits.trtllm.engine_mode
+    if draft or not speculation.traits.trtllm.engine_speculates:
         return {"decoding_mode": "top_k_top_p"}
-    if speculation.uses_heads:
+    if mode == "medusa":
         return {"decoding_mode": "medusa", "medusa_choices": medusa_choices(speculation.medusa.choices)}
     lookahead = speculation.lookahead
     sizes = (lookahead.window, lookahead.ngram, lookahead.verification_set)

@@ -25,8 +25,9 @@ from specdeploy.models.device_transfer import PhaseClock, from_host
 from specdeploy.models.kv_cache import KVCache
 from specdeploy.models.llama import LlamaModel, ragged_forward_all, tree_forward_all
 from specdeploy.models.reductions import argmax
-from specdeploy.spec.pipeline import Acceptance, PolicySpec
+from specdeploy.spec.pipeline import PolicySpec
 from specdeploy.spec.request import GenerationRequest
+from specdeploy.spec.speculation import Acceptance
 from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_greedy
 from specdeploy.speculative.proposer import Proposal, Proposer
 from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_greedy, accept_tree_typical

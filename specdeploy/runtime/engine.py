@@ -28,10 +28,10 @@ from specdeploy.runtime.batch import BatchDecoder
 from specdeploy.runtime.step_programs import usable_programs, use_program
 from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.manifest import check_outputs
-from specdeploy.spec.pipeline import METHODS, Determinism, Method, PipelineSpec, SpeculationSpec
+from specdeploy.spec.pipeline import Determinism, PipelineSpec
 from specdeploy.spec.request import GenerationRequest, check_request
 from specdeploy.spec.sampling_params import SamplingParams
-from specdeploy.speculative.exit_adapter import ADAPTER_DIR
+from specdeploy.spec.speculation import METHODS, Method, SpeculationSpec
 from specdeploy.speculative.proposer import EngineParts
 from specdeploy.speculative.registry import create_proposer
 
@@ -56,10 +56,9 @@ class Generation:
 
 
 def components(speculation: SpeculationSpec) -> list[str]:
-    """The engine's folders a method reads: the target's, and a draft model's, the heads' or an exit adapter's."""
-    return ["target", *(["draft"] if speculation.uses_draft_model else []),
-            *(["medusa"] if speculation.uses_heads else []), *(["eagle"] if speculation.uses_features else []),
-            *([ADAPTER_DIR] if speculation.uses_exit_adapter else [])]
+    """The engine's folders a method reads: the target's, a draft model's, and its trained parts'."""
+    return ["target", *(["draft"] if speculation.draft is not None else []),
+            *(source.part.folder for source in speculation.trained_sources)]
 
 
 def with_method(pipeline: PipelineSpec, method: Method) -> PipelineSpec:

@@ -42,6 +42,7 @@ from specdeploy.models.step_program import VARIANTS, export_step_program, load_s
 from specdeploy.runtime import program_store
 from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.spec.speculation import EAGLE_HEAD
 from specdeploy.speculative.eagle import EAGLE_DIR
 from specdeploy.speculative.eagle_head import Eagle3Head
 
@@ -67,7 +68,7 @@ def steps_mode(pipeline: PipelineSpec) -> str:
 
 def stepped_components(pipeline: PipelineSpec) -> list[str]:
     """The engine's models a step runs a forward of: the target, and a draft model."""
-    return ["target", *(["draft"] if pipeline.speculation.uses_draft_model else [])]
+    return ["target", *(["draft"] if pipeline.speculation.draft is not None else [])]
 
 
 def not_built_reason(pipeline: PipelineSpec) -> str | None:
@@ -305,7 +306,7 @@ def main(directory: str, component: str, phase: str, *variants: str) -> None:
 
     def unpacked_model() -> LlamaModel:
         model = load_component(folder, "cpu", prepack=False)
-        if component == "target" and pipeline.speculation.uses_features:  # the program returns EAGLE-3's features
+        if component == "target" and EAGLE_HEAD in pipeline.speculation.traits.trained:  # returns its features
             model.feature_layers = Eagle3Head.load(Path(directory) / EAGLE_DIR, model.config.num_layers) \
                 .config.feature_layers
         return model

@@ -71,7 +71,7 @@ def engine_pipeline(directory: Path) -> PipelineSpec:
     """The validated pipeline an engine was built from, a gamma cap of "measured" replaced by the engine's
     measurement (None while it has none)."""
     pipeline = load_pipeline(check_engine(directory) / PIPELINE_FILE)
-    if pipeline.speculation.early_exit.exit_layer == "measured" and pipeline.speculation.drafts_with_own_layers:
+    if getattr(pipeline.speculation.settings, "exit_layer", None) == "measured":
         layer = measured_exit_layer(directory)
         if layer is not None:
             pipeline = pipeline.with_exit_layer(layer)

@@ -24,11 +24,12 @@ import torch
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.models.device_transfer import from_host
 from specdeploy.models.kv_cache import KVCache, write_entries
+from specdeploy.spec.speculation import EAGLE_HEAD
 from specdeploy.speculative.eagle_head import Eagle3Head
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
 from specdeploy.speculative.row_trees import RowTrees
 
-EAGLE_DIR = "eagle"  # the head's folder in an engine
+EAGLE_DIR = EAGLE_HEAD.folder  # the head's folder in an engine
 
 
 class EagleProposer(Proposer):

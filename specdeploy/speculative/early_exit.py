@@ -132,7 +132,7 @@ class EarlyExitProposer(DraftModelProposer):
             raise SpecdeployError(f"{parts.directory}: speculation.early_exit.exit_layer is 'measured' and this "
                                   f"engine has no measurement yet (specdeploy build measures it)")
         ids = from_host(read_early_exit(parts.directory)["draft_vocab"], parts.device, torch.long)
-        adapter = engine_adapter(parts, exit_layer) if parts.pipeline.speculation.uses_exit_adapter else None
+        adapter = engine_adapter(parts, exit_layer) if parts.pipeline.speculation.early_exit.adapter else None
         return cls(EarlyExitDraft(parts.target, exit_layer, ids, adapter), parts.cache, shared=True,
                    early_stop_threshold=0.0)
 

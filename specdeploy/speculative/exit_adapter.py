@@ -27,9 +27,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from specdeploy.errors import SpecdeployError
-from specdeploy.spec.pipeline import CheckpointSpec
+from specdeploy.spec.checkpoint import CheckpointSpec
+from specdeploy.spec.speculation import EXIT_ADAPTER
 
-ADAPTER_DIR = "exit_adapter"  # the folder in an engine
+ADAPTER_DIR = EXIT_ADAPTER.folder  # the folder in an engine
 WEIGHTS_FILE = "model.safetensors"
 CONFIG_FILE = "config.json"
 REPORT_FILE = "training.json"  # train-exit-adapter's held-out report, copied by the build

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdeploy.decoding.sequence import Sequence
-from specdeploy.spec.pipeline import LookaheadSpec
+from specdeploy.spec.speculation import LookaheadSpec
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
 from specdeploy.speculative.row_trees import RowTrees
 

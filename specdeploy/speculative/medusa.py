@@ -25,6 +25,7 @@ from specdeploy.decoding.sequence import Sequence
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.device_transfer import from_host
 from specdeploy.models.reductions import topk_indices
+from specdeploy.spec.speculation import MEDUSA_HEADS
 from specdeploy.spec.token_tree import TokenTree
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
 from specdeploy.speculative.row_trees import RowTrees
@@ -142,7 +143,7 @@ class MedusaProposer(Proposer):
 
     @classmethod
     def from_engine(cls, parts: EngineParts) -> MedusaProposer:
-        directory = parts.directory / "medusa"
+        directory = parts.directory / MEDUSA_HEADS.folder
         # The blocks run in fp32 (a few hundred thousand multiply-adds per head): in bf16 their small residual
         # updates to a large hidden state are rounded away. The shared projection runs in the target's dtype.
         heads = MedusaHeads.load(directory / HEADS_FILE).to(parts.device, torch.float32)

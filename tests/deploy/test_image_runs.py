@@ -394,7 +394,7 @@ def test_the_gpu_images_own_layer_on_a_stand_in_base():
     containers = gpu_containers()
     assert {c["image"] for _, c in containers} == {GPU_IMAGE}  # the GPU layer is this image, as pushed
     modules = sorted({c["command"][2] for _, c in containers if c["command"][:2] == ["python3", "-m"]})
-    assert {"specdeploy.deploy.build_journal", "specdeploy.deploy.launch"} <= set(modules), modules
+    assert {"specdeploy.pods.build_journal", "specdeploy.pods.launch"} <= set(modules), modules
     hardened = {tuple(security_options(pod["securityContext"], c)) for pod, c in containers}
     assert len(hardened) == 1, "the GPU containers' security settings differ: run each as its own"
 

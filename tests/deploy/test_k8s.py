@@ -674,7 +674,7 @@ def test_a_changed_build_job_gets_a_new_name(tmp_path):
 
 
 def test_the_wait_alone_holds_a_token_and_may_read_only_its_build_job(rendered):
-    """Review N3: the serving pods' wait reads its build Job's status (deploy/job_status.py). Its container alone
+    """Review N3: the serving pods' wait reads its build Job's status (pods/job_status.py). Its container alone
     mounts a token (a projected one: the pods mount none), and the Role it is bound through may `get` that one Job,
     named as the render names it. Overlays whose serving pods build have neither."""
     for name, documents in rendered.items():
@@ -716,7 +716,7 @@ def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rend
     assert lws["spec"]["startupPolicy"] == "LeaderCreated"
     leader, worker = group["leaderTemplate"], group["workerTemplate"]
     command = serving_container(leader)["command"]
-    assert command[:4] == ["python3", "-m", "specdeploy.deploy.launch", "run"]
+    assert command[:4] == ["python3", "-m", "specdeploy.pods.launch", "run"]
     assert command[command.index("--group-size") + 1] == str(group["size"])
     assert command[command.index("--group-selector") + 1] == "leaderworkerset.sigs.k8s.io/group-key=$(GROUP_KEY)"
     assert command[command.index("--") + 1] == "mpirun"
@@ -724,7 +724,7 @@ def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rend
     assert env["GROUP_KEY"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.labels['leaderworkerset.sigs.k8s.io/group-key']"
     held = serving_container(worker)
-    assert held["command"] + held["args"][:2] == ["python3", "-m", "specdeploy.deploy.launch", "hold",
+    assert held["command"] + held["args"][:2] == ["python3", "-m", "specdeploy.pods.launch", "hold",
                                                   "--drain-timeout"]
     grace = worker["spec"]["terminationGracePeriodSeconds"]
     assert grace == leader["spec"]["terminationGracePeriodSeconds"]
@@ -735,7 +735,7 @@ def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rend
     for documents in rendered.values():  # orchestrator mode runs under the launcher too, single-node mpirun alike
         triton = serving_container(server_templates(documents)[0])
         if "mpirun" in triton["command"]:
-            assert triton["command"][:4] == ["python3", "-m", "specdeploy.deploy.launch", "run"]
+            assert triton["command"][:4] == ["python3", "-m", "specdeploy.pods.launch", "run"]
 
 
 def test_the_leader_alone_may_exec_and_only_into_its_sets_workers(rendered):

@@ -37,15 +37,8 @@ from specdeploy.models.moe import MixtralModel, SparseMoE, route
 from specdeploy.models.quantize import Int4Linear, Int8Linear
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
-from specdeploy.spec.pipeline import (
-    CheckpointSpec,
-    MoESpec,
-    PipelineSpec,
-    PolicySpec,
-    ServingSpec,
-    TargetSpec,
-    load_pipeline,
-)
+from specdeploy.spec.checkpoint import CheckpointSpec
+from specdeploy.spec.pipeline import MoESpec, PipelineSpec, PolicySpec, ServingSpec, TargetSpec, load_pipeline
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.workflows import build_torch_engine

@@ -12,7 +12,7 @@ from helpers.pipelines import tiny_pipeline
 from helpers.prompts import PROMPTS
 from rich.progress import Progress
 
-from specdeploy.errors import BuildError
+from specdeploy.errors import BuildError, PipelineError
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.program_store import STORE_VARIABLE
 from specdeploy.runtime.step_programs import (
@@ -23,7 +23,7 @@ from specdeploy.runtime.step_programs import (
     programs_compile_seconds,
 )
 from specdeploy.spec.engine_paths import engine_pipeline
-from specdeploy.spec.pipeline import PipelineError, load_pipeline
+from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.workflows import build_torch_engine
 

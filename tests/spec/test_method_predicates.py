@@ -1,4 +1,4 @@
-"""The speculation method's predicates: what each method is, and that the code asks them instead of its name.
+"""The speculation methods' descriptors: what each method is, and that the code asks them instead of its name.
 
 Fast: nothing here loads a model (the registry check imports the proposers, not weights).
 """
@@ -12,23 +12,30 @@ import pytest
 from helpers.repo import REPO
 
 from specdeploy.errors import PipelineError
-from specdeploy.spec.pipeline import METHODS, DraftSpec, EagleSpec, MedusaSpec, Method, SpeculationSpec
+from specdeploy.spec.speculation import (
+    METHODS,
+    DraftSpec,
+    EagleSpec,
+    EarlyExitSpec,
+    MedusaSpec,
+    Method,
+    SpeculationSpec,
+)
 
 PACKAGE = REPO / "specdeploy"
-# Where a comparison may still name a method: the predicates' definitions and the proposers' registry.
-ALLOWED = {"spec/pipeline.py", "speculative/registry.py"}
+# Where a comparison may still name a method: the descriptors' table and the proposers' registry.
+ALLOWED = {"spec/speculation.py", "speculative/registry.py"}
 
-PREDICATES = ("speculates", "uses_draft_model", "uses_heads", "uses_features", "drafts_with_own_layers",
-              "drafts_by_lookahead", "drafts_from_context", "drafts_outside_target", "drafts_tree")
-# method -> the predicates above, in order, written out by hand
+# method -> what its descriptor answers, written out by hand: speculates, drafts outside the target, a tree, its
+# settings section, the keys of the trained parts it names (in these specs), the TensorRT-LLM lines it runs on
 EXPECTED = {
-    "none": (False, False, False, False, False, False, False, False, False),
-    "draft_target": (True, True, False, False, False, False, False, True, False),
-    "ngram": (True, False, False, False, False, False, True, True, False),
-    "medusa": (True, False, True, False, False, False, False, False, True),
-    "eagle": (True, False, False, True, False, False, False, False, True),
-    "early_exit": (True, False, False, False, True, False, False, False, False),
-    "lookahead": (True, False, False, False, False, True, False, False, True),
+    "none": (False, False, False, None, [], ("engine", "llm_api")),
+    "draft_target": (True, True, False, "draft", [], ("engine", "llm_api")),
+    "ngram": (True, True, False, "ngram", [], ("engine", "llm_api")),
+    "medusa": (True, False, True, "medusa", ["speculation.medusa.heads"], ("engine",)),
+    "eagle": (True, False, True, "eagle", ["speculation.eagle.head"], ("llm_api",)),
+    "early_exit": (True, False, False, "early_exit", [], ()),
+    "lookahead": (True, False, True, "lookahead", [], ("engine",)),
 }
 
 
@@ -44,18 +51,35 @@ def speculation(method: str) -> SpeculationSpec:
 
 
 @pytest.mark.parametrize("method", EXPECTED)
-def test_predicates_of_each_method(method: str):
+def test_what_each_methods_descriptor_answers(method: str):
     spec = speculation(method)
-    assert {name: getattr(spec, name) for name in PREDICATES} == dict(zip(PREDICATES, EXPECTED[method]))
+    answers = (spec.speculates, spec.drafts_outside_target, spec.drafts_tree, spec.traits.section,
+               [source.key for source in spec.trained_sources], spec.traits.trtllm.lines)
+    assert answers == EXPECTED[method]
 
 
-def test_every_method_has_predicates_and_a_proposer():
+def test_an_optional_trained_part_is_named_only_where_set():
+    bare = SpeculationSpec(method="early_exit")
+    adapted = SpeculationSpec(method="early_exit", early_exit=EarlyExitSpec(exit_layer=6, adapter="adapter"))
+    assert bare.trained_sources == []
+    assert [(s.key, s.part.folder, s.path) for s in adapted.trained_sources] == [
+        ("speculation.early_exit.adapter", "exit_adapter", "adapter")]
+
+
+def test_verify_nodes_come_from_the_methods_section():
+    assert speculation("draft_target").verify_nodes()[0] == 4
+    assert speculation("medusa").verify_nodes()[:2] == (len(MedusaSpec().choices), "choices")
+    assert speculation("eagle").verify_nodes()[:2] == (EagleSpec().max_nodes, "max_nodes")
+    assert speculation("lookahead").verify_nodes()[0] == SpeculationSpec().lookahead.nodes
+
+
+def test_every_method_has_a_descriptor_and_a_proposer():
     from specdeploy.speculative.registry import PROPOSERS
 
     names = set(typing.get_args(Method))
     assert set(METHODS) == names
     assert set(PROPOSERS) == names
-    assert set(EXPECTED) == names  # a new method gets its expected predicates written here too
+    assert set(EXPECTED) == names  # a new method gets its expected answers written here too
 
 
 def test_the_sections_follow_the_predicates():
@@ -73,6 +97,8 @@ def test_the_sections_follow_the_predicates():
         SpeculationSpec(method="eagle", acceptance="typical", eagle=EagleSpec(head="h"))
     assert SpeculationSpec(method="medusa", num_draft_tokens=2, acceptance="typical",
                            medusa=MedusaSpec(heads="h.safetensors")).drafts_tree
+    with pytest.raises(PipelineError, match="num_draft_tokens: for medusa the tree depth cap"):
+        SpeculationSpec(method="medusa", num_draft_tokens=5, medusa=MedusaSpec(heads="h.safetensors"))
 
 
 def test_an_unknown_method_built_in_code_is_refused():
@@ -120,11 +146,46 @@ def test_the_detector_finds_comparisons():
     assert method_comparisons(source) == [1, 2, 3, 4, 5]
 
 
-def test_no_comparison_names_a_method_outside_the_predicates():
+def test_no_comparison_names_a_method_outside_the_descriptors():
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
         if relative in ALLOWED:
             continue
         found += [f"specdeploy/{relative}:{line}" for line in method_comparisons(path.read_text())]
-    assert not found, "ask SpeculationSpec's predicates (spec/pipeline.py) instead: " + ", ".join(found)
+    assert not found, "ask the method's descriptor (spec/speculation.py) instead: " + ", ".join(found)
+
+
+# --------------------------------------------------------------------- no predicate stands for one method
+
+def predicates() -> list[str]:
+    """SpeculationSpec's properties that answer yes or no."""
+    spec = SpeculationSpec()
+    return [name for name, value in vars(SpeculationSpec).items()
+            if isinstance(value, property) and isinstance(getattr(spec, name), bool)]
+
+
+def one_method_predicates(methods: dict[str, SpeculationSpec]) -> list[str]:
+    """Predicates true for exactly one method, or named after a method or its section: the method's name again."""
+    names = set(METHODS) | {traits.section for traits in METHODS.values() if traits.section}
+    found = []
+    for name in predicates():
+        words = name.split("_")
+        spans = {"_".join(words[i:j]) for i in range(len(words)) for j in range(i + 1, len(words) + 1)}
+        if sum(getattr(spec, name) for spec in methods.values()) == 1 or spans & names:
+            found.append(name)
+    return found
+
+
+def test_no_predicate_stands_for_one_method():
+    """A question only one method answers yes is that method's name under another: ask its descriptor's data."""
+    assert predicates(), "the scan must see the predicates"
+    assert one_method_predicates({method: speculation(method) for method in METHODS}) == []
+
+
+def test_the_predicate_scan_finds_one_method_predicates(monkeypatch):
+    monkeypatch.setattr(SpeculationSpec, "reads_guesses", property(lambda self: self.method == "lookahead"),
+                        raising=False)
+    monkeypatch.setattr(SpeculationSpec, "uses_medusa_heads", property(lambda self: self.speculates), raising=False)
+    found = one_method_predicates({method: speculation(method) for method in METHODS})
+    assert found == ["reads_guesses", "uses_medusa_heads"]

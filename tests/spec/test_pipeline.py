@@ -15,21 +15,19 @@ import yaml
 from helpers.repo import REPO
 
 from specdeploy.errors import PipelineError
+from specdeploy.spec.backend import BackendSpec
+from specdeploy.spec.checkpoint import CheckpointSpec
 from specdeploy.spec.pipeline import (
-    BackendSpec,
-    CheckpointSpec,
-    DraftSpec,
     LimitsSpec,
-    NgramSpec,
     PipelineSpec,
     PolicySpec,
     SamplingSpec,
-    SpeculationSpec,
     TargetSpec,
     load_pipeline,
     parse_pipeline,
 )
 from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.spec.speculation import DraftSpec, NgramSpec, SpeculationSpec
 
 PIPELINES_DIR = REPO / "pipelines"
 SHIPPED = sorted(PIPELINES_DIR.glob("*.yaml"))

@@ -22,8 +22,9 @@ from helpers.prompts import PROMPTS
 from specdeploy.build.torch_engine import build
 from specdeploy.errors import PipelineError
 from specdeploy.runtime.engine import Engine
-from specdeploy.spec.pipeline import LookaheadSpec, load_pipeline
+from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.spec.speculation import LookaheadSpec
 from specdeploy.speculative.lookahead import LookaheadProposer, NgramPool
 from specdeploy.speculative.tree import accept_tree_typical
 

@@ -46,7 +46,7 @@ def missing_requirements(pipeline: PipelineSpec) -> list[str]:
     """What this machine lacks for the pipeline's TensorRT-LLM build, in words (empty: nothing)."""
     missing = []
     converter = pipeline.backend.settings.medusa_converter
-    if pipeline.speculation.uses_heads and not Path(converter).is_file():
+    if pipeline.speculation.traits.trtllm.converts_heads and not Path(converter).is_file():
         missing.append(f"TensorRT-LLM's Medusa converter at {converter} (backend.trtllm.medusa_converter: the "
                        f"path of examples/medusa/convert_checkpoint.py from a TensorRT-LLM {TRTLLM_VERSION} "
                        f"checkout)")
@@ -68,7 +68,7 @@ def weight_only_components(pipeline: PipelineSpec) -> dict[str, str]:
     if pipeline.backend.settings.line != "engine":  # the llm_api line runs no trtllm-build
         return {}
     found = {"target": pipeline.target.weight_only}
-    if pipeline.speculation.uses_draft_model:
+    if pipeline.speculation.draft is not None:
         found["draft"] = pipeline.speculation.draft.weight_only
     return {component: precision for component, precision in found.items() if precision is not None}
 
@@ -94,7 +94,8 @@ def plan(pipeline: PipelineSpec, engines_root: Path) -> tuple[list[Step], list[s
     try:
         hf_config = target_hf_config(pipeline)
     except BuildError as exc:
-        checks = "head and expert divisibility" + (" and rope scaling" if pipeline.speculation.uses_heads else "")
+        heads = pipeline.speculation.traits.trtllm.converts_heads
+        checks = "head and expert divisibility" + (" and rope scaling" if heads else "")
         notes.append(f"{checks} not checked: {exc}")
     else:
         config = ModelConfig.from_hf(hf_config, torch_engine=False)
@@ -109,7 +110,7 @@ def check_medusa_rope(pipeline: PipelineSpec, scaling: dict | None) -> None:
     """BuildError for Medusa on a target with rope scaling (Llama-3.1's llama3 type): TensorRT-LLM's Medusa
     converter keeps only the type and drops its factors (rotary_scaling = {"type": rope_type},
     examples/medusa/convert_checkpoint.py @ b93e14ca), so the engine would not compute the model's RoPE."""
-    if pipeline.speculation.uses_heads and scaling is not None:
+    if pipeline.speculation.traits.trtllm.converts_heads and scaling is not None:
         factors = ", ".join(f"{key} {value}" for key, value in scaling.items()
                             if key not in ("rope_type", "rope_theta"))
         raise BuildError(f"speculation.method: medusa: the target's config.json has rope scaling "
@@ -159,7 +160,8 @@ def run_action(step: Step, pipeline: PipelineSpec, final: Path, output: Path, so
         export_derived_target(pipeline.target.moe, dense, output, dtype)
     elif step.action in exports:
         model = sources.get(exports[step.action])
-        untie = step.action == "export target" and pipeline.speculation.uses_heads  # plan.ties_embeddings
+        # plan.ties_embeddings
+        untie = step.action == "export target" and pipeline.speculation.traits.trtllm.converts_heads
         export_model(model.config, model.state, model.tokenizer, output, dtype, step.action.removeprefix("export "),
                      untie=untie)
     elif step.action == "export medusa heads":

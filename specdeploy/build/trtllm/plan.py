@@ -27,7 +27,9 @@ from pathlib import Path
 from specdeploy.build.trtllm.upstream import LOOKAHEAD_BUILD_MODE
 from specdeploy.errors import BuildError
 from specdeploy.models.config import ModelConfig
-from specdeploy.spec.pipeline import DraftSpec, PipelineSpec, TrtllmSpec
+from specdeploy.spec.backend import TrtllmSpec
+from specdeploy.spec.pipeline import PipelineSpec
+from specdeploy.spec.speculation import DraftSpec
 from specdeploy.speculative.eagle_head import named_feature_layers
 
 TRTLLM_VERSION = "1.2.1"
@@ -73,9 +75,9 @@ def hf_components(pipeline: PipelineSpec) -> list[str]:
     """The components a pipeline's converters (or its LLM) read as Hugging Face directories: EXPORTS keys, and
     EAGLE_HEAD for an EAGLE-3 head."""
     speculation = pipeline.speculation
-    if speculation.uses_features:
+    if speculation.traits.trtllm.decoding_type == "Eagle":
         return ["target", EAGLE_HEAD]
-    if not speculation.uses_draft_model:
+    if speculation.draft is None:
         return ["target"]
     return list(dict.fromkeys(["target", draft_reads(speculation.draft)]))
 
@@ -92,7 +94,7 @@ def readable_checkpoint(pipeline: PipelineSpec, component: str) -> Path | None:
     if spec is None or spec.source != "hf_dir":
         return None
     directory = pipeline.resolve(spec.path)
-    if component == "target" and pipeline.speculation.uses_heads and ties_embeddings(directory):
+    if component == "target" and pipeline.speculation.traits.trtllm.converts_heads and ties_embeddings(directory):
         return None  # exported untied: see ties_embeddings
     return directory
 
@@ -160,9 +162,8 @@ def check_model_fits(pipeline: PipelineSpec, config: ModelConfig) -> None:
         ep = moe_mapping(spec)[1]
         if experts % ep:
             raise BuildError(f"backend.trtllm.moe_ep_size: {ep} does not divide the target's {experts} experts")
-        if pipeline.speculation.uses_heads:
-            raise BuildError("speculation.method: medusa on an MoE target has no TensorRT-LLM recipe (its Medusa "
-                             "converter maps tensor and pipeline parallelism only); use draft_target or ngram")
+        if pipeline.speculation.traits.trtllm.moe_refusal:
+            raise BuildError(f"speculation.method: {pipeline.speculation.traits.trtllm.moe_refusal}")
 
 
 def convert_command(spec: TrtllmSpec, model_dir: Path, output: Path, weight_only: str | None) -> tuple[str, ...]:
@@ -195,7 +196,7 @@ def engine_command(pipeline: PipelineSpec, checkpoint: Path, output: Path, mode:
                "--workers", str(build_workers(spec))]
     if mode is not None:
         command += ["--speculative_decoding_mode", mode, "--max_draft_len", str(target_max_draft_len(pipeline))]
-    if pipeline.speculation.uses_draft_model and exact_sampling_needs_logits(pipeline):
+    if pipeline.speculation.draft is not None and exact_sampling_needs_logits(pipeline):
         command.append("--gather_generation_logits")
     return tuple(command)
 
@@ -208,22 +209,16 @@ def target_max_draft_len(pipeline: PipelineSpec) -> int:
     lookahead layer checks tokens per step against the engine's max_draft_len + 1 ("%d != %d";
     trtGptModelInflightBatching.cpp @ b35ac1b6, lookaheadDecodingLayer.cpp @ 3585984b; examples/lookahead/
     README.md asks for them equal)."""
-    speculation = pipeline.speculation
-    return speculation.lookahead.nodes if speculation.drafts_by_lookahead else pipeline.limits.max_draft_tokens
+    if target_mode(pipeline) == LOOKAHEAD_BUILD_MODE:
+        return pipeline.speculation.lookahead.nodes
+    return pipeline.limits.max_draft_tokens
 
 
 def target_mode(pipeline: PipelineSpec) -> str | None:
     """The target engine's --speculative_decoding_mode: medusa (its heads, converted with it), lookahead_decoding
     (the engine guesses ahead and verifies by itself: no draft, nothing converted but the target),
     draft_tokens_external (drafts from our orchestration: a draft engine or the text), or None (plain)."""
-    speculation = pipeline.speculation
-    if speculation.uses_heads:
-        return "medusa"
-    if speculation.drafts_by_lookahead:
-        return LOOKAHEAD_BUILD_MODE
-    if speculation.drafts_outside_target:
-        return "draft_tokens_external"  # drafts come from outside the engine: our orchestration model
-    return None
+    return pipeline.speculation.traits.trtllm.engine_mode
 
 
 def exact_sampling_needs_logits(pipeline: PipelineSpec) -> bool:
@@ -238,7 +233,7 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
     hf, checkpoints, engines = root / "hf", root / "checkpoints", root / "engines"
     sources = hf_dirs(pipeline, root)
     steps = export_steps(pipeline, root)
-    if speculation.uses_heads:
+    if speculation.traits.trtllm.converts_heads:
         heads = speculation.medusa
         steps.append(export("write the Medusa heads as medusa_lm_head.safetensors + config.json",
                             "export medusa heads", hf / "medusa"))
@@ -253,7 +248,7 @@ def engine_line_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
         steps.append(Step("convert the target", checkpoints / "target",
                           convert_command(spec, sources["target"], checkpoints / "target",
                                           pipeline.target.weight_only)))
-    if speculation.uses_draft_model:
+    if speculation.draft is not None:
         draft = speculation.draft
         steps.append(Step("convert the draft", checkpoints / "draft",
                           convert_command(spec, sources[draft_reads(draft)], checkpoints / "draft",
@@ -286,16 +281,20 @@ def llm_api_config(pipeline: PipelineSpec, root: Path, models: dict[str, Path] |
               "max_num_tokens": spec.max_num_tokens, "max_seq_len": limits.max_sequence_length,
               "kv_cache_config": {"free_gpu_memory_fraction": spec.kv_cache_free_gpu_mem_fraction,
                                   "enable_block_reuse": spec.enable_kv_cache_reuse}}
-    gamma = speculation.num_draft_tokens
-    if speculation.uses_draft_model:
-        config["speculative_config"] = {"decoding_type": "DraftTarget", "max_draft_len": gamma,
-                                        "speculative_model_dir": str(models["draft"])}
-    elif speculation.drafts_from_context:
-        config["speculative_config"] = {"decoding_type": "NGram", "max_draft_len": gamma,
-                                        "max_matching_ngram_size": speculation.ngram.max_n}
-    elif speculation.uses_features:
-        config["speculative_config"] = eagle_speculative_config(pipeline, models[EAGLE_HEAD])
+    decoding_type = speculation.traits.trtllm.decoding_type
+    if decoding_type is not None:
+        config["speculative_config"] = SPECULATIVE_CONFIGS[decoding_type](pipeline, models)
     return config
+
+
+def draft_target_config(pipeline: PipelineSpec, models: dict[str, Path]) -> dict:
+    return {"decoding_type": "DraftTarget", "max_draft_len": pipeline.speculation.num_draft_tokens,
+            "speculative_model_dir": str(models["draft"])}
+
+
+def ngram_config(pipeline: PipelineSpec, models: dict[str, Path]) -> dict:
+    return {"decoding_type": "NGram", "max_draft_len": pipeline.speculation.num_draft_tokens,
+            "max_matching_ngram_size": pipeline.speculation.ngram.max_n}
 
 
 def eagle_speculative_config(pipeline: PipelineSpec, head: Path) -> dict:
@@ -349,3 +348,8 @@ def llm_api_plan(pipeline: PipelineSpec, root: Path) -> list[Step]:
     steps.append(export("write the LLM-API configuration (model, parallelism, speculative_config)",
                         "write llm_api.yaml", root / "llm_api.yaml"))
     return steps
+
+
+# The LLM API's speculative_config by the method recipe's decoding_type (spec/speculation.py)
+SPECULATIVE_CONFIGS = {"DraftTarget": draft_target_config, "NGram": ngram_config,
+                       "Eagle": lambda pipeline, models: eagle_speculative_config(pipeline, models[EAGLE_HEAD])}

@@ -27,7 +27,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 
@@ -41,6 +41,7 @@ from specdeploy.serve.trtllm import sampling as trtllm_sampling
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.spec.request import GenerationRequest, check_request
 from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.spec.speculation import NgramSpec
 
 # Tokens per streamed target call (plain decode, Medusa). A BLS stream cannot be cancelled, so this bounds what a
 # cancelled request still waits for; each new call finds the sequence in the engine's KV reuse cache.
@@ -67,12 +68,10 @@ class EngineSteps:
     def of(cls, pipeline: PipelineSpec) -> EngineSteps | None:
         """None when this loop proposes the drafts (or nothing)."""
         speculation = pipeline.speculation
-        if speculation.uses_heads:
-            paths = speculation.medusa.choices
-            return cls(len(paths), max(len(path) for path in paths), STREAM_CHUNK)
-        if speculation.drafts_by_lookahead:
-            return cls(speculation.lookahead.nodes, speculation.lookahead.ngram - 1, LOOKAHEAD_CHUNK)
-        return None
+        mode = speculation.traits.trtllm.engine_mode
+        if mode not in ENGINE_MODES:
+            return None
+        return cls(speculation.verify_nodes()[0], speculation.settings.max_accepted, ENGINE_MODES[mode].chunk)
 
 
 def check_plain_request(request: GenerationRequest, method: str) -> None:
@@ -192,6 +191,20 @@ class Job(ServingRequest):
         return Sampling(self.sequence.params, call_seed(self.seed, self.calls))
 
 
+class EngineMode(NamedTuple):
+    """A target engine that speculates by itself, by its decoding mode: the name its messages give, what it needs
+    of each request, and the tokens per streamed call."""
+
+    name: str
+    check: Callable[[GenerationRequest], None]
+    chunk: int
+
+
+# keyed by the recipes' engine_mode (spec/speculation.py: trtllm-build's --speculative_decoding_mode)
+ENGINE_MODES = {"medusa": EngineMode("Medusa", check_medusa_request, STREAM_CHUNK),
+                "lookahead_decoding": EngineMode("lookahead", check_lookahead_request, LOOKAHEAD_CHUNK)}
+
+
 class Orchestrator:
     def __init__(self, pipeline: PipelineSpec, calls: EngineCalls, vocab_size: int, end_ids: frozenset[int],
                  on_change: Callable[[Orchestrator], None] | None = None, tokenizer=None) -> None:
@@ -204,7 +217,7 @@ class Orchestrator:
         self.policy = pipeline.serving.policy
         self.kv_capacity = pipeline.kv_capacity_tokens
         self.counters = ServingCounters()
-        self.ngram = pipeline.speculation.ngram if pipeline.speculation.drafts_from_context else None
+        self.ngram = pipeline.speculation.settings if isinstance(pipeline.speculation.settings, NgramSpec) else None
         self.engine_steps = EngineSteps.of(pipeline)
         settings = pipeline.backend.settings
         self.logits_width = trtllm_sampling.padded_vocab_size(vocab_size, settings.tp_size * settings.pp_size)
@@ -222,12 +235,10 @@ class Orchestrator:
         if self.drain_deadline is not None:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
-        if self.pipeline.speculation.drafts_by_lookahead:
-            check_plain_request(request, "lookahead")
-            check_lookahead_request(request)
-        if self.pipeline.speculation.uses_heads:
-            check_plain_request(request, "Medusa")
-            check_medusa_request(request)
+        engine_mode = ENGINE_MODES.get(self.pipeline.speculation.traits.trtllm.engine_mode)
+        if engine_mode is not None:
+            check_plain_request(request, engine_mode.name)
+            engine_mode.check(request)
         check_top_k(request)  # after Medusa's, whose message says why its engine needs a top-k
         sequence = Sequence.for_request(request, ProposalLength.for_request(request, self.pipeline), self.end_ids,
                                         tokenizer=self.tokenizer)

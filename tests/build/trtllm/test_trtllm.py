@@ -104,11 +104,11 @@ def test_gpu_examples_plan_with_upstream_flags_and_consistent_paths(path, derive
     assert all(build["--max_input_len"] == str(pipeline.limits.max_sequence_length) for build in builds.values())
     assert target["--use_paged_context_fmha"] == "enable"
     settings = pipeline.backend.settings
-    if pipeline.speculation.drafts_by_lookahead:  # the engine's draft tokens are exactly the (W, N, G)'s
+    if pipeline.speculation.method == "lookahead":  # the engine's draft tokens are exactly the (W, N, G)'s
         assert target["--max_draft_len"] == str(pipeline.speculation.lookahead.nodes)
     else:
         assert target["--max_draft_len"] == str(pipeline.limits.max_draft_tokens)
-    if pipeline.speculation.drafts_by_lookahead:  # the target alone, guessing ahead by itself
+    if pipeline.speculation.method == "lookahead":  # the target alone, guessing ahead by itself
         assert target["--speculative_decoding_mode"] == "lookahead_decoding" and set(builds) == {"target"}
         assert "--gather_generation_logits" not in target
         assert [s.title for s in steps] == ["convert the target", "build the target engine"]
@@ -508,14 +508,14 @@ def test_tensorrtllm_model_configs_use_the_upstream_template_keys(path):
     if pipeline.speculation.method == "medusa":
         assert values["decoding_mode"] == "medusa"
         assert parse_choices(values["medusa_choices"]) == [list(p) for p in pipeline.speculation.medusa.choices]
-    elif pipeline.speculation.drafts_by_lookahead:
+    elif pipeline.speculation.method == "lookahead":
         # both the mode and the sizes: upstream reads the sizes only under decoding_mode lookahead
         assert values["decoding_mode"] == "lookahead" and "medusa_choices" not in values
         assert [int(values[key]) for key in LOOKAHEAD_PARAMETERS] == [lookahead.window, lookahead.ngram,
                                                                        lookahead.verification_set]
     else:
         assert "medusa_choices" not in values and values["decoding_mode"] == "top_k_top_p"
-    if not pipeline.speculation.drafts_by_lookahead:
+    if not pipeline.speculation.method == "lookahead":
         assert not set(values) & set(LOOKAHEAD_PARAMETERS)
     assert not set(draft.parameters) & set(LOOKAHEAD_PARAMETERS)
     # The draft's KV cache: capped at what it can hold, so it never takes the target's share of the GPU.

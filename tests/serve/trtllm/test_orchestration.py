@@ -24,9 +24,10 @@ from specdeploy.decoding.finish import Finish
 from specdeploy.errors import RequestError
 from specdeploy.serve.trtllm.engine_calls import BlsCalls
 from specdeploy.serve.trtllm.orchestration import LOOKAHEAD_CHUNK, STREAM_CHUNK, Orchestrator
-from specdeploy.spec.pipeline import BackendSpec, LookaheadSpec
+from specdeploy.spec.backend import BackendSpec
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.spec.speculation import LookaheadSpec
 
 sys.path.insert(0, str(REPO / "tests" / "trtllm_double" / "backend"))
 from bls_double import BlsDouble, pipeline_doubles  # noqa: E402

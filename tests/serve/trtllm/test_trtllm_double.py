@@ -171,7 +171,7 @@ def lookahead_engine(directory: Path, max_draft_len: int | None) -> Path:
 def test_the_formula_is_upstreams_and_the_pipelines_node_count():
     """calculateSpeculativeResourceTuple's draft tokens at the worked values of docs/tensorrt-llm.md, and the
     pipeline's LookaheadSpec.nodes giving the same count for every (W, N, G) it allows."""
-    from specdeploy.spec.pipeline import LookaheadSpec
+    from specdeploy.spec.speculation import LookaheadSpec
 
     worked = {(1, 1, 0): 0, (2, 2, 1): 2, (4, 3, 4): 15, (3, 3, 3): 11, (4, 4, 4): 23, (5, 5, 5): 39, (7, 7, 7): 83}
     assert {sizes: LookaheadConfig(*sizes).max_draft_len for sizes in worked} == worked

@@ -1,4 +1,4 @@
-"""`python3 -m specdeploy.deploy.launch` as the serving pods run it, with stand-ins for kubectl, mpirun and
+"""`python3 -m specdeploy.pods.launch` as the serving pods run it, with stand-ins for kubectl, mpirun and
 tritonserver on PATH: the leader starts mpirun only once its group is Ready, SIGTERM drains tritonserver where
 mpirun alone would kill it, and `hold` exits promptly on SIGTERM."""
 
@@ -117,7 +117,7 @@ def start(pod: dict, command: list[str]) -> subprocess.Popen:
 
 
 def launch(pod: dict, *arguments: str) -> subprocess.Popen:
-    return start(pod, [sys.executable, "-m", "specdeploy.deploy.launch", *arguments])
+    return start(pod, [sys.executable, "-m", "specdeploy.pods.launch", *arguments])
 
 
 def wait_for(condition, timeout_s: float = 10.0) -> None:

@@ -1,4 +1,4 @@
-"""The serving pods' PID 1 where tritonserver runs under mpirun: `python3 -m specdeploy.deploy.launch run|hold`.
+"""The serving pods' PID 1 where tritonserver runs under mpirun: `python3 -m specdeploy.pods.launch run|hold`.
 
 Standard library only: it runs inside the serving image's pods, with `kubectl` on PATH.
 
@@ -296,7 +296,7 @@ def hold(process: str, timeout_s: float) -> int:
 
 
 def parser() -> argparse.ArgumentParser:
-    main_parser = argparse.ArgumentParser(prog="python3 -m specdeploy.deploy.launch", description=__doc__,
+    main_parser = argparse.ArgumentParser(prog="python3 -m specdeploy.pods.launch", description=__doc__,
                                           formatter_class=argparse.RawDescriptionHelpFormatter)
     modes = main_parser.add_subparsers(dest="mode", required=True)
     run_parser = modes.add_parser("run", help="wait for the group, run COMMAND, drain it on SIGTERM/SIGINT")

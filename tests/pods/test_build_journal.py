@@ -1,6 +1,6 @@
-"""The build journal (specdeploy/deploy/build_journal.py): the build Job's steps record their failures on the data
+"""The build journal (specdeploy/pods/build_journal.py): the build Job's steps record their failures on the data
 volume, and the serving pods' wait gives up once the newest Job of the pipeline has failed for good, by the journal
-or by the Job's own status (deploy/job_status.py, against a stand-in API server)."""
+or by the Job's own status (pods/job_status.py, against a stand-in API server)."""
 
 from __future__ import annotations
 
@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 
-from specdeploy.deploy import build_journal
-from specdeploy.deploy.job_status import JobReader
+from specdeploy.pods import build_journal
+from specdeploy.pods.job_status import JobReader
 
-MODULE = [sys.executable, "-m", "specdeploy.deploy.build_journal"]
+MODULE = [sys.executable, "-m", "specdeploy.pods.build_journal"]
 
 
 @pytest.fixture

@@ -1,4 +1,4 @@
-"""The build Job's own status, read from the Kubernetes API by the serving pods' wait (deploy/build_journal.py).
+"""The build Job's own status, read from the Kubernetes API by the serving pods' wait (pods/build_journal.py).
 
 The journal cannot show a Job that ended without its wrapper writing: DeadlineExceeded (its pods deleted), an OOM
 kill of the whole container on cgroup v2, a pod never scheduled or whose image cannot be pulled (both end in

@@ -1,6 +1,6 @@
 """The build Job's journal on the data volume, so that serving pods waiting for a repository can tell "still
 building" from "the build has failed for good" (with the Job's own status where they can read it:
-deploy/job_status.py).
+pods/job_status.py).
 
 `record` wraps one step of the build Job (`specdeploy build`, then `specdeploy package`): it appends a JSON line when
 the step starts and one when it fails, keyed by the pipeline file's SHA-256 and the Job's uid, and exits with the
@@ -10,13 +10,13 @@ kuberuntime_container_linux.go), so the wrapper dies with the step and records n
 that case.
 `wait` is the serving pods' init container: it returns once the package stamp records the pipeline's digest and
 this image's specdeploy and Triton model code (a new image waits for its own build Job's repository), and
-gives up with a message naming the failure once the build Job's own status says it failed (deploy/job_status.py,
+gives up with a message naming the failure once the build Job's own status says it failed (pods/job_status.py,
 where the pod holds a token for it), or once the newest Job of this pipeline has failed as often as its
 backoffLimit allows by the journal, or with exit status 2 (a configuration error: the Job's podFailurePolicy fails it
 at once).
 
-    python3 -m specdeploy.deploy.build_journal record --journal J --pipeline P --job-uid UID --step build -- CMD...
-    python3 -m specdeploy.deploy.build_journal wait --journal J --pipeline P --stamp S --backoff-limit 2
+    python3 -m specdeploy.pods.build_journal record --journal J --pipeline P --job-uid UID --step build -- CMD...
+    python3 -m specdeploy.pods.build_journal wait --journal J --pipeline P --stamp S --backoff-limit 2
 It imports little beyond the standard library (the stamp's check): it runs before anything else in the pod.
 """
 
@@ -32,9 +32,9 @@ import sys
 import time
 from pathlib import Path
 
-from specdeploy.deploy.job_status import JobReader, failure
-from specdeploy.deploy.launch import exit_status
 from specdeploy.package.package_stamp import model_code_files, stale_for_this_code
+from specdeploy.pods.job_status import JobReader, failure
+from specdeploy.pods.launch import exit_status
 
 CONFIGURATION_ERROR = 2  # specdeploy's exit status for a bad pipeline or input: retrying cannot help
 INTERRUPTED = "interrupted"  # the pod was stopped (eviction, preemption, deletion): not the build's failure
@@ -142,7 +142,7 @@ def job_verdict(job: JobReader | None, said: set[str]) -> str | None:
 def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s: float,
          give_up_after_s: float | None = None, job: JobReader | None = None) -> int:
     """0 once the repository is this pipeline's and this image's; 1, naming why, once the build Job has failed by
-    its own status (`job`, deploy/job_status.py) or for good by the journal, or after give_up_after_s (the Job's
+    its own status (`job`, pods/job_status.py) or for good by the journal, or after give_up_after_s (the Job's
     activeDeadlineSeconds and a margin), the last resort where the API cannot be read: by then the Job has ended
     whatever the journal holds."""
     digest, code = pipeline_digest(pipeline), model_code_files()  # this image's code does not change while it waits
@@ -182,7 +182,7 @@ def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python3 -m specdeploy.deploy.build_journal")
+    parser = argparse.ArgumentParser(prog="python3 -m specdeploy.pods.build_journal")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in ("record", "wait"):
         command = commands.add_parser(name)
