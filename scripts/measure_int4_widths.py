@@ -136,7 +136,7 @@ def model_runs(model: LlamaModel, widths: list[int], context: int) -> dict:
                 use_copies_from(model, from_rows)
                 model.lm_head = head
                 cache.lengths = [context]
-                return model.logits(model(tokens, positions, cache))
+                return model.logits(model(tokens, positions, cache).hidden)
 
             runs[path, width] = run
     return runs

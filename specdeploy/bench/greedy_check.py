@@ -15,7 +15,7 @@ def top_two_gap(engine: Engine, tokens: list[int]) -> float:
     """Gap between the target's two largest logits for the token after `tokens` (fresh prefill)."""
     cache = engine.target.new_cache(1, len(tokens) + 1)
     hidden = engine.target(torch.tensor([tokens], device=engine.device),
-                           torch.arange(len(tokens), device=engine.device)[None], cache)
+                           torch.arange(len(tokens), device=engine.device)[None], cache).hidden
     top = engine.target.logits(hidden[0, -1]).topk(2).values
     return float(top[0] - top[1])
 

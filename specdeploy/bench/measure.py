@@ -62,7 +62,7 @@ def timed_forward(model: LlamaModel, cache, window: torch.Tensor, start: int, re
     samples = []
     for _ in range(repeats):
         began = time.perf_counter()
-        model.logits(ragged_forward_all(model, cache, window, [start]))
+        model.logits(ragged_forward_all(model, cache, window, [start]).hidden)
         finish(window.device)
         samples.append(time.perf_counter() - began)
     return sorted(samples)[repeats // 2]

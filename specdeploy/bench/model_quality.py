@@ -22,7 +22,7 @@ def teacher_forced_logits(model: LlamaModel, tokens: list[int]) -> torch.Tensor:
     """[T, V] fp32: the next-token logits at every position of `tokens`."""
     with torch.inference_mode():
         ids = torch.tensor([tokens])
-        return model.logits(model(ids, torch.arange(len(tokens))[None], model.new_cache(1, len(tokens))))[0]
+        return model.logits(model(ids, torch.arange(len(tokens))[None], model.new_cache(1, len(tokens))).hidden)[0]
 
 
 def perplexity(logits: list[torch.Tensor], sequences: list[list[int]]) -> float:

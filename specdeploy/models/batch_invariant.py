@@ -1,4 +1,5 @@
-"""Making a loaded model batch invariant (serving.determinism: batch_invariant), see row_invariance.py."""
+"""Making a loaded model's linear layers batch invariant (serving.determinism: batch_invariant), see
+row_invariance.py; its attention is row by row from construction (LlamaModel's row_invariant)."""
 
 from __future__ import annotations
 
@@ -28,8 +29,10 @@ _VERDICTS: dict[tuple, int] = {}
 def make_batch_invariant(model: LlamaModel, max_rows: int) -> dict[str, int]:
     """Attend row by row, and probe each distinct linear layer (kind, shape) on this machine's kernels with up to
     `max_rows` rows: a layer whose rows change with their company above some count is wrapped in RowBlocks of
-    that many rows. Returns the wrapped layers' names and block sizes (none where the kernels keep rows)."""
-    model.row_invariant = True
+    that many rows. Returns the wrapped layers' names and block sizes (none where the kernels keep rows). The model
+    must have been built to attend row by row (LlamaModel's row_invariant)."""
+    if not model.row_invariant:
+        raise ValueError("a batch-invariant model attends row by row: build it with row_invariant=True")
     blocked = {}
     dtype, device = model.dtype, model.embed.device
     for name, parent in list(model.named_modules()):

@@ -28,7 +28,7 @@ from pathlib import Path
 import torch
 
 from specdeploy.models.kv_cache import KVCache
-from specdeploy.models.llama import LlamaModel
+from specdeploy.models.llama import Forward, LayerSpan, LlamaModel
 from specdeploy.spec.engine_paths import directory_bytes
 
 CACHE_DIR = "compiled"  # under the engine directory
@@ -46,11 +46,13 @@ class CompiledSteps:
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                  attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None,
-                 row_lengths: list[int] | None = None) -> torch.Tensor:
+                 row_lengths: list[int] | None = None, span: LayerSpan | None = None,
+                 capture: tuple[int, ...] = ()) -> Forward:
         """row_lengths is not passed on: only a batch-invariant model reads it, and a compiled one never is (the
-        pipeline check refuses serving.determinism batch_invariant with compile)."""
+        pipeline check refuses serving.determinism batch_invariant with compile); nor is a span, which only an
+        early exit asks for (refused with compile too)."""
         step = self.compiled if tokens.shape[1] <= self.max_width else self.eager
-        return step(tokens, positions, kv_cache, attention_mask, cache_slots)
+        return step(tokens, positions, kv_cache, attention_mask, cache_slots, capture=capture)
 
 
 def compile_steps(model: LlamaModel, max_width: int) -> None:

@@ -11,6 +11,9 @@ as int4 groups (`<name>.codes`, `<name>.scales`, `<name>.minimums`) or int8 rows
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -178,23 +181,38 @@ class DecoderLayer(nn.Module):
         return x + self.feed_forward(self.post_attention_norm.forward(x))
 
 
+class Forward(NamedTuple):
+    """What one forward returns. hidden: [B, T, hidden] after the final norm (the raw states entering layer `stop`
+    of a forward cut short by LayerSpan). captured: [B, T, len(capture) * hidden], the states entering each layer
+    the call asked to capture, side by side in the order asked (EAGLE-3's draft reads three); None when none was."""
+
+    hidden: torch.Tensor
+    captured: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class LayerSpan:
+    """Part of the decoder stack: layers start..stop - 1 (stop None: through the last, then the final norm), fed
+    `entering` [B, T, hidden], the states entering layer `start` (None: the tokens' embeddings, with start 0). An
+    early exit's draft runs the first layers and its verify resumes after them (speculative/early_exit.py)."""
+
+    start: int = 0
+    stop: int | None = None
+    entering: torch.Tensor | None = None
+
+
 class LlamaModel(nn.Module):
     """Decoder stack + final norm + vocabulary projection, built from canonical weights. A family that differs
     only in its feed-forward block (models/moe.py) overrides make_feed_forward. prepack: pack bf16 CPU weights
-    for oneDNN (DenseLinear.prepack), the eager engine's fast path; False for a model that will be compiled."""
-
-    # Batch invariance (models/row_invariance.py): attention runs row by row over each row's own keys, so a row's
-    # hidden states do not depend on the rows beside it. Set by `make_batch_invariant`.
-    row_invariant = False
-    # EAGLE-3 (speculative/eagle.py): the layers whose input hidden states each forward keeps, side by side, in
-    # `features` [B, T, len * hidden] for the draft head; empty: none kept.
-    feature_layers: tuple[int, ...] = ()
-    features: torch.Tensor | None = None
+    for oneDNN (DenseLinear.prepack), the eager engine's fast path; False for a model that will be compiled.
+    row_invariant: batch invariance (models/row_invariance.py): a step's attention runs row by row over each row's
+    own keys, so a row's hidden states do not depend on the rows beside it (its linear layers are made invariant
+    after loading, by models/batch_invariant.py, which probes this machine's kernels)."""
 
     def __init__(self, config: ModelConfig, state: dict[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                 prepack: bool = True) -> None:
+                 prepack: bool = True, row_invariant: bool = False) -> None:
         super().__init__()
-        self.config, self.dtype = config, dtype
+        self.config, self.dtype, self.row_invariant = config, dtype, row_invariant
         self.embed = nn.Parameter(state["model.embed_tokens.weight"].to(dtype), requires_grad=False)
         self.layers = nn.ModuleList(
             DecoderLayer(config, state, f"model.layers.{i}", dtype,
@@ -231,21 +249,17 @@ class LlamaModel(nn.Module):
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                 attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None,
-                row_lengths: list[int] | None = None, layers: range | None = None,
-                hidden: torch.Tensor | None = None) -> torch.Tensor:
-        """Hidden states after the final norm.
+                row_lengths: list[int] | None = None, span: LayerSpan | None = None,
+                capture: tuple[int, ...] = ()) -> Forward:
+        """The hidden states after the final norm, and the states entering the layers in `capture`.
 
         tokens, positions: [B, T] long. attention_mask: [B, T, S] bool (True = may attend) over the first S cache
         slots; by default causal by position over the cache rows' committed lengths plus T. cache_slots: [B, T]
         where this call's keys/values are written (default: the positions; a row's slots follow its committed
         length). row_lengths: a decode step's real tokens per row (the rest is padding at its end), which a
         row-invariant model attends with (models/row_invariance.py); None for a call of one row's own tokens (a
-        prefill), which no other row changes. Returns [B, T, hidden].
-
-        layers: run only these consecutive layers (default all), writing only their cache entries; a range that stops
-        before the last layer returns the raw hidden states entering layer `layers.stop` (no final norm). hidden:
-        the states entering layer `layers.start` [B, T, hidden], instead of the tokens' embeddings (an early-exit
-        verify resumes where the draft's forwards stopped: speculative/early_exit.py).
+        prefill), which no other row changes. span: run only part of the stack, writing only its layers' cache
+        entries (LayerSpan). capture: layer indices whose entering states to return (Forward.captured).
         """
         length = tokens.shape[1]
         spans = None
@@ -267,17 +281,17 @@ class LlamaModel(nn.Module):
             mask = mask[:, None].expand(-1, group, -1, -1).reshape(mask.shape[0], 1, -1, kv_len)
         slots = positions if cache_slots is None else cache_slots
         rotation = self.rotation_at(positions)
-        layers = range(len(self.layers)) if layers is None else layers
-        x = self.embed[tokens] if hidden is None else hidden
-        captured = {}
-        for index in layers:
-            if index in self.feature_layers:
-                captured[index] = x
+        span = span or LayerSpan()
+        stop = len(self.layers) if span.stop is None else span.stop
+        x = self.embed[tokens] if span.entering is None else span.entering
+        entering = {}
+        for index in range(span.start, stop):
+            if index in capture:
+                entering[index] = x
             # skip __call__
             x = self.layers[index].forward(x, rotation, *kv_cache.layer(index), slots, mask, kv_len, spans)
-        if captured:
-            self.features = torch.cat([captured[index] for index in self.feature_layers], dim=-1)
-        return self.norm(x) if layers.stop == len(self.layers) else x
+        captured = torch.cat([entering[index] for index in capture], dim=-1) if capture else None
+        return Forward(self.norm(x) if stop == len(self.layers) else x, captured)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [..., hidden] → fp32 logits [..., vocab]."""
@@ -305,44 +319,41 @@ def pad_rows(rows: list[list[int]], device: torch.device | str) -> torch.Tensor:
 
 
 def ragged_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],
-                       lengths: list[int] | None = None,
-                       resume: tuple[int, torch.Tensor] | None = None) -> torch.Tensor:
+                       lengths: list[int] | None = None, resume: LayerSpan | None = None,
+                       capture: tuple[int, ...] = ()) -> Forward:
     """One forward over rows fed at different positions: row r feeds tokens[r] [B, W] at positions starts[r]..
     into cache row r, attending causally to the row's first starts[r] entries and to itself.
 
     A row with fewer real tokens than W (lengths[r]; None: all W) carries padding at its end; the padding is written
     past the row's real tokens, where the next write overwrites it before anything attends to it (the cache has
-    headroom for it). resume: (layer, states [B, W, hidden]): run only the layers from `layer` on, from the states
-    entering it (the layers before it already ran over these positions and wrote their cache entries). Returns
-    every position's hidden state: [B, W, hidden] (padding positions included).
+    headroom for it). resume: run only the layers from its start on, from the states entering it (the layers before
+    it already ran over these positions and wrote their cache entries). Returns every position's hidden state
+    [B, W, hidden] (padding positions included), and what `capture` asked (LlamaModel.forward).
     """
     width = tokens.shape[1]
     positions = from_host(starts, tokens.device)[:, None] + torch.arange(width, device=tokens.device)
     cache.lengths = list(starts)
-    if resume is None:
-        return model(tokens, positions, cache, row_lengths=lengths)
-    layer, states = resume
-    return model(tokens, positions, cache, row_lengths=lengths, layers=range(layer, len(model.layers)),
-                 hidden=states)
+    return model(tokens, positions, cache, row_lengths=lengths, span=resume, capture=capture)
 
 
 def ragged_forward(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],
                    lengths: list[int]) -> torch.Tensor:
     """As ragged_forward_all, returning the hidden state of each row's last real token (row r has lengths[r]):
     [B, hidden]."""
-    hidden = ragged_forward_all(model, cache, tokens, starts, lengths)
+    hidden = ragged_forward_all(model, cache, tokens, starts, lengths).hidden
     last = from_host([length - 1 for length in lengths], hidden.device)
     return hidden[torch.arange(len(lengths), device=hidden.device), last]
 
 
 def tree_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, starts: list[int],
-                     depths: torch.Tensor, ancestry: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+                     depths: torch.Tensor, ancestry: torch.Tensor, lengths: list[int] | None = None,
+                     capture: tuple[int, ...] = ()) -> Forward:
     """One forward over a token tree per row: row r feeds tokens[r] [B, W] (the pending token, then the tree's nodes)
     into cache slots starts[r].. in order, at positions starts[r] + depths[r] ([B, W] or, for one shape in every
     row, [W]); each attends to the row's first starts[r] entries and to its own ancestors in the tree and itself
     (ancestry [B, W, W] or [W, W], entry [.., i, j]: j is i or an ancestor). A row with fewer real nodes than W-1
     pads at its end, as in `ragged_forward_all` (lengths[r]: row r's real tokens, the pending one included).
-    Returns [B, W, hidden]."""
+    Returns [B, W, hidden], and what `capture` asked (LlamaModel.forward)."""
     batch, width = tokens.shape
     device = tokens.device
     depths = depths[..., :width].expand(batch, width)
@@ -356,4 +367,5 @@ def tree_forward_all(model: LlamaModel, cache: KVCache, tokens: torch.Tensor, st
     tree_part = ancestry.gather(2, index)  # [B, W, S]: may query i see the tree position at key slot s
     mask = (relative < 0)[:, None, :] | (in_tree[:, None, :] & tree_part)
     cache.lengths = list(starts)
-    return model(tokens, positions, cache, attention_mask=mask, cache_slots=slots, row_lengths=lengths)
+    return model(tokens, positions, cache, attention_mask=mask, cache_slots=slots, row_lengths=lengths,
+                 capture=capture)

@@ -35,15 +35,18 @@ def component_config(directory: Path) -> tuple[ModelConfig, str]:
     return ModelConfig.from_dict(meta["model"]), meta["dtype"]
 
 
-def load_component(directory: Path, device: str = "cpu", prepack: bool = True) -> LlamaModel:
+def load_component(directory: Path, device: str = "cpu", prepack: bool = True,
+                   row_invariant: bool = False) -> LlamaModel:
     """A model from `<engine>/<component>/` (config.json + model.safetensors), checked on one token: weights that
-    hold NaN or inf are an error here, not empty text later. prepack=False for a model to be compiled."""
+    hold NaN or inf are an error here, not empty text later. prepack=False for a model to be compiled.
+    row_invariant: attend row by row (batch invariance: LlamaModel)."""
     config, dtype = component_config(directory)
     state = TensorsOnAccess(Path(directory) / "model.safetensors", device)
-    model = model_class(config.architecture)(config, state, DTYPES[dtype], prepack=prepack).to(device).eval()
+    model = model_class(config.architecture)(config, state, DTYPES[dtype], prepack=prepack,
+                                             row_invariant=row_invariant).to(device).eval()
     with torch.inference_mode():
         token = torch.zeros(1, 1, dtype=torch.long, device=device)
-        logits = model.logits(model(token, token, model.new_cache(1, 1)))
+        logits = model.logits(model(token, token, model.new_cache(1, 1)).hidden)
     if not torch.isfinite(logits).all():
         raise SpecdeployError(f"{directory}: the model's logits are not finite (its weights hold NaN or inf); "
                               f"rebuild the engine (specdeploy build --force)")

@@ -8,8 +8,8 @@ path, and `StepProgram` routes the model's forwards through it.
 What a program is, in tensors:
 - inputs: tokens, positions, slots [B, T] long; mask [B, T, S] bool over the cache's first S slots; the cache's
   keys and values, a list of [B, kv_heads, L, D] tensors each (one per layer), written at `slots` in place;
-- output: the hidden states after the final norm [B, T, hidden] and, for a model that keeps EAGLE-3 features, those
-  features [B, T, layers * hidden] (models/llama.py, feature_layers).
+- output: the hidden states after the final norm [B, T, hidden] and, for a program compiled with layers to capture
+  (EAGLE-3's), the states entering them [B, T, layers * hidden] (models/llama.py, Forward.captured).
 B, T, S and L are symbolic: one program serves a server's batches, every verify width, prefills and any context
 length. The KV cache's committed lengths, which the eager forward reads from Python, enter as the mask's width.
 
@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from specdeploy.models.kv_cache import KVCache
-from specdeploy.models.llama import LlamaModel, causal_mask
+from specdeploy.models.llama import Forward, LayerSpan, LlamaModel, causal_mask
 from specdeploy.models.quantize import Int4Linear
 
 # The example a program is traced with: sizes of 2, since export specializes a size of 1 (a program traced on one
@@ -40,17 +40,18 @@ MAX_SLOTS = 1 << 17  # the longest cache a program takes
 
 
 class ExportedStep(nn.Module):
-    """What is exported: `model`'s forward with the cache given as tensors (no Python-side lengths)."""
+    """What is exported: `model`'s forward with the cache given as tensors (no Python-side lengths), capturing the
+    states entering the layers of `capture`."""
 
-    def __init__(self, model: LlamaModel) -> None:
+    def __init__(self, model: LlamaModel, capture: tuple[int, ...] = ()) -> None:
         super().__init__()
-        self.model = model
+        self.model, self.capture = model, capture
 
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, slots: torch.Tensor,
                 keys: list[torch.Tensor], values: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
-        hidden = self.model.forward(tokens, positions, KVCache.wrapping(keys, values), attention_mask=mask,
-                                    cache_slots=slots)
-        return (hidden, self.model.features) if self.model.feature_layers else (hidden,)
+        forward = self.model.forward(tokens, positions, KVCache.wrapping(keys, values), attention_mask=mask,
+                                     cache_slots=slots, capture=self.capture)
+        return (forward.hidden, forward.captured) if self.capture else (forward.hidden,)
 
 
 # How a program's matmuls are compiled: torch's own kernels (inductor's default), or inductor's C++ GEMM templates
@@ -90,10 +91,11 @@ def int4_block_rows(rows: int):
         cpp_micro_gemm.micro_gemm_configs[kernel] = configs
 
 
-def export_step_program(model: LlamaModel, path: Path, max_rows: int, variant: str = "aten") -> float:
+def export_step_program(model: LlamaModel, path: Path, max_rows: int, variant: str = "aten",
+                        capture: tuple[int, ...] = ()) -> float:
     """Export and compile `model`'s step into the package `path` for batches of up to max_rows, its matmuls as
-    `variant` says (VARIANTS); returns the seconds it took. The model must be built with prepack=False (oneDNN's
-    prepacked linear does not export)."""
+    `variant` says (VARIANTS), returning the states entering the layers of `capture` too; returns the seconds it
+    took. The model must be built with prepack=False (oneDNN's prepacked linear does not export)."""
     started = time.perf_counter()
     device = model.embed.device
     cache = model.new_cache(EXAMPLE_ROWS, EXAMPLE_SLOTS)
@@ -108,7 +110,7 @@ def export_step_program(model: LlamaModel, path: Path, max_rows: int, variant: s
     per_layer = [{0: rows, 2: slots} for _ in cache.keys]
     shapes = (per_token, per_token, {0: rows, 1: width, 2: span}, per_token, per_layer, per_layer)
     with torch.no_grad():
-        exported = torch.export.export(ExportedStep(model).eval(),
+        exported = torch.export.export(ExportedStep(model, capture).eval(),
                                        (tokens, positions, mask, positions.clone(), list(cache.keys),
                                         list(cache.values)),  # slots: a tensor of its own, or export aliases them
                                        dynamic_shapes=shapes)
@@ -139,31 +141,30 @@ def load_step_program(model: LlamaModel, path: Path):
 
 class StepProgram:
     """Stands in for LlamaModel.forward (same arguments and result), running the compiled program for every call
-    of the whole model on its own tokens, and the eager forward for the rest: a range of layers or given hidden
-    states (an early exit's draft and verify), a batch-invariant model's row-by-row attention, or a cache longer
-    than the program takes."""
+    of the whole model on its own tokens that captures what the program was compiled to capture, and the eager
+    forward for the rest: part of the stack (an early exit's draft and verify), other layers to capture (a prefill
+    of training code), a batch-invariant model's row-by-row attention, or a cache longer than the program takes."""
 
-    def __init__(self, model: LlamaModel, program) -> None:
+    def __init__(self, model: LlamaModel, program, capture: tuple[int, ...] = ()) -> None:
         self.model = model
         self.eager = model.forward
-        self.program = program
+        self.program, self.capture = program, tuple(capture)
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, kv_cache: KVCache,
                  attention_mask: torch.Tensor | None = None, cache_slots: torch.Tensor | None = None,
-                 row_lengths: list[int] | None = None, layers: range | None = None,
-                 hidden: torch.Tensor | None = None) -> torch.Tensor:
-        if layers is not None or hidden is not None or self.model.row_invariant or kv_cache.max_length > MAX_SLOTS:
-            return self.eager(tokens, positions, kv_cache, attention_mask, cache_slots, row_lengths, layers, hidden)
+                 row_lengths: list[int] | None = None, span: LayerSpan | None = None,
+                 capture: tuple[int, ...] = ()) -> Forward:
+        if span is not None or tuple(capture) != self.capture or self.model.row_invariant \
+                or kv_cache.max_length > MAX_SLOTS:
+            return self.eager(tokens, positions, kv_cache, attention_mask, cache_slots, row_lengths, span, capture)
         mask = causal_mask(kv_cache, positions) if attention_mask is None else attention_mask
         slots = positions if cache_slots is None else cache_slots
         # the program assumes the strides it was traced with (contiguous); an expanded view would be misread
         outputs = self.program(tokens.contiguous(), positions.contiguous(), mask.contiguous(), slots.contiguous(),
                                kv_cache.keys, kv_cache.values)
-        if self.model.feature_layers:
-            self.model.features = outputs[1]
-        return outputs[0]
+        return Forward(outputs[0], outputs[1] if capture else None)
 
 
-def run_compiled(model: LlamaModel, program) -> None:
-    """Route `model`'s forwards through `program` (StepProgram)."""
-    model.forward = StepProgram(model, program)
+def run_compiled(model: LlamaModel, program, capture: tuple[int, ...] = ()) -> None:
+    """Route `model`'s forwards through `program` (StepProgram), compiled to capture `capture`."""
+    model.forward = StepProgram(model, program, capture)

@@ -23,14 +23,15 @@ from specdeploy.decoding.sequence import Sequence
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.device_transfer import PhaseClock, from_host
 from specdeploy.models.kv_cache import KVCache
-from specdeploy.models.llama import LlamaModel, ragged_forward_all, tree_forward_all
+from specdeploy.models.llama import LlamaModel
 from specdeploy.models.reductions import argmax
+from specdeploy.runtime.verify_shape import ChainShape, TreeShape
 from specdeploy.spec.pipeline import PolicySpec
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.speculation import Acceptance
-from specdeploy.speculative.acceptance import AcceptanceResult, accept, accept_greedy
+from specdeploy.speculative.acceptance import AcceptanceResult
 from specdeploy.speculative.proposer import Proposal, Proposer
-from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_greedy, accept_tree_typical
+from specdeploy.speculative.tree import TreeAcceptance, accept_tree, accept_tree_typical
 
 
 def outcome_rows(result: AcceptanceResult) -> torch.Tensor:
@@ -60,7 +61,7 @@ def read_checked(values: torch.Tensor, logits: torch.Tensor) -> list:
 class Verdict:
     """A verified step, read to the host: per row the accepted drafted tokens then the recovered or bonus token,
     and what the proposer reads of the verified positions (the target's final hidden states [B, W, H], or the
-    features it asked for: BatchDecoder._features). A chain keeps row r's first
+    states entering the layers it captures side by side: Proposer.capture). A chain keeps row r's first
     len(tokens[r]) positions; a tree keeps the verify indices in paths[r] (the root, then the accepted nodes)."""
 
     tokens: list[list[int]]
@@ -132,15 +133,17 @@ class BatchDecoder:
         with torch.inference_mode():
             view = self.cache.rows(row, row + 1)
             view.lengths[0] = 0
-            hidden = self.target(from_host([prompt], self.device),
-                                 torch.arange(len(prompt), device=self.device)[None], view)[0]  # [T, H]
-            logits = self.target.logits(hidden[-1:])
+            forward = self.target(from_host([prompt], self.device),
+                                  torch.arange(len(prompt), device=self.device)[None], view,
+                                  capture=self.proposer.capture)
+            logits = self.target.logits(forward.hidden[0, -1:])
             probs = sampling_distribution(logits, sequence.params,
                                           None if sequence.seen is None else sequence.seen[None])
             first = read_checked(sample(probs, sequence.generator), logits)
             emitted = self._append(sequence, row, first)
             if sequence.finish_reason is None:
-                self.proposer.prefill(row, sequence, self._features(hidden[None])[0])
+                features = forward.hidden if forward.captured is None else forward.captured
+                self.proposer.prefill(row, sequence, features[0])
         sequence.stats.prefill_seconds = time.perf_counter() - started
         return emitted
 
@@ -164,76 +167,39 @@ class BatchDecoder:
         return emitted
 
     def verify(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
-        """One target forward over every row's pending token + drafted tokens, then the exact rule for all rows
-        (greedy rows in one call, sampled rows in another) and the step's one host read. The drafts are a chain
-        (draft-target, n-gram) or, when the proposal carries a tree, the nodes of a token tree (Medusa)."""
-        if proposal.tree is None:
-            return self._verify_chain(sequences, proposal)
-        return self._verify_tree(sequences, proposal)
-
-    def _verify_chain(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
-        """Row r's drafts are a chain: one ragged forward (each position sees the context and the drafts before
-        it), then speculative sampling's rule. Row r keeps its first len(tokens[r]) positions."""
+        """One target forward over every row's pending token and drafts, then the exact rule for all rows (greedy
+        rows in one call, sampled rows in another) and the step's one host read. The drafts are a chain
+        (draft-target, n-gram, early exit) or, when the proposal carries a tree, the nodes of a token tree per row
+        (Medusa, EAGLE-3, lookahead): runtime/verify_shape.py lays out each."""
+        batch = len(sequences)
+        shape = (ChainShape(proposal) if proposal.tree is None
+                 else TreeShape(proposal.tree.tensors(self.device), self.tree_rule))
         tokens = self._step_tokens(sequences, proposal)  # [B, W]
-        hidden = ragged_forward_all(self.target, self.cache.rows(0, len(sequences)), tokens,
-                                    [s.cache_length for s in sequences],
-                                    [count + 1 for count in proposal.counts], proposal.resume)  # [B, W, H]
-        scores = self._scores(sequences, proposal, hidden, None)
+        forward = shape.forward(self.target, self.cache.rows(0, batch), tokens, [s.cache_length for s in sequences],
+                                [count + 1 for count in proposal.counts], self.proposer.capture)  # [B, W, H]
+        scores = self._scores(sequences, proposal, forward.hidden, shape.ancestry)
         num_drafted = from_host(proposal.counts, self.device)
         greedy, sampled = self._rows(sequences)
-        outcomes = []  # (rows [R], outcome_rows [R, 1 + W])
+        outcomes = []  # (rows [R], outcome_rows [R, X])
         if greedy.indices:
-            result = accept_greedy(tokens[greedy.tensor, 1:], self._target_tokens(scores, greedy.indices),
-                                   num_drafted[greedy.tensor])
+            result = shape.accept_greedy(greedy.tensor, tokens[greedy.tensor, 1:],
+                                         self._target_tokens(scores, greedy.indices), num_drafted[greedy.tensor])
             outcomes.append((greedy.tensor, outcome_rows(result)))
         if sampled.indices:
             target_probs, streams = self._sampled_inputs(sequences, scores, sampled.indices)
-            draft_probs = None if proposal.q is None else proposal.q[sampled.tensor, :scores.width - 1]
-            result = accept(tokens[sampled.tensor, 1:], draft_probs, target_probs, num_drafted[sampled.tensor],
-                            streams)
-            outcomes.append((sampled.tensor, outcome_rows(result)))
-        read = self._read(outcomes, scores.logits, len(sequences))
-        return Verdict([row[1:row[0] + 2] for row in read], self._features(hidden))
-
-    def _verify_tree(self, sequences: list[Sequence], proposal: Proposal) -> Verdict:
-        """Row r's drafts are the counts[r] nodes of its token tree: one forward under the tree attention mask
-        (each node sees the context and its ancestors), then the tree rule. Row r keeps paths[r]: the root, then
-        its accepted nodes' verify indices."""
-        tree = proposal.tree.tensors(self.device)
-        tokens = self._step_tokens(sequences, proposal)  # [B, W]
-        hidden = tree_forward_all(self.target, self.cache.rows(0, len(sequences)), tokens,
-                                  [s.cache_length for s in sequences], tree.depths, tree.ancestry,
-                                  [count + 1 for count in proposal.counts])  # [B, W, H]
-        features = self._features(hidden)
-        scores = self._scores(sequences, proposal, hidden, tree.ancestry)
-        num_drafted = from_host(proposal.counts, self.device)
-        greedy, sampled = self._rows(sequences)
-        outcomes = []  # (rows [R], outcome_rows [R, 1 + W + D])
-        if greedy.indices:
-            result = accept_tree_greedy(tree.select(greedy.tensor), tokens[greedy.tensor, 1:],
-                                        self._target_tokens(scores, greedy.indices), num_drafted[greedy.tensor])
-            outcomes.append((greedy.tensor, outcome_rows(result)))
-        if sampled.indices:
-            target_probs, streams = self._sampled_inputs(sequences, scores, sampled.indices)
-            result = self.tree_rule(tree.select(sampled.tensor), tokens[sampled.tensor, 1:], target_probs,
-                                    num_drafted[sampled.tensor], streams)
+            result = shape.accept_sampled(sampled.tensor, tokens[sampled.tensor, 1:], target_probs,
+                                          num_drafted[sampled.tensor], streams)
             outcomes.append((sampled.tensor, outcome_rows(result)))
         guesses = None
         if self.proposer.reads_guesses:  # the argmax at every verify index, in the same host read
-            guesses = self._target_tokens(scores, list(range(len(sequences))))
+            guesses = self._target_tokens(scores, list(range(batch)))
             outcomes = [(rows, torch.cat([part, guesses[rows]], dim=1)) for rows, part in outcomes]
-        read = self._read(outcomes, scores.logits, len(sequences))
+        read = self._read(outcomes, scores.logits, batch)
         if guesses is not None:
             guesses = [row[-scores.width:][:count + 1] for row, count in zip(read, scores.counts)]
             read = [row[:-scores.width] for row in read]
-        depth = (len(read[0]) - 2) // 2  # a row reads [accepted count, D + 1 tokens, D path indices]
-        return Verdict([row[1:row[0] + 2] for row in read], features,
-                       [[0] + row[depth + 2:depth + 2 + row[0]] for row in read], guesses)
-
-    def _features(self, hidden: torch.Tensor) -> torch.Tensor:
-        """What the proposer reads of a target forward whose final hidden states are `hidden` [.., T, H]: the hidden
-        states entering the layers it asked for, side by side ([.., T, 3H] for EAGLE-3), else `hidden` itself."""
-        return self.target.features if self.target.feature_layers else hidden
+        features = forward.hidden if forward.captured is None else forward.captured
+        return Verdict([row[1:row[0] + 2] for row in read], features, shape.paths(read), guesses)
 
     def _step_tokens(self, sequences: list[Sequence], proposal: Proposal) -> torch.Tensor:
         """Each row's pending token (committed, not yet in the cache), then its drafts: [B, W]."""

@@ -146,7 +146,8 @@ class Engine:
         # run eagerly; a model a program runs keeps its weights unpacked (the program reads them)
         programs, self.eager_steps = usable_programs(self.pipeline, self.dir) if not compiles else ({}, {})
         unpacked = set(components(self.speculation)) if compiles else set(programs)
-        self.target = load_component(self.dir / "target", self.device, prepack="target" not in unpacked)
+        self.target = load_component(self.dir / "target", self.device, prepack="target" not in unpacked,
+                                     row_invariant=self.batch_invariant)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
         limits = self.pipeline.limits
         # Headroom past the limit: ragged batches pad short rows by up to max_draft_tokens + 1 positions.
@@ -167,8 +168,9 @@ class Engine:
     def _load_programs(self, programs: dict[str, Path]) -> dict[str, float]:
         stepped = self.proposer.stepped_models()  # a draft model, or none
         models = {"target": self.target} | ({"draft": stepped[0][0]} if stepped else {})
-        return {component: use_program(models[component], path) for component, path in programs.items()
-                if component in models}
+        captures = {"target": self.proposer.capture}  # what the target's program returns beside its states
+        return {component: use_program(models[component], path, captures.get(component, ()))
+                for component, path in programs.items() if component in models}
 
     @property
     def step_programs(self) -> dict[str, str]:

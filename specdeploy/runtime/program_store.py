@@ -39,12 +39,13 @@ def traced_code_digest() -> str:
     return digest.hexdigest()
 
 
-def program_key(model: LlamaModel, max_rows: int, machine: str, variant: str) -> str:
-    """The store's name for `model`'s program compiled as `variant` (step_program.VARIANTS) on `machine`."""
+def program_key(model: LlamaModel, max_rows: int, machine: str, variant: str, capture: tuple[int, ...] = ()) -> str:
+    """The store's name for `model`'s program compiled as `variant` (step_program.VARIANTS) on `machine`, capturing
+    the states entering the layers of `capture`."""
     layout = [(name, list(tensor.shape), str(tensor.dtype))
               for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
     described = {"class": type(model).__name__, "config": dataclasses.asdict(model.config), "layout": layout,
-                 "features": list(model.feature_layers), "max_rows": max_rows, "torch": torch.__version__,
+                 "features": list(capture), "max_rows": max_rows, "torch": torch.__version__,
                  "machine": machine, "variant": variant, "code": traced_code_digest()}
     return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
 

@@ -42,9 +42,7 @@ from specdeploy.models.step_program import VARIANTS, export_step_program, load_s
 from specdeploy.runtime import program_store
 from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.pipeline import PipelineSpec
-from specdeploy.spec.speculation import EAGLE_HEAD
-from specdeploy.speculative.eagle import EAGLE_DIR
-from specdeploy.speculative.eagle_head import Eagle3Head
+from specdeploy.speculative.registry import captured_layers
 
 STEPS_DIR = "steps"  # under the engine directory
 RECORD = "build.json"  # in STEPS_DIR, written last
@@ -264,17 +262,18 @@ def usable_programs(pipeline: PipelineSpec, directory: Path) -> tuple[dict[str, 
     return programs, eager
 
 
-def use_program(model: LlamaModel, path: Path) -> float:
-    """Run `model`'s forwards through the program at `path`; returns the seconds loading it took."""
+def use_program(model: LlamaModel, path: Path, capture: tuple[int, ...] = ()) -> float:
+    """Run `model`'s forwards through the program at `path`, compiled to capture `capture`; returns the seconds
+    loading it took."""
     started = time.perf_counter()
-    run_compiled(model, load_step_program(model, path))
+    run_compiled(model, load_step_program(model, path), capture)
     return time.perf_counter() - started
 
 
-def time_steps(models: dict[str, LlamaModel], rows: int = 1) -> dict[str, float]:
+def time_steps(models: dict[str, LlamaModel], rows: int = 1, capture: tuple[int, ...] = ()) -> dict[str, float]:
     """Median milliseconds of a decode step plus a verify of VERIFY_WIDTH tokens after CONTEXT cached ones, for each
     of `models`, timed in alternating rounds (one step of each in turn) so that a slow spell of a shared machine
-    falls on all of them alike."""
+    falls on all of them alike. capture: what each forward captures, as the engine's steps do."""
     caches = {name: model.new_cache(rows, CONTEXT + VERIFY_WIDTH + 2) for name, model in models.items()}
     generator = torch.Generator().manual_seed(0)
     vocab = next(iter(models.values())).config.vocab_size
@@ -282,7 +281,7 @@ def time_steps(models: dict[str, LlamaModel], rows: int = 1) -> dict[str, float]
     times: dict[str, list[float]] = {name: [] for name in models}
     with torch.inference_mode():
         for name, model in models.items():
-            model(prompt, torch.arange(CONTEXT)[None].expand(rows, -1), caches[name])
+            model(prompt, torch.arange(CONTEXT)[None].expand(rows, -1), caches[name], capture=capture)
         for _ in range(3 + TIMED_STEPS):
             for name, model in models.items():
                 started = time.perf_counter()
@@ -290,7 +289,7 @@ def time_steps(models: dict[str, LlamaModel], rows: int = 1) -> dict[str, float]
                     caches[name].lengths = [CONTEXT] * rows
                     positions = (CONTEXT + torch.arange(width))[None].expand(rows, -1)
                     model.logits(model(torch.randint(0, vocab, (rows, width), generator=generator), positions,
-                                       caches[name]))
+                                       caches[name], capture=capture).hidden)
                 times[name].append(time.perf_counter() - started)
     return {name: statistics.median(spans[3:]) * 1000 for name, spans in times.items()}
 
@@ -304,17 +303,13 @@ def main(directory: str, component: str, phase: str, *variants: str) -> None:
     folder = Path(directory) / component
     pipeline = engine_pipeline(Path(directory))
 
-    def unpacked_model() -> LlamaModel:
-        model = load_component(folder, "cpu", prepack=False)
-        if component == "target" and EAGLE_HEAD in pipeline.speculation.traits.trained:  # returns its features
-            model.feature_layers = Eagle3Head.load(Path(directory) / EAGLE_DIR, model.config.num_layers) \
-                .config.feature_layers
-        return model
+    # the target's program returns what the proposer captures of it (EAGLE-3's layers), as the engine asks
+    capture = captured_layers(pipeline, Path(directory)) if component == "target" else ()
 
     if phase == "compile":
         (variant,) = variants
-        model, path = unpacked_model(), program_path(Path(directory), component, variant)
-        key = program_store.program_key(model, pipeline.limits.max_batch_size, machine(), variant)
+        model, path = load_component(folder, "cpu", prepack=False), program_path(Path(directory), component, variant)
+        key = program_store.program_key(model, pipeline.limits.max_batch_size, machine(), variant, capture)
         compile_seconds, from_store = 0.0, program_store.fetch(key, path)
         if not from_store:
             compiler = os.environ.get("CXX", "g++")
@@ -322,17 +317,18 @@ def main(directory: str, component: str, phase: str, *variants: str) -> None:
                 print(json.dumps({"skipped": f"no C++ compiler ({compiler}) to compile step programs, and no "
                                              f"stored program for this model"}))
                 return
-            compile_seconds = export_step_program(model, path, pipeline.limits.max_batch_size, variant)
+            compile_seconds = export_step_program(model, path, pipeline.limits.max_batch_size, variant, capture)
             program_store.keep(key, path)
         print(json.dumps({"compile_seconds": round(compile_seconds, 1), "from_store": from_store}))
         return
     models, loaded = {}, {}
     for variant in variants:
-        models[variant], path = unpacked_model(), program_path(Path(directory), component, variant)
-        loaded[variant] = {"load_seconds": round(use_program(models[variant], path), 2),
+        models[variant], path = load_component(folder, "cpu", prepack=False), program_path(Path(directory),
+                                                                                           component, variant)
+        loaded[variant] = {"load_seconds": round(use_program(models[variant], path, capture), 2),
                            "package_bytes": path.stat().st_size}
     models[EAGER] = load_component(folder, "cpu")
-    milliseconds = time_steps(models)
+    milliseconds = time_steps(models, capture=capture)
     print(json.dumps({"variants": {variant: loaded[variant] | {"compiled_ms": round(milliseconds[variant], 2)}
                                    for variant in variants}, "eager_ms": round(milliseconds[EAGER], 2)}))
 

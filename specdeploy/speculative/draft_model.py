@@ -49,7 +49,8 @@ class DraftModelProposer(Proposer):
     @classmethod
     def from_engine(cls, parts: EngineParts) -> DraftModelProposer:
         spec = parts.pipeline.speculation.draft
-        model = load_component(parts.directory / "draft", parts.device, prepack="draft" not in parts.unpacked)
+        model = load_component(parts.directory / "draft", parts.device, prepack="draft" not in parts.unpacked,
+                               row_invariant=parts.pipeline.serving.determinism == "batch_invariant")
         # A draft derived from the target reads the target's keys/values for the committed prefix.
         shared = spec.derive != "none" and can_share_cache(model, parts.target)
         cache = parts.cache if shared else model.new_cache(parts.cache.batch_size, parts.cache.max_length)

@@ -19,13 +19,17 @@ lets the rule of speculative/tree.py keep every emitted token distributed exactl
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import torch
 
 from specdeploy.decoding.sequence import Sequence
 from specdeploy.models.device_transfer import from_host
 from specdeploy.models.kv_cache import KVCache, write_entries
+from specdeploy.models.registry import component_config
 from specdeploy.spec.speculation import EAGLE_HEAD
-from specdeploy.speculative.eagle_head import Eagle3Head
+from specdeploy.speculative.eagle_head import CONFIG_FILE, Eagle3Head, EagleConfig
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
 from specdeploy.speculative.row_trees import RowTrees
 
@@ -38,6 +42,7 @@ class EagleProposer(Proposer):
         """embed: the target's embedding table [V, H]. depth: levels grown (num_draft_tokens). max_length: the
         target cache's length (the head's cache adds room for the tree's scratch entries)."""
         self.head, self.embed, self.depth, self.top_k, self.max_nodes = head, embed, depth, top_k, max_nodes
+        self.capture = head.config.feature_layers  # the target's states entering these layers feed the head
         self.dtype, self.device = dtype, device
         c = head.config
         length = max_length + depth * top_k + 1
@@ -58,9 +63,14 @@ class EagleProposer(Proposer):
         target, spec = parts.target, parts.pipeline.speculation
         head = Eagle3Head.load(parts.directory / EAGLE_DIR, target.config.num_layers).to(parts.device)
         head.for_drafting(target.dtype)
-        target.feature_layers = head.config.feature_layers
         return cls(head, target.embed, spec.num_draft_tokens, spec.eagle.top_k, spec.eagle.max_nodes,
                    parts.cache.batch_size, parts.cache.max_length, target.dtype, parts.device)
+
+    @classmethod
+    def captured_layers(cls, directory: Path) -> tuple[int, ...]:
+        head = Path(directory) / EAGLE_DIR / CONFIG_FILE
+        target_layers = component_config(Path(directory) / "target")[0].num_layers
+        return EagleConfig.from_hf(json.loads(head.read_text()), target_layers, str(head)).feature_layers
 
     # ---- the decoder's hooks --------------------------------------------------------------------------------
     def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:

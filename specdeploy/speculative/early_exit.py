@@ -31,7 +31,7 @@ from specdeploy.decoding.sequence import Sequence
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.device_transfer import from_host
 from specdeploy.models.kv_cache import KVCache
-from specdeploy.models.llama import WHOLE_MATRIX_LINEARS, DenseLinear, LlamaModel
+from specdeploy.models.llama import WHOLE_MATRIX_LINEARS, DenseLinear, Forward, LayerSpan, LlamaModel
 from specdeploy.speculative.draft_model import DraftModelProposer
 from specdeploy.speculative.exit_adapter import ADAPTER_DIR, ExitAdapter, target_name
 from specdeploy.speculative.proposer import EngineParts, Proposal
@@ -80,12 +80,17 @@ class EarlyExitDraft:
         self.states: list[torch.Tensor] = []
 
     def __call__(self, tokens: torch.Tensor, positions: torch.Tensor, cache: KVCache,
-                 row_lengths: list[int] | None = None) -> torch.Tensor:
+                 row_lengths: list[int] | None = None, span: LayerSpan | None = None,
+                 capture: tuple[int, ...] = ()) -> Forward:
         """Layers 0..exit_layer-1 over tokens [B, T] at positions [B, T]; returns the normed states [B, T, H] (of the
-        adapted states, with an adapter). `states` keeps the raw ones: the verify resumes from the target's own."""
-        raw = self.target(tokens, positions, cache, row_lengths=row_lengths, layers=range(self.exit_layer))
+        adapted states, with an adapter). `states` keeps the raw ones: the verify resumes from the target's own.
+        A draft forward is always the whole draft (no span) and captures nothing."""
+        if span is not None or capture:
+            raise ValueError("an early exit's draft runs its layers whole and captures nothing")
+        raw = self.target(tokens, positions, cache, row_lengths=row_lengths,
+                          span=LayerSpan(stop=self.exit_layer)).hidden
         self.states.append(raw)
-        return self.target.norm(raw if self.adapter is None else self.adapter(raw))
+        return Forward(self.target.norm(raw if self.adapter is None else self.adapter(raw)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [B, H] → fp32 logits [B, V], -inf outside the draft vocabulary (so the draft never proposes a
@@ -153,6 +158,6 @@ class EarlyExitProposer(DraftModelProposer):
         cache.lengths = [s.cache_length + width for s in sequences]
         self.model(proposal.tokens[:, width - 1:width], starts, cache, row_lengths=[1] * len(sequences))
         self.forwards += 1
-        proposal.resume = (self.model.exit_layer, torch.cat(self.model.states, dim=1))
+        proposal.resume = LayerSpan(start=self.model.exit_layer, entering=torch.cat(self.model.states, dim=1))
         self.model.states = []
         return proposal

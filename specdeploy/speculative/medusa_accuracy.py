@@ -31,7 +31,7 @@ def hidden_features(target, sequences: list[tuple[list[int], int]], num_heads: i
     with torch.inference_mode():
         for tokens, first in sequences:
             cache = target.new_cache(1, len(tokens) + 1)
-            hidden = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0].float()
+            hidden = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache).hidden[0].float()
             padded = torch.tensor(tokens + [IGNORE] * (num_heads + 1))
             targets = torch.stack([padded[t + 2:t + 2 + num_heads] for t in range(first, len(tokens) - 1)])
             hidden_rows.append(hidden[first:len(tokens) - 1])

@@ -6,7 +6,8 @@ The decoder steps the sequences in cache rows 0..B-1 together. For each row a pr
 - `on_commit(row, sequence, hidden)` after each verification committed tokens to the row;
 - `move_row(source, destination)` when the scheduler moves a sequence to another row.
 `hidden` is the target's final hidden states [n, H] at the positions just committed to the target's cache (the
-prompt at prefill; the pending token and the accepted drafts after a step). Its last row is the state whose
+prompt at prefill; the pending token and the accepted drafts after a step), or, for a proposer that captures
+layers (`capture`), the states entering them [n, len(capture) * H]. Its last row is the state whose
 logits chose the new pending token, which is what a head-based proposer (Medusa) drafts from.
 
 A proposer keeps whatever per-row state it needs (a draft model's own KV cache, for one) and is built from the
@@ -28,7 +29,7 @@ from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.speculative.row_trees import RowTrees
 
 if TYPE_CHECKING:
-    from specdeploy.models.llama import LlamaModel
+    from specdeploy.models.llama import LayerSpan, LlamaModel
 
 
 @dataclass
@@ -40,9 +41,9 @@ class Proposal:
     q: torch.Tensor | None  # [B, G, V] the distributions they were sampled from; None: point masses on `tokens`
     counts: list[int]  # [B] tokens drafted per row
     tree: RowTrees | None = None  # the shape of each row's tree proposal (q is then None)
-    # (layer, states [B, W, H]): the target's layers before `layer` already ran over the W verified positions while
-    # drafting (early exit), so the verify resumes there from the states entering it
-    resume: tuple[int, torch.Tensor] | None = None
+    # the target's layers before resume.start already ran over the W verified positions while drafting (early
+    # exit), so the verify resumes there from the states entering it (resume.entering [B, W, H])
+    resume: LayerSpan | None = None
 
     def positions(self, row: int) -> int:
         """How many successive positions row `row` proposes: its drafted tokens, or its tree nodes' deepest depth."""
@@ -78,14 +79,22 @@ class EngineParts:
 class Proposer:
     """Base class: every hook is a no-op and nothing is proposed. `forwards` counts draft-model forwards.
     reads_guesses: the proposer is handed the target's argmax at every verified position (`observe`), read in the
-    step's one host read (lookahead's Jacobi guesses)."""
+    step's one host read (lookahead's Jacobi guesses). capture: the target layers whose entering hidden states the
+    proposer reads, side by side, instead of the final ones (EAGLE-3's three); every target forward of a step
+    returns them (LlamaModel.forward's capture)."""
 
     forwards: int = 0
     reads_guesses: bool = False
+    capture: tuple[int, ...] = ()
 
     @classmethod
     def from_engine(cls, parts: EngineParts) -> Proposer:
         return cls()
+
+    @classmethod
+    def captured_layers(cls, directory: Path) -> tuple[int, ...]:
+        """What `capture` will be for the engine at `directory`, read without building the proposer."""
+        return cls.capture
 
     def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
         pass

@@ -10,7 +10,10 @@ That is the torch engine's whole path; on TensorRT-LLM a method runs only where 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from specdeploy.errors import SpecdeployError
+from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.speculative.draft_model import DraftModelProposer
 from specdeploy.speculative.eagle import EagleProposer
 from specdeploy.speculative.early_exit import EarlyExitProposer
@@ -34,3 +37,9 @@ def create_proposer(method: str, parts: EngineParts) -> Proposer:
     if method not in PROPOSERS:
         raise SpecdeployError(f"speculation method {method!r} is not supported (allowed: {', '.join(PROPOSERS)})")
     return PROPOSERS[method].from_engine(parts)
+
+
+def captured_layers(pipeline: PipelineSpec, directory: Path) -> tuple[int, ...]:
+    """The target layers whose entering states the pipeline's proposer reads (Proposer.capture), from the engine at
+    `directory` without loading it: what the target's compiled step program returns beside its hidden states."""
+    return PROPOSERS[pipeline.speculation.method].captured_layers(directory)

@@ -48,19 +48,16 @@ class Sample:
 def collect(target, sequences: list[tuple[list[int], int]], feature_layers: tuple[int, ...],
             on_progress: Callable[[], None] | None = None) -> list[Sample]:
     """sequences: (prompt + answer ids, index of the prompt's last token). One target forward each."""
-    target.feature_layers = tuple(feature_layers)
     samples = []
-    try:
-        with torch.inference_mode():
-            for tokens, first in sequences:
-                cache = target.new_cache(1, len(tokens) + 1)
-                final = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0]
-                samples.append(Sample(torch.tensor(tokens), target.features[0].to(torch.bfloat16).clone(),
-                                      final.to(torch.bfloat16), first))
-                if on_progress is not None:
-                    on_progress()
-    finally:
-        target.feature_layers = ()
+    with torch.inference_mode():
+        for tokens, first in sequences:
+            cache = target.new_cache(1, len(tokens) + 1)
+            forward = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache,
+                             capture=tuple(feature_layers))
+            samples.append(Sample(torch.tensor(tokens), forward.captured[0].to(torch.bfloat16).clone(),
+                                  forward.hidden[0].to(torch.bfloat16), first))
+            if on_progress is not None:
+                on_progress()
     return samples
 
 

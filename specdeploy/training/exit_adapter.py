@@ -76,23 +76,20 @@ def collect(target, sequences: list[tuple[list[int], int]], layers: list[int],
     """sequences: (prompt + answer ids, index of the prompt's last token). One target forward each, keeping, at
     every position from that index on, the states entering each of `layers` and the target's argmax."""
     layers = sorted(layers)
-    target.feature_layers = tuple(layers)
     hidden = target.config.hidden_size
     states: dict[int, list[torch.Tensor]] = {layer: [] for layer in layers}
     next_tokens = []
-    try:
-        with torch.inference_mode():
-            for tokens, first in sequences:
-                cache = target.new_cache(1, len(tokens) + 1)
-                final = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache)[0, first:]
-                next_tokens.append(target.logits(final).argmax(-1).cpu())
-                entering = target.features[0, first:].reshape(len(final), len(layers), hidden)
-                for index, layer in enumerate(layers):
-                    states[layer].append(entering[:, index].to("cpu", torch.bfloat16).clone())
-                if on_progress is not None:
-                    on_progress()
-    finally:
-        target.feature_layers = ()
+    with torch.inference_mode():
+        for tokens, first in sequences:
+            cache = target.new_cache(1, len(tokens) + 1)
+            forward = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], cache, capture=tuple(layers))
+            final = forward.hidden[0, first:]
+            next_tokens.append(target.logits(final).argmax(-1).cpu())
+            entering = forward.captured[0, first:].reshape(len(final), len(layers), hidden)
+            for index, layer in enumerate(layers):
+                states[layer].append(entering[:, index].to("cpu", torch.bfloat16).clone())
+            if on_progress is not None:
+                on_progress()
     return ExitStates({layer: torch.cat(parts) for layer, parts in states.items()}, torch.cat(next_tokens))
 
 

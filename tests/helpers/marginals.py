@@ -24,7 +24,8 @@ def exact_marginals(engine: Engine, prompt: list[int], params: SamplingParams, l
         for prefix, weight in prefixes.items():
             sequence = prompt + list(prefix)
             cache = target.new_cache(1, len(sequence) + 1)
-            logits = target.logits(target(torch.tensor([sequence]), torch.arange(len(sequence))[None], cache))[0, -1:]
+            hidden = target(torch.tensor([sequence]), torch.arange(len(sequence))[None], cache).hidden
+            logits = target.logits(hidden)[0, -1:]
             seen = torch.zeros(1, engine.vocab_size, dtype=torch.bool)
             seen[0, sequence] = True
             p = sampling_distribution(logits, params, seen)[0].double()

@@ -30,8 +30,8 @@ def test_a_compiled_decode_step_equals_eager_and_writes_the_same_cache_entries()
             model(prompt[:, :8], torch.arange(8)[None], cache)
             cache.lengths = [8]
         step = prompt[:, 8:9], torch.tensor([[8]])
-        eager = model.logits(model(*step, caches["eager"]))
-        ours = model.logits(compiled(*step, caches["compiled"]))
+        eager = model.logits(model(*step, caches["eager"]).hidden)
+        ours = model.logits(compiled(*step, caches["compiled"]).hidden)
     torch.testing.assert_close(ours, eager, rtol=1e-5, atol=1e-5)
     for written, expected in zip(caches["compiled"].stacked(), caches["eager"].stacked()):  # keys, then values
         assert written[..., 8, :].abs().sum() > 0  # the compiled step wrote its entries into the cache it was given

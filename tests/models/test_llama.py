@@ -85,7 +85,7 @@ def test_the_eager_norm_is_the_compiled_models_norm(monkeypatch):
     positions = torch.arange(7).repeat(2, 1)
 
     def logits() -> torch.Tensor:
-        return model.logits(model(tokens, positions, model.new_cache(2, 8)))
+        return model.logits(model(tokens, positions, model.new_cache(2, 8)).hidden)
 
     eager = logits()
     monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)

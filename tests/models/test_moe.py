@@ -89,22 +89,22 @@ def test_mixtral_matches_transformers_in_both_layouts(mixtral_dirs, layout, tmp_
     tokens = torch.randint(3, 128, (1, 24), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         expected = reference(tokens).logits
-    full = model.logits(model(tokens, torch.arange(24)[None], model.new_cache(1, 64)))
+    full = model.logits(model(tokens, torch.arange(24)[None], model.new_cache(1, 64)).hidden)
     torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
     cache = model.new_cache(1, 64)  # prefill then one token at a time, as decode runs
-    pieces = [model.logits(model(tokens[:, :10], torch.arange(10)[None], cache))]
+    pieces = [model.logits(model(tokens[:, :10], torch.arange(10)[None], cache).hidden)]
     for position in range(10, 24):
         cache.rewind(0, position)
-        pieces.append(model.logits(model(tokens[:, position:position + 1], torch.tensor([[position]]), cache)))
+        pieces.append(model.logits(model(tokens[:, position:position + 1], torch.tensor([[position]]), cache).hidden))
     torch.testing.assert_close(torch.cat(pieces, 1), expected, atol=1e-5, rtol=1e-5)
     prompt = tokens[:, :8]
     greedy = reference.generate(prompt, max_new_tokens=12, do_sample=False)[0, 8:].tolist()
     ours, cache, ids = [], model.new_cache(1, 64), prompt[0].tolist()
-    hidden = model(prompt, torch.arange(8)[None], cache)
+    hidden = model(prompt, torch.arange(8)[None], cache).hidden
     for step in range(12):
         ours.append(int(model.logits(hidden[:, -1]).argmax()))
         cache.rewind(0, 8 + step)
-        hidden = model(torch.tensor([[ours[-1]]]), torch.tensor([[8 + step]]), cache)
+        hidden = model(torch.tensor([[ours[-1]]]), torch.tensor([[8 + step]]), cache).hidden
     assert ours == greedy and ids == prompt[0].tolist()
 
 
@@ -162,8 +162,8 @@ def test_all_experts_with_a_uniform_router_reproduce_the_dense_model(dense):
     tokens = torch.randint(3, 128, (2, 30), generator=torch.Generator().manual_seed(1))
     positions = torch.arange(30).expand(2, 30)
     dense_model, moe_model = LlamaModel(config, state), MixtralModel(moe_config, moe_state)
-    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(2, 30)))
-    derived = moe_model.logits(moe_model(tokens, positions, moe_model.new_cache(2, 30)))
+    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(2, 30)).hidden)
+    derived = moe_model.logits(moe_model(tokens, positions, moe_model.new_cache(2, 30)).hidden)
     torch.testing.assert_close(derived, expected, atol=1e-5, rtol=1e-5)
     assert torch.equal(derived.argmax(-1), expected.argmax(-1))
 
@@ -173,12 +173,12 @@ def test_a_sparse_derivation_routes_and_keeps_most_of_the_model(dense):
     tokens = torch.tensor([CALIBRATION[0]])
     positions = torch.arange(tokens.shape[1])[None]
     dense_model = LlamaModel(config, state)
-    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(1, 64)))
+    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(1, 64)).hidden)
     agreement = {}
     for k in (1, 2, 4):
         moe_config, moe_state = derive_moe(config, state, CALIBRATION, split(k))
         model = MixtralModel(moe_config, moe_state)
-        logits = model.logits(model(tokens, positions, model.new_cache(1, 64)))
+        logits = model.logits(model(tokens, positions, model.new_cache(1, 64)).hidden)
         agreement[k] = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
         touched = [(layer.expert_tokens > 0).sum().item() for layer in model.moe_layers()]
         assert all(count <= 4 for count in touched) and sum(layer.expert_tokens.sum() for layer in
@@ -197,11 +197,11 @@ def test_upcycled_experts_compute_the_dense_model_until_noise_makes_the_routing_
     tokens = torch.tensor(CALIBRATION[:2])
     positions = torch.arange(tokens.shape[1]).expand(2, -1)
     dense_model = LlamaModel(config, state)
-    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(2, 64)))
+    expected = dense_model.logits(dense_model(tokens, positions, dense_model.new_cache(2, 64)).hidden)
 
     def logits(moe_config: ModelConfig, moe_state: dict) -> tuple[torch.Tensor, MixtralModel]:
         model = MixtralModel(moe_config, moe_state)
-        return model.logits(model(tokens, positions, model.new_cache(2, 64))), model
+        return model.logits(model(tokens, positions, model.new_cache(2, 64)).hidden), model
 
     moe_config, exact = derive_moe(config, state, CALIBRATION, upcycle(0.0))
     assert (moe_config.num_experts, moe_config.experts_per_token) == (4, 2)
@@ -502,7 +502,7 @@ def test_the_moe_target_exports_as_a_per_expert_mixtral_that_transformers_reads(
     with torch.no_grad():
         expected = reference(tokens).logits
     ours = engine.target.logits(engine.target(tokens, torch.arange(tokens.shape[1])[None],
-                                              engine.target.new_cache(1, 64)))
+                                              engine.target.new_cache(1, 64)).hidden)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
     with pytest.raises(SpecdeployError, match="quantized"):
         export_hf(moe_engines["draft_target"].dir / "draft", tmp_path / "draft")
@@ -521,7 +521,7 @@ def test_export_hf_writes_the_pipelines_moe_target_from_the_cli(tiny_checkpoints
     with torch.no_grad():
         expected = exported(tokens).logits
     ours = engine.target.logits(engine.target(tokens, torch.arange(tokens.shape[1])[None],
-                                              engine.target.new_cache(1, 32)))
+                                              engine.target.new_cache(1, 32)).hidden)
     torch.testing.assert_close(ours, expected, atol=1e-4, rtol=1e-4)
     assert run_cli("export-hf", str(path), "--engines-dir", str(engines), "--output", str(out)).returncode == 0
     refused = run_cli("export-hf", str(path), "--engines-dir", str(engines), "--output", str(out), "--component",

@@ -52,7 +52,7 @@ def answer_perplexity(engine: Engine, prompt: list[int], answer: list[int]) -> t
     tokens = torch.tensor([prompt + answer])
     positions = torch.arange(tokens.shape[1])[None]
     with torch.inference_mode():
-        logits = model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1]))).float()[0]
+        logits = model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1])).hidden).float()[0]
     predicted = logits[len(prompt) - 1:-1]  # [A, V]: the distribution each answer token was drawn against
     target = torch.tensor(answer)
     nll = torch.nn.functional.cross_entropy(predicted, target)

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdeploy.models.config import ModelConfig
-from specdeploy.models.llama import LlamaModel, tree_forward_all
+from specdeploy.models.llama import LayerSpan, LlamaModel, tree_forward_all
 from specdeploy.models.quantize import quantize_int4
 from specdeploy.models.step_program import INT4_BLOCK_ROWS, export_step_program, load_step_program, run_compiled
 
@@ -70,7 +70,7 @@ def test_prefill_decode_and_verify_equal_eager_with_the_same_cache_entries(compi
             outputs = {}
             for name, forward in (("eager", eager), ("compiled", model)):
                 caches[name].lengths = [start] * rows
-                outputs[name] = forward.logits(forward(tokens, positions, caches[name]))
+                outputs[name] = forward.logits(forward(tokens, positions, caches[name]).hidden)
             torch.testing.assert_close(outputs["compiled"], outputs["eager"], **tolerance)
             start += tokens.shape[1]
     for written, expected in zip(caches["compiled"].stacked(), caches["eager"].stacked()):
@@ -91,7 +91,8 @@ def test_a_tree_verify_with_its_mask_and_slots_equals_eager(compiled_pair):
             cache = forward.new_cache(2, 32)
             forward(prompt, torch.arange(6)[None].expand(2, -1), cache)
             hidden[name] = tree_forward_all(forward, cache, torch.randint(0, 64, (2, 4), generator=torch.Generator()
-                                                                          .manual_seed(3)), [6, 6], depths, ancestry)
+                                                                          .manual_seed(3)), [6, 6], depths,
+                                            ancestry).hidden
     torch.testing.assert_close(hidden["compiled"], hidden["eager"], rtol=1e-5, atol=1e-5)
 
 
@@ -99,8 +100,8 @@ def test_a_layer_range_falls_back_to_the_eager_forward(compiled_pair):
     eager, model = compiled_pair
     tokens = torch.randint(0, 64, (1, 3))
     with torch.inference_mode():
-        ours = model(tokens, torch.arange(3)[None], model.new_cache(1, 8), layers=range(1))
-        theirs = eager(tokens, torch.arange(3)[None], eager.new_cache(1, 8), layers=range(1))
+        ours = model(tokens, torch.arange(3)[None], model.new_cache(1, 8), span=LayerSpan(stop=1)).hidden
+        theirs = eager(tokens, torch.arange(3)[None], eager.new_cache(1, 8), span=LayerSpan(stop=1)).hidden
     torch.testing.assert_close(ours, theirs)
 
 

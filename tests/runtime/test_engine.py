@@ -25,14 +25,14 @@ def test_prefill_and_incremental_match_transformers(tiny_checkpoints):
     with torch.no_grad():
         expected = reference(tokens).logits
     cache = model.new_cache(1, 64)
-    full = model.logits(model(tokens, torch.arange(24)[None], cache))
+    full = model.logits(model(tokens, torch.arange(24)[None], cache).hidden)
     torch.testing.assert_close(full, expected, atol=1e-5, rtol=1e-5)
 
     cache = model.new_cache(1, 64)
-    pieces = [model.logits(model(tokens[:, :10], torch.arange(10)[None], cache))]
+    pieces = [model.logits(model(tokens[:, :10], torch.arange(10)[None], cache).hidden)]
     cache.rewind(0, 10)
     for position in range(10, 24):
-        pieces.append(model.logits(model(tokens[:, position:position + 1], torch.tensor([[position]]), cache)))
+        pieces.append(model.logits(model(tokens[:, position:position + 1], torch.tensor([[position]]), cache).hidden))
         cache.rewind(0, position + 1)
     torch.testing.assert_close(torch.cat(pieces, 1), expected, atol=1e-5, rtol=1e-5)
 
@@ -43,7 +43,8 @@ def test_batched_rows_with_different_lengths(tiny_checkpoints):
     singles = []
     for prompt in (short, long):
         cache = model.new_cache(1, 16)
-        singles.append(model.logits(model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache))[0, -1])
+        hidden = model(torch.tensor([prompt]), torch.arange(len(prompt))[None], cache).hidden
+        singles.append(model.logits(hidden)[0, -1])
     # Prefill both rows separately into a two-row cache, then decode one token per row in a single call.
     cache = model.new_cache(2, 16)
     for row, prompt in enumerate((short, long)):
@@ -54,7 +55,7 @@ def test_batched_rows_with_different_lengths(tiny_checkpoints):
         cache.lengths[row] = len(prompt) - 1
     tokens = torch.tensor([[short[-1]], [long[-1]]])
     positions = torch.tensor([[len(short) - 1], [len(long) - 1]])
-    batched = model.logits(model(tokens, positions, cache))[:, 0]
+    batched = model.logits(model(tokens, positions, cache).hidden)[:, 0]
     torch.testing.assert_close(batched, torch.stack(singles), atol=1e-5, rtol=1e-5)
 
 
@@ -67,7 +68,7 @@ def test_tree_mask_and_positions(tiny_checkpoints):
     for candidate in (left, right):
         cache = model.new_cache(1, 16)
         tokens = torch.tensor([prefix + [candidate]])
-        chains.append(model.logits(model(tokens, torch.arange(5)[None], cache))[0, -1])
+        chains.append(model.logits(model(tokens, torch.arange(5)[None], cache).hidden)[0, -1])
     cache = model.new_cache(1, 16)
     model(torch.tensor([prefix]), torch.arange(4)[None], cache)
     cache.rewind(0, 4)
@@ -75,7 +76,7 @@ def test_tree_mask_and_positions(tiny_checkpoints):
     mask[0, :, :4] = True
     mask[0, 0, 4] = mask[0, 1, 5] = True
     tree = model.logits(model(torch.tensor([[left, right]]), torch.tensor([[4, 4]]), cache, attention_mask=mask,
-                              cache_slots=torch.tensor([[4, 5]])))[0]
+                              cache_slots=torch.tensor([[4, 5]])).hidden)[0]
     torch.testing.assert_close(tree, torch.stack(chains), atol=1e-5, rtol=1e-5)
 
 
@@ -213,7 +214,7 @@ def test_smollm2_matches_transformers(smollm2_fp32_engines):
     with torch.no_grad():
         expected = reference.eval()(torch.tensor([ids])).logits
     cache = engine.target.new_cache(1, 128)
-    ours = engine.target.logits(engine.target(torch.tensor([ids]), torch.arange(len(ids))[None], cache))
+    ours = engine.target.logits(engine.target(torch.tensor([ids]), torch.arange(len(ids))[None], cache).hidden)
     torch.testing.assert_close(ours, expected, atol=2e-3, rtol=1e-4)
     assert torch.equal(ours.argmax(-1), expected.argmax(-1))
 
@@ -240,7 +241,7 @@ def test_an_int8_draft_is_int8_rows_and_closer_to_the_target_than_int4(tiny_engi
 
     def logits(model: LlamaModel) -> torch.Tensor:
         with torch.inference_mode():
-            return model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1])))
+            return model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1])).hidden)
 
     target = logits(int8.target)
     error = {name: (logits(e.proposer.model) - target).abs().mean() for name, e in (("int8", int8), ("int4", int4))}
@@ -279,7 +280,7 @@ def test_a_weight_only_target_stores_int4_groups_and_an_int8_head_and_computes_w
     def logits(state: dict[str, torch.Tensor] | None) -> torch.Tensor:
         model = engine.target if state is None else LlamaModel(config, state, torch.bfloat16).eval()
         with torch.inference_mode():
-            return model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1])))
+            return model.logits(model(tokens, positions, model.new_cache(1, tokens.shape[1])).hidden)
 
     quantized, of_codes = logits(None), logits(dequantized)
     bf16 = logits(load_file(str(dense_dir / "model.safetensors")))

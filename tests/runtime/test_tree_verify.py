@@ -77,14 +77,15 @@ def test_tree_forward_gives_each_node_its_paths_logits(tiny_engines):
         model(torch.tensor([prefix[:-1]]), torch.arange(len(prefix) - 1)[None], view)
     tokens = torch.cat([torch.tensor([[p[-1]] for p in prefixes]), nodes], 1)
     starts = [len(p) - 1 for p in prefixes]
-    hidden = tree_forward_all(model, cache, tokens, starts, torch.tensor(tree.depths()), torch.tensor(tree.ancestry))
+    hidden = tree_forward_all(model, cache, tokens, starts, torch.tensor(tree.depths()),
+                              torch.tensor(tree.ancestry)).hidden
     logits = model.logits(hidden)  # [2, N + 1, V]
     for row, prefix in enumerate(prefixes):
         for index in range(tree.size + 1):
             path = [i for i in range(1, index + 1) if tree.ancestry[index][i]]
             sequence = prefix + [int(nodes[row, i - 1]) for i in path]
             sequential = model.logits(model(torch.tensor([sequence]), torch.arange(len(sequence))[None],
-                                            model.new_cache(1, 64)))[0, -1]
+                                            model.new_cache(1, 64)).hidden)[0, -1]
             torch.testing.assert_close(logits[row, index], sequential, atol=1e-4, rtol=1e-4)
 
 

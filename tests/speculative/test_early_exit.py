@@ -18,7 +18,7 @@ from helpers.prompts import PROMPTS
 from specdeploy.build.torch_engine import build
 from specdeploy.errors import BuildError, PipelineError
 from specdeploy.models.llama import DecoderLayer
-from specdeploy.runtime import batch
+from specdeploy.runtime import verify_shape
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.engine_paths import MEASURED_EXIT_FILE
 from specdeploy.spec.pipeline import load_pipeline
@@ -117,8 +117,8 @@ def test_sampled_early_exit_emits_the_targets_distribution(engine_dir, marginals
 def test_a_wrong_rule_fails_the_same_test(engine_dir, marginals, monkeypatch):
     """Negative control: the chain rule handed the target's distribution as the draft's (the processors of one side
     on the other, in the extreme), so it accepts every draft: emitted tokens then follow the early exit's q."""
-    monkeypatch.setattr(batch, "accept", lambda tokens, q, p, drafted, streams: accept(tokens, p[:, :-1], p, drafted,
-                                                                                           streams))
+    monkeypatch.setattr(verify_shape, "accept",
+                        lambda tokens, q, p, drafted, streams: accept(tokens, p[:, :-1], p, drafted, streams))
     checks, _ = sampled_checks(Engine(engine_dir), PROMPTS[1], SAMPLED, GENERATIONS, marginals)
     assert not all(check.ok for check in checks), "\n".join(map(str, checks))
 

@@ -48,7 +48,8 @@ def test_an_untrained_adapter_is_exactly_the_plain_early_exit(engines, target, t
     tokens = torch.tensor([PROMPTS[0]])
     positions = torch.arange(len(PROMPTS[0]))[None]
     with torch.inference_mode():
-        outputs = [draft.logits(draft(tokens, positions, engine.target.new_cache(1, 64))) for draft in (plain, adapted)]
+        outputs = [draft.logits(draft(tokens, positions, engine.target.new_cache(1, 64)).hidden)
+                   for draft in (plain, adapted)]
     assert torch.equal(*outputs)
 
 
@@ -78,17 +79,13 @@ def test_the_adapter_changes_q_and_the_verify_resumes_from_the_targets_own_state
     assert not torch.allclose(proposals[0].q[0, 0], proposals[1].q[0, 0], atol=1e-3)  # the first draft's q
 
     sequence, proposal = sequences[1], proposals[1]
-    layer, states = proposal.resume
+    layer, states = proposal.resume.start, proposal.resume.entering
     assert layer == EXIT and states.shape[1] == 4  # the pending token and three drafts
     tokens = sequence.committed + proposal.tokens[0, :3].tolist()
     target = adapted.target
-    target.feature_layers = (EXIT,)
-    try:
-        with torch.inference_mode():
-            target(torch.tensor([tokens]), torch.arange(len(tokens))[None], target.new_cache(1, len(tokens) + 1))
-        own = target.features[0, sequence.cache_length:]
-    finally:
-        target.feature_layers = ()
+    with torch.inference_mode():
+        own = target(torch.tensor([tokens]), torch.arange(len(tokens))[None], target.new_cache(1, len(tokens) + 1),
+                     capture=(EXIT,)).captured[0, sequence.cache_length:]
     torch.testing.assert_close(states[0], own, atol=1e-5, rtol=1e-5)
     with torch.inference_mode():
         assert not torch.allclose(adapted.proposer.model.adapter(states), states, atol=1e-3)  # the test could fail
@@ -182,11 +179,11 @@ def test_with_an_adapter_a_wrong_rule_fails_the_same_test(engines, adapted_margi
     draft, and the emitted tokens then follow the adapter's q."""
     from helpers.marginals import sampled_checks
 
-    from specdeploy.runtime import batch
+    from specdeploy.runtime import verify_shape
     from specdeploy.speculative.acceptance import accept
 
-    monkeypatch.setattr(batch, "accept", lambda tokens, q, p, drafted, streams: accept(tokens, p[:, :-1], p, drafted,
-                                                                                           streams))
+    monkeypatch.setattr(verify_shape, "accept",
+                        lambda tokens, q, p, drafted, streams: accept(tokens, p[:, :-1], p, drafted, streams))
     checks, _ = sampled_checks(Engine(engines["adapted"]), PROMPTS[1], ADAPTED_SAMPLING, GENERATIONS,
                                adapted_marginals)
     assert not all(check.ok for check in checks), "\n".join(map(str, checks))

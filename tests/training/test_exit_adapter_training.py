@@ -15,6 +15,7 @@ from helpers.tiny_models import save_tiny_checkpoint
 from specdeploy import workflows
 from specdeploy.build.torch_engine import build, early_exit_vocabulary
 from specdeploy.errors import SpecdeployError
+from specdeploy.models.llama import LayerSpan
 from specdeploy.models.registry import load_projection
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import load_pipeline
@@ -68,7 +69,7 @@ def test_collected_states_and_next_tokens_are_the_targets(distilled):
     assert data.next_tokens[:-1].tolist() == tokens[first + 1:]  # the greedy answer is the target's argmax
     with torch.inference_mode():
         raw = engine.target(torch.tensor([tokens]), torch.arange(len(tokens))[None],
-                            engine.target.new_cache(1, len(tokens) + 1), layers=range(LAYER))[0, first:]
+                            engine.target.new_cache(1, len(tokens) + 1), span=LayerSpan(stop=LAYER)).hidden[0, first:]
     torch.testing.assert_close(data.states[LAYER].float(), raw.float(), atol=0.02, rtol=0.02)  # kept in bf16
 
 

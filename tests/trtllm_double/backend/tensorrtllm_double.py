@@ -389,7 +389,7 @@ class TensorrtllmDouble:
         reuse = min(common_prefix_length(self.cached, tokens), len(tokens) - last)
         fed = torch.tensor([tokens[reuse:]], dtype=torch.long)
         with torch.inference_mode():
-            hidden = ragged_forward_all(self.model, self.cache, fed, [reuse])
+            hidden = ragged_forward_all(self.model, self.cache, fed, [reuse]).hidden
             logits = self.model.logits(hidden[0, -last:]).to(self.logits_dtype).float()
         self.cached = list(tokens)
         if len(self.remembered) >= REMEMBERED:
