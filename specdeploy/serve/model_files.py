@@ -12,6 +12,8 @@ import os
 import shutil
 from pathlib import Path
 
+from specdeploy.decoding.light_tokenizer import load_tokenizer_files
+
 # The Triton Python models' code, which `specdeploy package` copies into each repository it writes.
 MODEL_CODE = Path(__file__).resolve().parent / "model_repo"
 DRAIN_FILE_VARIABLE = "SPECDEPLOY_DRAIN_FILE"  # set by the launcher: where a shutdown's deadline is written
@@ -33,9 +35,21 @@ def parameter_path(args: dict, name: str) -> Path:
 
 
 def load_tokenizer(args: dict):
-    from transformers import AutoTokenizer
+    """The tokenizer of the model whose initialize() received `args`, without importing transformers where the
+    files allow (decoding/light_tokenizer.py): about 2.5 s less of every server start on a 2-core CPU."""
+    return load_tokenizer_files(parameter_path(args, TOKENIZER_PARAMETER))
 
-    return AutoTokenizer.from_pretrained(parameter_path(args, TOKENIZER_PARAMETER))
+
+def model_vocabulary(directory: Path) -> tuple[int, int | list[int] | None]:
+    """A Hugging Face config.json's vocab_size and eos_token_id (one id, several or none); through transformers'
+    AutoConfig, whose model classes have defaults for both, where the file leaves either out."""
+    config = json.loads((Path(directory) / "config.json").read_text(encoding="utf-8"))
+    if "vocab_size" in config and "eos_token_id" in config:
+        return config["vocab_size"], config["eos_token_id"]
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(directory)
+    return config.vocab_size, config.eos_token_id
 
 
 SAFETENSORS = ("*.safetensors", "*.safetensors.index.json")

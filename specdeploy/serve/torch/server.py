@@ -5,8 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoTokenizer
-
+from specdeploy.decoding.light_tokenizer import load_tokenizer_files
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
 from specdeploy.serve.served_model import DrainWatcher, Metrics, submit_request
@@ -30,7 +29,7 @@ class TorchServer:
         self.scheduler = Scheduler(lambda: Engine(engine_dir, device=device, batch_size=rows), on_step=self._on_step)
         self.engine = self.scheduler.engine
         # Text requests are tokenised on Triton's thread; the engine's tokenizer detokenises on the scheduler's.
-        self.encoder = AutoTokenizer.from_pretrained(Path(engine_dir) / "target")
+        self.encoder = load_tokenizer_files(Path(engine_dir) / "target")
         self.metrics = Metrics(pb_utils, {"model": model_name, "method": self.engine.method})
         self._on_step(self.scheduler)  # the gauges start at their idle values, not at 0
         self.watcher = DrainWatcher(self.scheduler)

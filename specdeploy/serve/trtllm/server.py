@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer
-
 from specdeploy.decoding.chat_template import end_of_sequence_ids
+from specdeploy.decoding.light_tokenizer import load_tokenizer_files
+from specdeploy.serve.model_files import model_vocabulary
 from specdeploy.serve.served_model import DrainWatcher, Metrics, submit_request
 from specdeploy.serve.trtllm.engine_calls import BlsCalls
 from specdeploy.serve.trtllm.orchestration import Orchestrator
@@ -22,12 +22,12 @@ class TrtllmServer:
         target_model / draft_model: the tensorrtllm models' names (draft_model None: no draft engine)."""
         self.pb = pb_utils
         self.pipeline = load_pipeline(pipeline_file)
-        self.tokenizer = AutoTokenizer.from_pretrained(target_dir)
-        config = AutoConfig.from_pretrained(target_dir)  # its vocabulary and end ids (the build checked the rest)
+        self.tokenizer = load_tokenizer_files(target_dir)
+        vocab_size, eos_ids = model_vocabulary(target_dir)  # its vocabulary and end ids (the build checked the rest)
         method = self.pipeline.speculation.method
         self.metrics = Metrics(pb_utils, {"model": model_name, "method": method})
         self.orchestrator = Orchestrator(self.pipeline, BlsCalls(pb_utils, target_model, draft_model),
-                                         config.vocab_size, end_of_sequence_ids(self.tokenizer, config.eos_token_id),
+                                         vocab_size, end_of_sequence_ids(self.tokenizer, eos_ids),
                                          on_change=self._on_change, tokenizer=self.tokenizer)
         self._on_change(self.orchestrator)  # the gauges start at their idle values, not at 0
         self.watcher = DrainWatcher(self.orchestrator)
