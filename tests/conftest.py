@@ -13,10 +13,10 @@ import torch
 import yaml
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# Builds compile no step programs (AOTInductor, a minute or two per real model: runtime/step_programs.py) unless a
-# test asks: tests/runtime/test_step_programs.py builds and serves them, with greedy text equal to eager's.
+# Builds compile no step programs (AOTInductor, a minute or two per real model: tune/step_programs.py) unless a
+# test asks: tests/tune/test_step_programs.py builds and serves them, with greedy text equal to eager's.
 os.environ.setdefault("SPECDEPLOY_STEPS", "eager")
-# and keep the programs they compile in a store of their own (runtime/program_store.py), not the user's
+# and keep the programs they compile in a store of their own (tune/program_store.py), not the user's
 os.environ.setdefault("SPECDEPLOY_PROGRAMS", tempfile.mkdtemp(prefix="specdeploy-test-programs-"))
 # One GGUF conversion store for the run (build/gguf_store.py): every SmolLM2 build after the first reads its
 # conversion instead of parsing the GGUF again. Set before xdist starts its workers, so they share it.

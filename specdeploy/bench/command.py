@@ -8,11 +8,11 @@ import json
 from collections.abc import Callable
 
 from specdeploy.bench.options import BenchOptions, check_options
-from specdeploy.bench.prompts import load_prompts
 from specdeploy.bench.results import BenchReport, Cost
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import load_pipeline
+from specdeploy.spec.prompt_sets import load_prompts
 
 
 def bench(options: BenchOptions, load_engine: Callable[[str, int | None], Engine]) -> None:
@@ -41,7 +41,6 @@ def bench(options: BenchOptions, load_engine: Callable[[str, int | None], Engine
 
 def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]) -> dict:
     """The bench of every pipeline in one run; returns the JSON to write (one report, or several compared)."""
-    from specdeploy.bench import gamma_cap
     from specdeploy.bench.peers import peer_ratios
     from specdeploy.bench.printing import print_report
     from specdeploy.bench.run import run_benches
@@ -52,6 +51,8 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
                               f"{','.join(map(str, options.gammas))}")
     gammas = options.gammas
     if options.measure_gamma_cap:  # every engine at its full gamma, and at each smaller gamma the cap may take
+        from specdeploy.tune import gamma_cap
+
         for engine in engines:
             gamma_cap.lift_gamma_cap(engine)
         swept = {g for engine in engines for g in gamma_cap.sweep_gammas(engine.num_draft_tokens)}
@@ -69,7 +70,7 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
                   f"{ratio.ours_speculative:.2f}x the tokens/s of {name}")
     if options.measure_gamma_cap:
         for engine, report in zip(engines, reports):
-            print(gamma_cap.save_gamma_cap(engine, report))
+            print(gamma_cap.write_gamma_cap(engine.dir, measured_policy(report)))
     if options.report_dir is not None:
         from specdeploy.bench.markdown import write_report
 
@@ -129,3 +130,19 @@ def against_server(options: BenchOptions, engine: Engine | None, texts: list[str
         served = None if engine is None else engine.pipeline
         print(f"wrote {write_server_report(measured, options.report_dir, served)}")
     return measured.to_json()
+
+
+def measured_policy(report: BenchReport) -> dict:
+    """The gamma cap picked from the report's realized speedups (tune/gamma_cap.py), with what else the bench saw:
+    acceptance by position, the draft and verify costs, an MoE's union-curve prediction, and the seconds it took."""
+    from specdeploy.tune.gamma_cap import gamma_cap_record
+
+    full, summary = report.setup.num_draft_tokens, report.summary
+    policy = gamma_cap_record({**(report.gamma_sweep or {}), full: summary.speedup}, full)
+    policy |= {"per_position_acceptance": summary.per_position_acceptance,
+               "draft_cost_ratio": summary.draft_cost_ratio, "verify_costs": report.verify_costs,
+               "prompts": report.setup.prompts, "max_tokens": report.setup.max_tokens,
+               "seconds": round(sum(report.phase_seconds.values()), 1)}
+    if report.moe is not None:  # the MoE's union-curve prediction, beside what was realized
+        policy["moe_predicted_speedup_by_gamma"] = report.moe.predicted_speedup_by_gamma
+    return policy

@@ -51,7 +51,6 @@ def measure_footprint(engine: Engine, prompt_ids: list[int], max_tokens: int) ->
     import torch
 
     from specdeploy.bench.peers import target_gguf
-    from specdeploy.models.compiled import CACHE_DIR, RECORD
     from specdeploy.runtime.step_programs import programs_compile_seconds
 
     engine_dir, threads, ids = engine.dir, torch.get_num_threads(), json.dumps(prompt_ids)
@@ -59,8 +58,7 @@ def measure_footprint(engine: Engine, prompt_ids: list[int], max_tokens: int) ->
     footprint = Footprint(
         engine_bytes=directory_bytes(engine_dir),
         build_seconds=recorded_seconds(engine_dir / MANIFEST_FILE, "build_seconds"),
-        compile_seconds=recorded_seconds(engine_dir / CACHE_DIR / RECORD, "compile_seconds")
-        or programs_compile_seconds(engine_dir),
+        compile_seconds=programs_compile_seconds(engine_dir),
         gamma_cap_seconds=recorded_seconds(engine_dir / MEASURED_POLICY_FILE, "seconds"), **ours)
     gguf, why = target_gguf(engine)
     if gguf is None:

@@ -201,7 +201,7 @@ class Footprint:
     first_request_seconds: float  # its first request, whole
     peak_rss_bytes: int  # that process's peak resident memory, after the request
     build_seconds: float | None = None  # the build manifest's (None: an engine built before builds recorded it)
-    compile_seconds: float | None = None  # compiling the steps after the build (torch.compile, or step programs)
+    compile_seconds: float | None = None  # compiling the step programs after the build
     gamma_cap_seconds: float | None = None  # serving.policy.gamma_cap: measured, measured after the build
     llama_cpp_peak_rss_bytes: int | None = None  # llama.cpp's fresh process on the same GGUF and request
     llama_cpp_skipped: str | None = None  # why llama.cpp's was not measured

@@ -7,9 +7,9 @@ what that conversion yields, keyed by the file's bytes and the transformers and 
 the configuration, the tokenizer files and the fp32 weights as safetensors (what `load_checkpoint` holds, bit for
 bit), so a rebuild, another pipeline of the same model, or a test loads those in a second or two.
 
-The store is `$SPECDEPLOY_CHECKPOINTS`, else `.checkpoints` beside the engines of the build that asked (on the data
-volume in a pod), else none. A conversion is written to a staging folder and renamed into place, so concurrent
-builds never read half of one; where the store cannot be written, the GGUF is loaded as before.
+The store (spec/artefact_store.py) is `$SPECDEPLOY_CHECKPOINTS`, else `.checkpoints` beside the engines of the build
+that asked (on the data volume in a pod), else none. A conversion is written to a staging folder and renamed into
+place, so concurrent builds never read half of one; where the store cannot be written, the GGUF is loaded as before.
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import hashlib
 import importlib.metadata
 import os
 import shutil
-import sys
-import uuid
 from pathlib import Path
+
+from specdeploy.spec.artefact_store import ArtefactStore
 
 STORE_VARIABLE = "SPECDEPLOY_CHECKPOINTS"
 STORE_FOLDER = ".checkpoints"  # beside the engines of a build that names its engines root
@@ -58,25 +58,19 @@ def entry_name(gguf: Path) -> str:
 def converted(gguf: Path, engines_root: Path | None) -> Path | None:
     """The folder holding `gguf` converted (config.json, tokenizer files, model.safetensors in fp32), converting it
     on first use; None where there is no store or it cannot be written (the caller loads the GGUF itself)."""
-    store = store_dir(engines_root)
-    if store is None:
+    store = ArtefactStore(store_dir(engines_root))
+    if store.folder is None:
         return None
-    folder = store / entry_name(gguf)
-    if (folder / "config.json").is_file():
-        return folder
-    try:
-        store.mkdir(parents=True, exist_ok=True)
-        staging = store / f".{folder.name}.partial-{uuid.uuid4().hex[:8]}"
+    name = entry_name(gguf)  # hashes the file: only where there is a store
+    found = store.find(name, holds="config.json")
+    if found is not None:
+        return found
+
+    def write(staging: Path) -> None:
         convert(gguf, staging)
         gc.collect()  # the converted model, before its saved copy is loaded: one fp32 copy held at a time
-        try:
-            staging.rename(folder)
-        except OSError:  # another build converted it first
-            shutil.rmtree(staging, ignore_errors=True)
-    except OSError as error:
-        print(f"note: {gguf.name} is loaded without its converted copy ({store}: {error})", file=sys.stderr)
-        return None
-    return folder
+
+    return store.add(name, write)
 
 
 def convert(gguf: Path, destination: Path) -> None:
@@ -119,18 +113,14 @@ def hf_config(gguf: Path, engines_root: Path | None = None):
     GGUF where there is no store."""
     from transformers import AutoConfig
 
-    store = store_dir(engines_root)
-    if store is None:
+    store = ArtefactStore(store_dir(engines_root))
+    if store.folder is None:
         return AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     name = entry_name(gguf)
-    for folder in (store / name, store / f"{name}{CONFIG_SUFFIX}"):
-        if (folder / "config.json").is_file():
-            return AutoConfig.from_pretrained(folder)
+    for entry in (name, f"{name}{CONFIG_SUFFIX}"):
+        found = store.find(entry, holds="config.json")
+        if found is not None:
+            return AutoConfig.from_pretrained(found)
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    staging = store / f".{name}.partial-{uuid.uuid4().hex[:8]}"
-    try:
-        config.save_pretrained(staging)
-        staging.rename(store / f"{name}{CONFIG_SUFFIX}")
-    except OSError:  # not writable, or saved by another process first
-        shutil.rmtree(staging, ignore_errors=True)
+    store.add(f"{name}{CONFIG_SUFFIX}", config.save_pretrained)
     return config

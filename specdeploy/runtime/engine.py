@@ -22,7 +22,6 @@ from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.batch_invariant import make_batch_invariant
-from specdeploy.models.compiled import compile_steps, use_cache_of, warm_up
 from specdeploy.models.registry import load_component
 from specdeploy.runtime.batch import BatchDecoder
 from specdeploy.runtime.step_programs import usable_programs, use_program
@@ -95,13 +94,6 @@ def with_determinism(pipeline: PipelineSpec, determinism: Determinism | None) ->
     return changed
 
 
-def check_compilable(device: str) -> None:
-    """SpecdeployError unless compiled steps can run on `device` (CPU only: CUDA is not measured yet)."""
-    if torch.device(device).type != "cpu":
-        raise SpecdeployError(f"backend.torch.compile runs compiled steps on the CPU only, and this engine runs on "
-                              f"{device!r}: leave compile off there")
-
-
 def check_device(device: str) -> None:
     """SpecdeployError when torch cannot run on `device` here."""
     if torch.device(device).type == "cuda" and not torch.cuda.is_available():
@@ -120,7 +112,7 @@ class Engine:
         needs one). max_sequence_length: room for longer sequences than the pipeline's limits (bench --context);
         the weights do not depend on it, only the cache's size and what requests may ask. determinism: instead of
         the pipeline's serving.determinism (bench compares both). exit_layer: an early-exit engine's draft layers
-        instead of its own (the build's sweep, bench/exit_layer.py)."""
+        instead of its own (the build's sweep, tune/exit_layer.py)."""
         from transformers import AutoTokenizer
 
         self.dir = Path(engine_dir)
@@ -138,14 +130,10 @@ class Engine:
             chosen = torch.device(self.device)
             if chosen.index is not None:  # plain "cuda" is the current GPU already (torch 2.11 refuses it here)
                 torch.cuda.set_device(chosen)
-        compiles = self.pipeline.backend.compiles
-        if compiles:
-            check_compilable(self.device)
-            use_cache_of(self.dir)
         # compiled step programs (runtime/step_programs.py): the component → program to load, and why the others
         # run eagerly; a model a program runs keeps its weights unpacked (the program reads them)
-        programs, self.eager_steps = usable_programs(self.pipeline, self.dir) if not compiles else ({}, {})
-        unpacked = set(components(self.speculation)) if compiles else set(programs)
+        programs, self.eager_steps = usable_programs(self.pipeline, self.dir)
+        unpacked = set(programs)
         self.target = load_component(self.dir / "target", self.device, prepack="target" not in unpacked,
                                      row_invariant=self.batch_invariant)
         self.tokenizer = AutoTokenizer.from_pretrained(self.dir / "target")
@@ -162,8 +150,6 @@ class Engine:
         self.row_blocks = self._make_batch_invariant(batch_size) if self.batch_invariant else {}
         self.decoder = BatchDecoder(self.target, self.cache, self.proposer, limits.max_sequence_length,
                                     self.pipeline.speculation.acceptance)
-        # seconds compiling (or loading from the engine's cache) its steps took at load: None when not compiled
-        self.compile_seconds = self._compile_steps() if compiles else None
 
     def _load_programs(self, programs: dict[str, Path]) -> dict[str, float]:
         stepped = self.proposer.stepped_models()  # a draft model, or none
@@ -177,15 +163,6 @@ class Engine:
         """Each stepped model's step: "compiled" or "eager: <why>" (reports and logs say which ran)."""
         return {**{component: "compiled" for component in self.program_load_seconds},
                 **{component: f"eager: {why}" for component, why in self.eager_steps.items()}}
-
-    def _compile_steps(self) -> float:
-        """Compile the target's and the proposer's step forwards and run each shape family once (compiled.py)."""
-        started = time.perf_counter()
-        width = self.pipeline.limits.max_draft_tokens + 1
-        for model, cache in [(self.target, self.cache), *self.proposer.stepped_models()]:
-            compile_steps(model, width)
-            warm_up(model, cache, width)
-        return time.perf_counter() - started
 
     @property
     def batch_invariant(self) -> bool:

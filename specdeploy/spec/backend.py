@@ -64,10 +64,7 @@ class TorchSpec(Section):
     changing it rebuilds nothing."""
 
     device: Device = "cpu"
-    # decode and verify steps through torch.compile (models/compiled.py): compiled at build into the engine's cache,
-    # loaded with the engine; CPU only
-    compile: bool = False
-    # each stepped model's forward as an ahead-of-time compiled program (runtime/step_programs.py): measured (built
+    # each stepped model's forward as an ahead-of-time compiled program (tune/step_programs.py): measured (built
     # and kept where faster than eager on this machine), compiled (kept whatever the timing), eager (none); CPU only
     steps: StepsMode = "measured"
 
@@ -104,11 +101,6 @@ class BackendSpec(Section):
         return (self.torch or TorchSpec()).steps
 
     @property
-    def compiles(self) -> bool:
-        """Whether the torch engine runs compiled steps (backend.torch.compile)."""
-        return self.torch is not None and self.torch.compile
-
-    @property
     def settings(self) -> TrtllmSpec:
         """The TensorRT-LLM settings (defaults when the section is left out)."""
         return self.trtllm or TrtllmSpec()
@@ -118,36 +110,15 @@ class BackendSpec(Section):
 def check_backend(pipeline: PipelineSpec) -> None:
     """What the backend cannot run of this pipeline, as a Problem naming the key (paths from the pipeline's root)."""
     backend = pipeline.backend
-    if backend.compiles:
-        check_compile(pipeline)
     if backend.steps == "compiled":
         check_compiled_steps(pipeline)
     if backend.kind == "trtllm":
         check_trtllm(pipeline)
 
 
-def check_compile(pipeline: PipelineSpec) -> None:
-    """backend.torch.compile compiles whole-target chain steps, batched across rows."""
-    speculation = pipeline.speculation
-    if pipeline.serving.determinism == "batch_invariant":
-        raise Problem("serving.determinism", "batch_invariant attends row by row, which compiled steps do not "
-                                             "(set batch_dependent with backend.torch.compile)")
-    if speculation.traits.reuses_target_layers:
-        raise Problem("backend.torch.compile", f"compiled steps run the whole target at each forward; the "
-                                               f"{speculation.method} draft and verify run parts of it, eagerly "
-                                               f"(leave compile off for method {speculation.method})")
-    if speculation.drafts_tree:
-        raise Problem("backend.torch.compile", f"compiled steps run chains of drafts; a token tree's masked "
-                                               f"verify runs eagerly (leave compile off for method "
-                                               f"{speculation.method})")
-
-
 def check_compiled_steps(pipeline: PipelineSpec) -> None:
     """backend.torch.steps: compiled asks for what `measured` leaves eager, quietly, where a program cannot run."""
     key = "backend.torch.steps"
-    if pipeline.backend.compiles:
-        raise Problem(key, "compiled step programs and backend.torch.compile are two ways to compile the same "
-                           "steps: choose one")
     if pipeline.serving.determinism == "batch_invariant":
         raise Problem(key, "a step program attends to every row at once, and serving.determinism "
                            "batch_invariant row by row (set batch_dependent, or steps: eager)")

@@ -5,7 +5,7 @@ validated pipeline it was built from (`pipeline.json`, which every later stage r
 written last, whose presence marks the engine complete. For serving.policy.gamma_cap: measured, `specdeploy build`
 then adds `measured_policy.json`: the gamma cap it measured for this engine on this machine (a rebuild measures it
 again; `bench --measure-gamma-cap` measures it again on the bench's prompts), and for
-speculation.early_exit.exit_layer: measured, `measured_exit_layer.json` (bench/exit_layer.py).
+speculation.early_exit.exit_layer: measured, `measured_exit_layer.json` (tune/exit_layer.py).
 
 Beside an engine (and a packaged model repository): `.<name>.lock`, which a build holds while it writes (it stays),
 and while one writes, `.<name>.partial-<random>`, the staging directory renamed into place at the end.

@@ -158,7 +158,7 @@ class PolicySpec(Section):
     off_above: int = 4
     # The most tokens any step drafts, whatever a request asks (None: no cap; 0: none, plain decode). "measured":
     # the gamma whose realized speedup was best on this machine, which `specdeploy build` measures into the engine
-    # (bench/gamma_cap.py): a verify's cost by width, and an MoE's expert union, depend on the CPU or GPU.
+    # (tune/gamma_cap.py): a verify's cost by width, and an MoE's expert union, depend on the CPU or GPU.
     gamma_cap: int | Literal["measured"] | None = None
 
     def check(self) -> None:

@@ -1,4 +1,5 @@
-"""The bench's prompts: JSON Lines of {"prompt": ..., "kind": optional}, or the shipped mixed set."""
+"""Prompt sets: JSON Lines of {"prompt": ..., "kind": optional}, or the shipped mixed set the bench decodes (which
+training and calibration leave out)."""
 
 from __future__ import annotations
 

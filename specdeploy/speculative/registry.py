@@ -1,11 +1,8 @@
 """Speculation methods (the pipeline's `speculation.method`) → their proposer classes.
 
-Adding a method touches three places: its module here in speculative/ with a `Proposer` subclass; spec/pipeline.py,
-where its name joins `Method` and its row joins `METHODS` (does a draft model propose, heads on the target, the text;
-a chain or a tree), plus its settings section in `SpeculationSpec` if it has settings; and one line below. The
-build, the servers and the sizing ask SpeculationSpec's predicates, which read that row, so none of them names it
-(tests/spec/test_method_predicates.py holds both: every method is in all three, and no comparison names one).
-That is the torch engine's whole path; on TensorRT-LLM a method runs only where build/trtllm/ has its recipe.
+A method is its row in spec/speculation.py's `METHODS` (the data the build, the servers and the sizing loop over),
+its proposer module here in speculative/, and one line below; docs/architecture.md ("Adding a speculation method")
+lists what else a method with trained parts, its own bench analysis or a TensorRT-LLM recipe touches.
 """
 
 from __future__ import annotations

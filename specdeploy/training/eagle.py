@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specdeploy.speculative.eagle_head import Eagle3Head
+from specdeploy.training.loop import LoopSettings, latest_checkpoint, run_epochs
 from specdeploy.training.plots import optional_pyplot
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay of the loss over training-time-test steps
@@ -163,49 +164,21 @@ def chain_acceptance(head: Eagle3Head, samples: list[Sample], embed: torch.Tenso
 def train(head: Eagle3Head, samples: list[Sample], embed: torch.Tensor, draft_rows: torch.Tensor, steps: int,
           epochs: int, work_dir: Path, batch_size: int = 8, lr: float = 3e-4, seed: int = 0,
           on_step: Callable[[int, int, float], None] | None = None) -> tuple[Eagle3Head, list[float]]:
-    """AdamW with warm-up and a cosine decay, samples shuffled per epoch by `seed`; a checkpoint after each epoch
-    (head.epoch<N>.safetensors in work_dir), resumed from the latest. on_step(done, total, loss) reports progress.
-    Returns the head and the mean loss of each epoch run here."""
-    start = 0
-    for epoch in range(epochs, 0, -1):
-        checkpoint = work_dir / f"head.epoch{epoch}.safetensors"
-        if checkpoint.exists():
-            head = Eagle3Head.from_state(head.config, load_file(str(checkpoint)), str(checkpoint))
-            start = epoch
-            break
-    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, weight_decay=0.0)
-    per_epoch = math.ceil(len(samples) / batch_size)
-    total_steps = per_epoch * epochs
-    warm = max(1, total_steps // 20)
+    """training/loop.py with a warm-up over the first 5 % of steps and gradients clipped to 0.5; a checkpoint after
+    each epoch (head.epoch<N>.safetensors in work_dir), resumed from the latest. on_step(done, total, loss) reports
+    progress. Returns the head and the mean loss of each epoch run here."""
+    checkpoint, start = latest_checkpoint(lambda epoch: work_dir / f"head.epoch{epoch}.safetensors", epochs)
+    if checkpoint is not None:
+        head = Eagle3Head.from_state(head.config, load_file(str(checkpoint)), str(checkpoint))
 
-    def rate(step: int) -> float:
-        step += start * per_epoch
-        return min(1.0, (step + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(step, total_steps) / total_steps))
+    def batch_loss(batch: torch.Tensor) -> torch.Tensor:
+        return ttt_forward(head, padded_batch([samples[i] for i in batch.tolist()]), embed, draft_rows, steps)[0]
 
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, rate)
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(start):  # the same order as an uninterrupted run
-        torch.randperm(len(samples), generator=generator)
-    losses = []
-    done = start * per_epoch
-    for epoch in range(start, epochs):
-        order = torch.randperm(len(samples), generator=generator).tolist()
-        epoch_loss = 0.0
-        for first in range(0, len(order), batch_size):
-            batch = padded_batch([samples[i] for i in order[first:first + batch_size]])
-            loss, _ = ttt_forward(head, batch, embed, draft_rows, steps)
-            optimizer.zero_grad()
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
-            optimizer.step()
-            schedule.step()
-            done += 1
-            epoch_loss += float(loss.detach())
-            if on_step is not None:
-                on_step(done, total_steps, float(loss.detach()))
-        losses.append(epoch_loss / per_epoch)
-        save_file(head.state(torch.float32), str(work_dir / f"head.epoch{epoch + 1}.safetensors"))
-    return head, losses
+    def after_epoch(epoch: int, loss: float) -> None:
+        save_file(head.state(torch.float32), str(work_dir / f"head.epoch{epoch}.safetensors"))
+
+    settings = LoopSettings(epochs, batch_size, lr, seed, warmup_fraction=0.05, clip=0.5)
+    return head, run_epochs(head, len(samples), settings, batch_loss, after_epoch, start, on_step)
 
 
 def write_plot(report: dict, path: Path) -> bool:

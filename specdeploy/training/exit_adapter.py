@@ -16,7 +16,6 @@ greedy acceptance rate of a chain's first drafted token at that layer.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +31,7 @@ from specdeploy.speculative.exit_adapter import ExitAdapter
 from specdeploy.speculative.medusa_accuracy import IGNORE
 from specdeploy.speculative.speedup import predicted_speedup
 from specdeploy.training.exit_adapter_options import ExitAdapterTrainingOptions
+from specdeploy.training.loop import LoopSettings, latest_checkpoint, run_epochs
 from specdeploy.training.medusa import progress_bar
 from specdeploy.training.plots import optional_pyplot
 
@@ -142,48 +142,30 @@ def checkpoint_path(work_dir: Path, layer: int, epoch: int) -> Path:
 def train(adapter: ExitAdapter, states: torch.Tensor, labels: torch.Tensor, head: ExitHead, epochs: int,
           work_dir: Path, batch_size: int = 512, lr: float = 1e-3, seed: int = 0,
           on_step: Callable[[int, int, float], None] | None = None) -> tuple[ExitAdapter, list[float]]:
-    """AdamW with a cosine schedule over positions (states [N, H], labels [N] draft indices or IGNORE) shuffled per
-    epoch by `seed`; a checkpoint after each epoch (checkpoint_path, its mean loss in the file's metadata), resumed
-    from the latest. on_step(done, total, loss) reports progress. Returns the adapter and every epoch's mean loss."""
+    """training/loop.py over positions (states [N, H], labels [N] draft indices or IGNORE); a checkpoint after each
+    epoch (checkpoint_path, its mean loss in the file's metadata), resumed from the latest. on_step(done, total,
+    loss) reports progress. Returns the adapter and every epoch's mean loss."""
     layer = adapter.config.exit_layer
-    start, losses = 0, []
-    for epoch in range(epochs, 0, -1):
-        checkpoint = checkpoint_path(work_dir, layer, epoch)
-        if checkpoint.exists():
-            adapter = ExitAdapter.from_state(adapter.config, load_file(str(checkpoint)), str(checkpoint))
-            start = epoch
-            losses = [epoch_loss(checkpoint_path(work_dir, layer, e)) for e in range(1, epoch + 1)]
-            break
+    checkpoint, start = latest_checkpoint(lambda epoch: checkpoint_path(work_dir, layer, epoch), epochs)
+    if checkpoint is not None:
+        adapter = ExitAdapter.from_state(adapter.config, load_file(str(checkpoint)), str(checkpoint))
+    losses = [epoch_loss(checkpoint_path(work_dir, layer, epoch)) for epoch in range(1, start + 1)]
     keep = labels != IGNORE
     states, labels = states[keep], labels[keep]
-    optimizer = torch.optim.AdamW(adapter.parameters(), lr=lr, weight_decay=0.0)
-    per_epoch = max(1, math.ceil(len(states) / batch_size))
-    total = per_epoch * epochs
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step + start * per_epoch, total) / total)))
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(start):  # the same order as an uninterrupted run
-        torch.randperm(len(states), generator=generator)
-    done = start * per_epoch
-    for epoch in range(start, epochs):
-        summed = 0.0
-        for batch in torch.randperm(len(states), generator=generator).split(batch_size):
-            # bf16 matmuls (AMX on a CPU), as training/medusa.py trains; the loss itself is computed in fp32
-            with torch.autocast("cpu", dtype=torch.bfloat16):
-                logits = head.logits(adapter(states[batch].float()))
-            loss = F.cross_entropy(logits.float(), labels[batch])
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
-            done += 1
-            summed += float(loss.detach())
-            if on_step is not None:
-                on_step(done, total, float(loss.detach()))
-        losses.append(round(summed / per_epoch, 4))
-        save_file(adapter.state(), str(checkpoint_path(work_dir, layer, epoch + 1)),
-                  metadata={"epoch_loss": str(losses[-1])})
-    return adapter, losses
+
+    def batch_loss(batch: torch.Tensor) -> torch.Tensor:
+        # bf16 matmuls (AMX on a CPU), as training/medusa.py trains; the loss itself is computed in fp32
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = head.logits(adapter(states[batch].float()))
+        return F.cross_entropy(logits.float(), labels[batch])
+
+    def after_epoch(epoch: int, loss: float) -> None:
+        save_file(adapter.state(), str(checkpoint_path(work_dir, layer, epoch)),
+                  metadata={"epoch_loss": str(round(loss, 4))})
+
+    run = run_epochs(adapter, len(states), LoopSettings(epochs, batch_size, lr, seed), batch_loss, after_epoch,
+                     start, on_step)
+    return adapter, losses + [round(loss, 4) for loss in run]
 
 
 def epoch_loss(checkpoint: Path) -> float | None:

@@ -10,7 +10,6 @@ finish) and a checkpoint of the heads after every epoch (heads.epoch<N>.safetens
 from __future__ import annotations
 
 import json
-import math
 import queue
 from pathlib import Path
 
@@ -30,6 +29,7 @@ from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.medusa import MedusaHeads
 from specdeploy.speculative.medusa_accuracy import IGNORE, TOP_K, Features, hidden_features
+from specdeploy.training.loop import LoopSettings, latest_checkpoint, run_epochs
 
 
 def progress_bar(console: Console | None = None) -> Progress:
@@ -105,36 +105,29 @@ def head_losses(heads: MedusaHeads, hidden: torch.Tensor, targets: torch.Tensor,
 
 def train(heads: MedusaHeads, data: Features, lm_head: torch.Tensor, epochs: int, work_dir: Path,
           batch_size: int = 256, lr: float = 1e-3, seed: int = 0, console: Console | None = None) -> MedusaHeads:
-    """AdamW with a cosine schedule; a checkpoint after each epoch, resumed from the latest one."""
-    start = 0
-    for epoch in range(epochs, 0, -1):
-        checkpoint = work_dir / f"heads.epoch{epoch}.safetensors"
-        if checkpoint.exists():
-            heads = MedusaHeads.from_state(load_file(str(checkpoint)), str(checkpoint))
-            start = epoch
-            break
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=lr, weight_decay=0.0)
-    steps_per_epoch = math.ceil(len(data.hidden) / batch_size)
-    total = steps_per_epoch * epochs
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(step + start * steps_per_epoch, total) / total)))
-    generator = torch.Generator().manual_seed(seed)
+    """training/loop.py; a checkpoint after each epoch, resumed from the latest one."""
+    checkpoint, start = latest_checkpoint(lambda epoch: work_dir / f"heads.epoch{epoch}.safetensors", epochs)
+    if checkpoint is not None:
+        heads = MedusaHeads.from_state(load_file(str(checkpoint)), str(checkpoint))
+
+    def batch_loss(batch: torch.Tensor) -> torch.Tensor:
+        # bf16 logits (AMX on a CPU) make the step cheaper (docs/benchmarks.md, "Figures behind the code"); the
+        # loss itself is computed in fp32
+        with torch.autocast(data.hidden.device.type, dtype=torch.bfloat16):
+            return head_losses(heads, data.hidden[batch], data.targets[batch], lm_head).sum()
+
+    def after_epoch(epoch: int, loss: float) -> None:
+        save_file(heads.state(), str(work_dir / f"heads.epoch{epoch}.safetensors"))
+
     with progress_bar(console) as progress:
-        task = progress.add_task("training heads", total=total, completed=start * steps_per_epoch)
-        for epoch in range(start, epochs):
-            order = torch.randperm(len(data.hidden), generator=generator)
-            for batch in order.split(batch_size):
-                # bf16 logits (AMX on a CPU) make the step cheaper (docs/benchmarks.md, "Figures behind the code");
-                # the loss itself is computed in fp32
-                with torch.autocast(data.hidden.device.type, dtype=torch.bfloat16):
-                    loss = head_losses(heads, data.hidden[batch], data.targets[batch], lm_head).sum()
-                optimizer.zero_grad()
-                loss.backward()
-                optimizer.step()
-                schedule.step()
-                progress.update(task, advance=1, description=f"training heads (epoch {epoch + 1}, loss "
-                                                             f"{loss.item() / heads.num_heads:.3f})")
-            save_file(heads.state(), str(work_dir / f"heads.epoch{epoch + 1}.safetensors"))
+        task = progress.add_task("training heads", total=None)
+
+        def on_step(done: int, total: int, loss: float) -> None:
+            progress.update(task, completed=done, total=total,
+                            description=f"training heads (loss {loss / heads.num_heads:.3f})")
+
+        run_epochs(heads, len(data.hidden), LoopSettings(epochs, batch_size, lr, seed), batch_loss, after_epoch,
+                   start, on_step)
     return heads
 
 

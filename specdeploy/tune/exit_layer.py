@@ -1,8 +1,8 @@
 """The early-exit layer a pipeline asks to be measured (speculation.early_exit.exit_layer: measured).
 
 A deeper exit drafts tokens the target agrees with more often and costs more per drafted token, and both depend on
-the model and the machine, so the layer is measured where the engine runs: the build's calibration prompts
-(bench/gamma_cap.py) decoded plain and with an early exit at each layer count of the pipeline's sweep, side by side
+the model and the machine, so the layer is measured where the engine runs: the calibration prompts
+(tune/calibration.py) decoded plain and with an early exit at each layer count of the pipeline's sweep, side by side
 in one run, and the layer with the best realized speedup is written into the engine (engine_paths.
 MEASURED_EXIT_FILE), which serves with it from then on. When no layer beats plain decode the best one is still
 written, with the measurement saying so (a draft-free model's early layers rarely agree with its last without
@@ -12,14 +12,14 @@ training for it: docs/early-exit.md).
 from __future__ import annotations
 
 import time
-from dataclasses import asdict
 from pathlib import Path
 
-from specdeploy.bench.gamma_cap import CALIBRATION_TOKENS, calibration_prompts
 from specdeploy.errors import SpecdeployError
+from specdeploy.models import machine
 from specdeploy.models.registry import component_config
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.engine_paths import MEASURED_EXIT_FILE, engine_pipeline, write_json
+from specdeploy.tune.calibration import CALIBRATION_TOKENS, calibrate, calibration_prompts
 
 
 def swept_layers(engine_dir: Path, num_layers: int) -> list[int]:
@@ -33,25 +33,21 @@ def swept_layers(engine_dir: Path, num_layers: int) -> list[int]:
 
 
 def measure_exit_layer(engine_dir: Path, quiet: bool = False) -> str:
-    """At build: decode the calibration prompts at every swept exit layer, write the best into the engine; returns
-    what it picked, in a sentence."""
-    from specdeploy.bench.run import run_benches
-
+    """Decode the calibration prompts at every swept exit layer, write the best into the engine; returns what it
+    picked, in a sentence."""
     config, _ = component_config(Path(engine_dir) / "target")
     layers = swept_layers(engine_dir, config.num_layers)
     engines = [Engine(engine_dir, exit_layer=layer) for layer in layers]
-    reports = run_benches(engines, calibration_prompts(engines[0]), CALIBRATION_TOKENS, temperature=None, seed=0,
-                          with_transformers=False, quiet=quiet)
-    by_layer = {layer: report.summary.speedup for layer, report in zip(layers, reports)}
+    prompts = calibration_prompts(engines[0])
+    runs = calibrate(engines, prompts, CALIBRATION_TOKENS, quiet=quiet)
+    by_layer = {layer: run.speedup() for layer, run in zip(layers, runs)}
     best = max(by_layer, key=by_layer.__getitem__)
-    summaries = {layer: report.summary for layer, report in zip(layers, reports)}
     measured = {"exit_layer": best, "beats_plain": by_layer[best] > 1,
                 "realized_speedup_by_layer": {str(layer): by_layer[layer] for layer in layers},
-                "mean_accepted_length_by_layer": {str(layer): summaries[layer].mean_accepted_length
-                                                  for layer in layers},
-                "draft_cost_ratio_by_layer": {str(layer): summaries[layer].draft_cost_ratio for layer in layers},
-                "prompts": reports[0].setup.prompts, "max_tokens": reports[0].setup.max_tokens,
-                "machine": asdict(reports[0].setup.machine),
+                "mean_accepted_length_by_layer": {str(layer): run.mean_accepted_length()
+                                                  for layer, run in zip(layers, runs)},
+                "draft_cost_ratio_by_layer": {str(layer): run.draft_cost_ratio() for layer, run in zip(layers, runs)},
+                "prompts": len(prompts), "max_tokens": CALIBRATION_TOKENS, "machine": machine.describe(),
                 "measured": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
     path = Path(engine_dir) / MEASURED_EXIT_FILE
     write_json(path, measured)

@@ -4,17 +4,16 @@ of that model in that form on this torch and CPU. A build looks here before comp
 so a rebuild, a second pipeline of the same model, or an image whose programs were compiled when it was built
 (build/Dockerfile.cpu: the image holds no compiler) loads a program instead of compiling one.
 
-The store is the folder `$SPECDEPLOY_PROGRAMS` (default `~/.cache/specdeploy/programs`), one `<key>.pt2` per
-program; the key hashes everything the compiled code depends on: the model's config, every tensor's name, shape
-and dtype (its quantized form), the features it returns, the most rows it takes, the torch version, the CPU, how its
-matmuls are compiled (the variant), and the source of the model code that is traced.
+The store (spec/artefact_store.py) is the folder `$SPECDEPLOY_PROGRAMS` (default `~/.cache/specdeploy/programs`),
+one `<key>.pt2` per program; the key hashes everything the compiled code depends on: the model's config, every
+tensor's name, shape and dtype (its quantized form), the layers it captures, the most rows it takes, the torch
+version, the CPU, how its matmuls are compiled (the variant), and the source of the model code that is traced.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import json
 import os
 import shutil
 from pathlib import Path
@@ -23,12 +22,13 @@ import torch
 
 import specdeploy.models
 from specdeploy.models.llama import LlamaModel
+from specdeploy.spec.artefact_store import ArtefactStore, content_key
 
 STORE_VARIABLE = "SPECDEPLOY_PROGRAMS"
 
 
-def store_dir() -> Path:
-    return Path(os.environ.get(STORE_VARIABLE) or Path.home() / ".cache" / "specdeploy" / "programs")
+def store() -> ArtefactStore:
+    return ArtefactStore(Path(os.environ.get(STORE_VARIABLE) or Path.home() / ".cache" / "specdeploy" / "programs"))
 
 
 def traced_code_digest() -> str:
@@ -44,16 +44,15 @@ def program_key(model: LlamaModel, max_rows: int, machine: str, variant: str, ca
     the states entering the layers of `capture`."""
     layout = [(name, list(tensor.shape), str(tensor.dtype))
               for name, tensor in [*model.named_parameters(), *model.named_buffers()]]
-    described = {"class": type(model).__name__, "config": dataclasses.asdict(model.config), "layout": layout,
-                 "features": list(capture), "max_rows": max_rows, "torch": torch.__version__,
-                 "machine": machine, "variant": variant, "code": traced_code_digest()}
-    return hashlib.sha256(json.dumps(described, sort_keys=True, default=str).encode()).hexdigest()[:32]
+    return content_key({"class": type(model).__name__, "config": dataclasses.asdict(model.config), "layout": layout,
+                        "features": list(capture), "max_rows": max_rows, "torch": torch.__version__,
+                        "machine": machine, "variant": variant, "code": traced_code_digest()})
 
 
 def fetch(key: str, destination: Path) -> bool:
     """Copy the stored program `key` to `destination`; False when the store has none."""
-    stored = store_dir() / f"{key}.pt2"
-    if not stored.is_file():
+    stored = store().find(f"{key}.pt2")
+    if stored is None:
         return False
     shutil.copyfile(stored, destination)
     return True
@@ -62,12 +61,4 @@ def fetch(key: str, destination: Path) -> bool:
 def keep(key: str, program: Path) -> bool:
     """Add a compiled program to the store; False where the store cannot be written (a read-only image folder),
     which only means the next build compiles it again."""
-    folder = store_dir()
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        partial = folder / f".{key}.{os.getpid()}.partial"
-        shutil.copyfile(program, partial)
-        partial.replace(folder / f"{key}.pt2")  # whole or absent, for a build running beside this one
-    except OSError:
-        return False
-    return True
+    return store().add(f"{key}.pt2", lambda staging: shutil.copyfile(program, staging)) is not None

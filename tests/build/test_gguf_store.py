@@ -100,7 +100,7 @@ def test_a_store_that_cannot_be_written_falls_back_to_the_gguf(fake_gguf, monkey
 
     monkeypatch.setattr(gguf_store, "convert", failing)
     assert gguf_store.converted(fake_gguf, None) is None
-    assert "loaded without its converted copy" in capsys.readouterr().err
+    assert "is not kept in" in capsys.readouterr().err  # said, and the GGUF is loaded itself
     monkeypatch.delenv(gguf_store.STORE_VARIABLE)
     assert gguf_store.converted(fake_gguf, None) is None  # no store named and no engines root: none
     monkeypatch.setattr(gguf_store, "convert", marker_conversion([]))

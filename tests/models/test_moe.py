@@ -19,10 +19,8 @@ from helpers.tiny_models import TINY, char_tokenizer, save_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 from transformers import LlamaForCausalLM, MixtralConfig, MixtralForCausalLM
 
-from specdeploy.bench.gamma_cap import CALIBRATION_TOKENS, calibration_prompts, lift_gamma_cap, sweep_gammas
 from specdeploy.bench.moe_curve import experts_touched
 from specdeploy.bench.moe_quality import MoeQuality
-from specdeploy.bench.prompts import load_prompts
 from specdeploy.bench.quant_quality import QuantQuality
 from specdeploy.bench.run import run_benches
 from specdeploy.build.checkpoints import load_checkpoint
@@ -39,8 +37,11 @@ from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
 from specdeploy.spec.checkpoint import CheckpointSpec
 from specdeploy.spec.pipeline import MoESpec, PipelineSpec, PolicySpec, ServingSpec, TargetSpec, load_pipeline
+from specdeploy.spec.prompt_sets import load_prompts
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
+from specdeploy.tune.calibration import CALIBRATION_TOKENS, calibration_prompts
+from specdeploy.tune.gamma_cap import lift_gamma_cap, sweep_gammas
 from specdeploy.workflows import build_torch_engine
 
 MOE = dict(TINY, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2)
@@ -598,7 +599,7 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     measured = json.loads(policy_file.read_text())
     realized = {**report["gamma_sweep"], str(gamma): report["speedup"]}
     assert measured["realized_speedup_by_gamma"] == realized
-    assert measured["gamma_cap"] in {0, *map(int, realized)}  # the rule itself: tests/bench/test_gamma_cap.py
+    assert measured["gamma_cap"] in {0, *map(int, realized)}  # the rule itself: tests/tune/test_gamma_cap.py
     assert measured["moe_predicted_speedup_by_gamma"] == report["moe"]["predicted_speedup_by_gamma"]
     assert f"gamma cap {measured['gamma_cap']}" in result.stdout and str(policy_file) in result.stdout
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == measured["gamma_cap"]

@@ -641,14 +641,10 @@ def test_a_derived_draft_must_store_fewer_bits_than_a_quantized_target(tmp_path:
         assert load_pipeline(write(tmp_path, data)).speculation.draft.derive == derive
 
 
-def test_backend_torch_compile_is_off_by_default_kept_by_device_and_refused_for_trees(tmp_path: Path):
-    assert not parse_pipeline(minimal()).backend.compiles
-    spec = parse_pipeline(minimal(backend={"kind": "torch", "torch": {"compile": True}}))
-    assert spec.backend.compiles and spec.backend.with_device("cuda").compiles  # --device changes only the device
-    medusa = {"method": "medusa", "num_draft_tokens": 2,
-              "medusa": {"heads": "heads.safetensors", "num_heads": 2, "choices": [[0], [0, 0]]}}
-    load_error(write(tmp_path, minimal(speculation=medusa, backend={"kind": "torch", "torch": {"compile": True}})),
-               "backend.torch.compile", "masked verify runs eagerly (leave compile off for method medusa)")
+def test_backend_torch_compile_is_gone(tmp_path: Path):
+    """Step programs (backend.torch.steps) replaced torch.compile: the key is refused, naming what is allowed."""
+    load_error(write(tmp_path, minimal(backend={"kind": "torch", "torch": {"compile": True}})),
+               "backend.torch", "compile", "steps")
 
 
 # --------------------------------------------------------------------------------------------- request kinds

@@ -12,7 +12,7 @@ import torch
 from helpers.batch import assert_continuous_batch_equals_alone
 from helpers.early_exit import LAYERS, early_exit_pipeline, save_shallow_tail
 from helpers.marginals import exact_marginals, sampled_checks
-from helpers.pipelines import tiny_pipeline, trtllm_pipeline
+from helpers.pipelines import trtllm_pipeline
 from helpers.prompts import PROMPTS
 
 from specdeploy.build.torch_engine import build
@@ -153,10 +153,6 @@ def test_bad_settings_are_named(shallow_tail, tmp_path):
         build(load_pipeline(early_exit_pipeline(tmp_path, shallow_tail, exit_layer=4)), tmp_path / "e", quiet=True)
     with pytest.raises(PipelineError, match="exit_layer: must be ≥ 1 or 'measured', got 0"):
         load_pipeline(early_exit_pipeline(tmp_path, shallow_tail, exit_layer=0))
-    with pytest.raises(PipelineError, match="compile.*early_exit"):
-        load_pipeline(tiny_pipeline(tmp_path, "c", shallow_tail, method="early_exit",
-                                    speculation_extra={"early_exit": {"exit_layer": 2}},
-                                    backend={"kind": "torch", "torch": {"compile": True}}))
 
 
 def test_tensorrt_llm_has_no_early_exit(shallow_tail, tmp_path):

@@ -12,7 +12,6 @@ from helpers.cli import run_cli
 from helpers.early_exit import LAYERS, early_exit_pipeline
 from helpers.tiny_models import save_tiny_checkpoint
 
-from specdeploy import workflows
 from specdeploy.build.torch_engine import build, early_exit_vocabulary
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.llama import LayerSpan
@@ -20,10 +19,12 @@ from specdeploy.models.registry import load_projection
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.speculative.exit_adapter import ExitAdapter, ExitAdapterConfig
+from specdeploy.training import distillation
 from specdeploy.training import exit_adapter as training
 from specdeploy.training.exit_adapter_options import ExitAdapterTrainingOptions
 from specdeploy.training.medusa import generate_answers
 from specdeploy.training.plots import optional_pyplot
+from specdeploy.training.train_exit_adapter import train_exit_adapter
 
 PROMPTS = [f"{verb} {thing}." for verb in ("Say", "Spell", "Write", "Name") for thing in
            ("hello", "abc", "tiny", "model", "seed", "tree", "dogs", "rain")]
@@ -106,14 +107,14 @@ def test_the_command_writes_the_adapter_and_its_report(distilled, monkeypatch, t
     def tiny_distillation(pipeline_path, engines_dir, work_dir, prompts, max_tokens, console):
         work_dir.mkdir(parents=True, exist_ok=True)
         pipeline = load_pipeline(pipeline_path)
-        return workflows.Distillation(pipeline, distilled["engine"].dir, PROMPTS[HELD_OUT:], PROMPTS[:HELD_OUT],
-                                      distilled["answers"], 0.0)
+        return distillation.Distillation(pipeline, distilled["engine"].dir, PROMPTS[HELD_OUT:], PROMPTS[:HELD_OUT],
+                                         distilled["answers"], 0.0)
 
-    monkeypatch.setattr(workflows, "distillation_answers", tiny_distillation)
+    monkeypatch.setattr(distillation, "distillation_answers", tiny_distillation)
     options = ExitAdapterTrainingOptions(work_dir=tmp_path / "work", epochs=3, layers=(1, LAYER), inner_size=32,
                                          batch_size=64, lr=3e-3)
     output = tmp_path / "adapter"
-    report = workflows.train_exit_adapter(distilled["pipeline"], tmp_path / "engines", output, options)
+    report = train_exit_adapter(distilled["pipeline"], tmp_path / "engines", output, options)
     assert [row["exit_layer"] for row in report["layers"]] == [1, LAYER]
     assert report["exit_layer"] in (1, LAYER) and report["positions"]["held_out"] > 0
     for row in report["layers"]:
@@ -128,10 +129,10 @@ def test_the_command_refuses_layers_past_the_target_before_answering(distilled, 
     def no_answers(*args):
         raise AssertionError("the layers are checked first")
 
-    monkeypatch.setattr(workflows, "distillation_answers", no_answers)
+    monkeypatch.setattr(distillation, "distillation_answers", no_answers)
     with pytest.raises(SpecdeployError, match=r"exit layers \[4, 9\] are not layer counts below the target's 4"):
-        workflows.train_exit_adapter(distilled["pipeline"], tmp_path / "engines", tmp_path / "adapter",
-                                     ExitAdapterTrainingOptions(layers=(2, 4, 9)))
+        train_exit_adapter(distilled["pipeline"], tmp_path / "engines", tmp_path / "adapter",
+                           ExitAdapterTrainingOptions(layers=(2, 4, 9)))
 
 
 def test_the_command_line(tmp_path):

@@ -9,8 +9,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from specdeploy.bench.prompts import load_prompts
 from specdeploy.runtime.engine import Engine
+from specdeploy.spec.prompt_sets import load_prompts
 from specdeploy.speculative.medusa import MedusaHeads
 from specdeploy.speculative.medusa_accuracy import IGNORE, accuracies
 from specdeploy.training import medusa as training
