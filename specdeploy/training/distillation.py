@@ -1,5 +1,10 @@
 """What every train-* command starts from: the target's own engine and its greedy answers to the training prompts
-(self-distillation), split into training and held-out prompts, none of them the bench's."""
+(self-distillation), split into training and held-out prompts, none of them the bench's.
+
+Two prompt sources: "written" (training/prompts.py: HumanEval and the written families, about 1,800 prompts; what the
+shipped Medusa heads were trained on) and "scaled" (training/distill_prompts.py: those, the standard library's
+documented functions and classes, Python's reference topics and the target's own requests, about 7,500), whose
+held-out part is SCALED_HELD_OUT prompts."""
 
 from __future__ import annotations
 
@@ -10,11 +15,21 @@ from pathlib import Path
 from typing import NamedTuple
 
 from specdeploy.build.torch_engine import build
+from specdeploy.decoding.light_tokenizer import load_tokenizer_files
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 from specdeploy.spec.prompt_sets import load_prompts
 from specdeploy.spec.speculation import SpeculationSpec
+from specdeploy.training.distill_prompts import (
+    clean_request,
+    distillation_prompts,
+    self_instruct_requests,
+    split_held_out,
+)
 from specdeploy.training.medusa import generate_answers
 from specdeploy.training.prompts import training_prompts
+
+SCALED_HELD_OUT = 200  # held-out prompts of the scaled source (a tenth of fewer prompts)
+SELF_INSTRUCT_TOKENS = 64  # the longest request the target writes for itself
 
 
 class Distillation(NamedTuple):
@@ -30,17 +45,29 @@ class Distillation(NamedTuple):
 
 
 def distillation_answers(pipeline_path: str | Path, engines_dir: Path, work_dir: Path, prompts: int,
-                         max_tokens: int, console) -> Distillation:
+                         max_tokens: int, console, source: str = "written", batch: int | None = None) -> Distillation:
     """Build the pipeline's target alone, under its own name (the heads do not exist yet, so the pipeline's own
-    engine cannot be built), and have it answer the training prompts, cached in work_dir/answers.jsonl."""
+    engine cannot be built), and have it answer the training prompts of `source`, `batch` at a time (default: the
+    pipeline's limits.max_batch_size), cached in work_dir/answers.jsonl."""
     started = time.perf_counter()
     pipeline = load_pipeline(pipeline_path)
     target_only = dataclasses.replace(pipeline, name=f"{pipeline.name}-target", speculation=SpeculationSpec())
     engine_dir = build(target_only, engines_dir).directory
     work_dir.mkdir(parents=True, exist_ok=True)
-    train_prompts, held_out = training_prompts(prompts, exclude=[p["prompt"] for p in load_prompts()])
-    answers = generate_answers(engine_dir, train_prompts + held_out, max_tokens, work_dir / "answers.jsonl",
-                               pipeline.limits.max_batch_size, console)
+    batch = batch or pipeline.limits.max_batch_size
+    bench = [p["prompt"] for p in load_prompts()]
+    if source == "scaled":
+        requests = self_instruct_requests()[:prompts]  # no more of its own than prompts in all
+        written = generate_answers(engine_dir, requests, SELF_INSTRUCT_TOKENS, work_dir / "self_instruct.jsonl",
+                                   batch, console, description="the target's own requests")
+        tokenizer = load_tokenizer_files(engine_dir / "target")
+        own = [clean_request(tokenizer.decode(written[r], skip_special_tokens=True)) for r in requests]
+        chosen = distillation_prompts([p for p in own if p], exclude=bench)[:prompts]
+        train_prompts, held_out = split_held_out(chosen, min(SCALED_HELD_OUT, len(chosen) // 10))
+    else:
+        train_prompts, held_out = training_prompts(prompts, exclude=bench)
+    answers = generate_answers(engine_dir, train_prompts + held_out, max_tokens, work_dir / "answers.jsonl", batch,
+                               console)
     return Distillation(pipeline, engine_dir, train_prompts, held_out, answers, time.perf_counter() - started)
 
 

@@ -19,9 +19,7 @@ its own from its data.
 from __future__ import annotations
 
 import math
-from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -29,21 +27,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from specdeploy.speculative.eagle_head import Eagle3Head
+from specdeploy.training.eagle_data import Sample, ShardedSamples
 from specdeploy.training.loop import LoopSettings, latest_checkpoint, run_epochs
 from specdeploy.training.plots import optional_pyplot
 
 STEP_WEIGHT = 0.8  # EAGLE-3's decay of the loss over training-time-test steps
-
-
-@dataclass
-class Sample:
-    """One prompt + answer: tokens [T]; features [T, 3H] and final [T, H] (bf16), the target's at each position;
-    first: the index of the prompt's last token (losses count only predictions of answer tokens)."""
-
-    tokens: torch.Tensor
-    features: torch.Tensor
-    final: torch.Tensor
-    first: int
 
 
 def collect(target, sequences: list[tuple[list[int], int]], feature_layers: tuple[int, ...],
@@ -60,15 +48,6 @@ def collect(target, sequences: list[tuple[list[int], int]], feature_layers: tupl
             if on_progress is not None:
                 on_progress()
     return samples
-
-
-def draft_vocabulary(samples: list[Sample], size: int, vocab_size: int) -> torch.Tensor:
-    """The `size` most frequent target ids in the samples' tokens (ascending; ties by id), [size] long."""
-    counts = Counter()
-    for sample in samples:
-        counts.update(sample.tokens.tolist())
-    ranked = sorted(range(vocab_size), key=lambda token: (-counts.get(token, 0), token))
-    return torch.tensor(sorted(ranked[:size]))
 
 
 def padded_batch(samples: list[Sample]) -> dict[str, torch.Tensor]:
@@ -144,14 +123,16 @@ def ttt_forward(head: Eagle3Head, batch: dict[str, torch.Tensor], embed: torch.T
     return total, report
 
 
-def chain_acceptance(head: Eagle3Head, samples: list[Sample], embed: torch.Tensor, draft_rows: torch.Tensor,
-                     steps: int, batch_size: int = 8) -> list[dict[str, float]]:
+def chain_acceptance(head: Eagle3Head, samples: Sequence[Sample], embed: torch.Tensor, draft_rows: torch.Tensor,
+                     steps: int, batch_size: int = 8, autocast: bool = False) -> list[dict[str, float]]:
     """On held-out samples, per drafting depth j + 1: how often the head's top-1 equals the target's top token
     (given the true tokens before it), and the loss."""
     totals = [{"loss": 0.0, "top1": 0.0, "positions": 0} for _ in range(steps)]
     with torch.no_grad():
         for start in range(0, len(samples), batch_size):
-            _, report = ttt_forward(head, padded_batch(samples[start:start + batch_size]), embed, draft_rows, steps)
+            batch = [samples[i] for i in range(start, min(start + batch_size, len(samples)))]
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+                _, report = ttt_forward(head, padded_batch(batch), embed, draft_rows, steps)
             for total, step in zip(totals, report):
                 total["loss"] += step["loss"] * step["positions"]
                 total["top1"] += step["top1"] * step["positions"]
@@ -161,24 +142,28 @@ def chain_acceptance(head: Eagle3Head, samples: list[Sample], embed: torch.Tenso
             for j, t in enumerate(totals)]
 
 
-def train(head: Eagle3Head, samples: list[Sample], embed: torch.Tensor, draft_rows: torch.Tensor, steps: int,
+def train(head: Eagle3Head, samples: Sequence[Sample], embed: torch.Tensor, draft_rows: torch.Tensor, steps: int,
           epochs: int, work_dir: Path, batch_size: int = 8, lr: float = 3e-4, seed: int = 0,
-          on_step: Callable[[int, int, float], None] | None = None) -> tuple[Eagle3Head, list[float]]:
+          on_step: Callable[[int, int, float], None] | None = None,
+          autocast: bool = False) -> tuple[Eagle3Head, list[float]]:
     """training/loop.py with a warm-up over the first 5 % of steps and gradients clipped to 0.5; a checkpoint after
     each epoch (head.epoch<N>.safetensors in work_dir), resumed from the latest. on_step(done, total, loss) reports
-    progress. Returns the head and the mean loss of each epoch run here."""
+    progress. autocast: the head's matmuls in bf16 (fp32 weights and losses). Returns the head and the mean loss of
+    each epoch run here."""
     checkpoint, start = latest_checkpoint(lambda epoch: work_dir / f"head.epoch{epoch}.safetensors", epochs)
     if checkpoint is not None:
         head = Eagle3Head.from_state(head.config, load_file(str(checkpoint)), str(checkpoint))
 
     def batch_loss(batch: torch.Tensor) -> torch.Tensor:
-        return ttt_forward(head, padded_batch([samples[i] for i in batch.tolist()]), embed, draft_rows, steps)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return ttt_forward(head, padded_batch([samples[i] for i in batch.tolist()]), embed, draft_rows, steps)[0]
 
     def after_epoch(epoch: int, loss: float) -> None:
         save_file(head.state(torch.float32), str(work_dir / f"head.epoch{epoch}.safetensors"))
 
     settings = LoopSettings(epochs, batch_size, lr, seed, warmup_fraction=0.05, clip=0.5)
-    return head, run_epochs(head, len(samples), settings, batch_loss, after_epoch, start, on_step)
+    lengths = samples.lengths() if isinstance(samples, ShardedSamples) else [len(s.tokens) for s in samples]
+    return head, run_epochs(head, len(samples), settings, batch_loss, after_epoch, start, on_step, lengths)
 
 
 def write_plot(report: dict, path: Path) -> bool:

@@ -10,13 +10,16 @@ from pathlib import Path
 @dataclass(frozen=True)
 class EagleTrainingOptions:
     work_dir: Path = Path("eagle-work")  # answers, features and checkpoints; a rerun resumes from them
-    prompts: int = 600  # prompts to distil on, a tenth of them held out
-    max_tokens: int = 128  # length of the target's answers
-    epochs: int = 4
+    prompts: int = 7000  # prompts to distil on (training/distillation.py says how many are held out)
+    max_tokens: int = 320  # length of the target's answers
+    epochs: int = 2
+    prompt_source: str = "scaled"  # training/distillation.py: "scaled" or "written"
+    answer_batch: int = 32  # the target's answers decoded together
+    autocast: bool = True  # the head's matmuls in bf16 (fp32 weights and losses)
     # the draft vocabulary: the target's most frequent tokens in the answers (SmolLM2's whole head is 49,152 rows, a
     # fifth of its weights; a draft step over it would cost more than the rest of the head)
     draft_vocab: int = 3072
     intermediate_size: int = 768  # the head's MLP width (the asset stays near 10 MB in bf16)
-    batch_size: int = 8
+    batch_size: int = 16
     lr: float = 1e-3
     seed: int = 0

@@ -36,10 +36,12 @@ def latest_checkpoint(path_of_epoch: Callable[[int], Path], epochs: int) -> tupl
 
 def run_epochs(module: torch.nn.Module, count: int, settings: LoopSettings, batch_loss: Callable[[torch.Tensor],
                torch.Tensor], after_epoch: Callable[[int, float], None], start: int = 0,
-               on_step: Callable[[int, int, float], None] | None = None) -> list[float]:
+               on_step: Callable[[int, int, float], None] | None = None,
+               lengths: list[int] | None = None) -> list[float]:
     """Train `module` over `count` items from epoch `start` (the epochs before it resumed from a checkpoint):
     batch_loss(indices [b] long) is a batch's loss; after_epoch(epoch number, mean loss) writes its checkpoint;
-    on_step(done, total, loss) reports progress. Returns the mean loss of each epoch run here."""
+    on_step(done, total, loss) reports progress. lengths: each item's length, for batches of similar lengths
+    (length_grouped). Returns the mean loss of each epoch run here."""
     optimizer = torch.optim.AdamW(module.parameters(), lr=settings.lr, weight_decay=0.0)
     per_epoch = max(1, math.ceil(count / settings.batch_size))
     total = per_epoch * settings.epochs
@@ -57,7 +59,10 @@ def run_epochs(module: torch.nn.Module, count: int, settings: LoopSettings, batc
     losses, done = [], start * per_epoch
     for epoch in range(start, settings.epochs):
         summed = 0.0
-        for batch in torch.randperm(count, generator=generator).split(settings.batch_size):
+        order = torch.randperm(count, generator=generator)
+        batches = order.split(settings.batch_size) if lengths is None else \
+            length_grouped(order, lengths, settings.batch_size, generator)
+        for batch in batches:
             loss = batch_loss(batch)
             optimizer.zero_grad()
             loss.backward()
@@ -72,3 +77,19 @@ def run_epochs(module: torch.nn.Module, count: int, settings: LoopSettings, batc
         losses.append(summed / per_epoch)
         after_epoch(epoch + 1, losses[-1])
     return losses
+
+
+GROUP_BATCHES = 64  # batches whose items are sorted by length together: similar lengths, still shuffled
+
+
+def length_grouped(order: torch.Tensor, lengths: list[int], batch_size: int,
+                   generator: torch.Generator) -> list[torch.Tensor]:
+    """`order` cut into batches of similar lengths (less padding): each run of GROUP_BATCHES batches' items is sorted
+    by length before it is cut, and the batches are then shuffled."""
+    batches = []
+    span = batch_size * GROUP_BATCHES
+    for start in range(0, len(order), span):
+        chunk = order[start:start + span]
+        ranked = chunk[torch.tensor([lengths[i] for i in chunk.tolist()]).argsort(stable=True)]
+        batches += list(ranked.split(batch_size))
+    return [batches[i] for i in torch.randperm(len(batches), generator=generator).tolist()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import queue
+import time
 from pathlib import Path
 
 import torch
@@ -25,6 +26,7 @@ from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.runtime.scheduler import Scheduler
+from specdeploy.spec.pipeline import ServingSpec
 from specdeploy.spec.request import GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.medusa import MedusaHeads
@@ -38,9 +40,10 @@ def progress_bar(console: Console | None = None) -> Progress:
 
 
 def generate_answers(engine_dir: Path, prompts: list[str], max_tokens: int, path: Path, batch_size: int = 8,
-                     console: Console | None = None) -> dict[str, list[int]]:
-    """The target's greedy answer to every prompt (prompt text → answer ids), appended to `path` (JSON lines) as
-    they finish; prompts answered there before are not generated again."""
+                     console: Console | None = None, description: str = "target answers") -> dict[str, list[int]]:
+    """The target's greedy answer to every prompt (prompt text → answer ids), `batch_size` decoded together,
+    appended to `path` (JSON lines) as they finish; prompts answered there before are not generated again, and a
+    prompt longer than the pipeline's limits.max_input_length gets no answer (it is left out of the result)."""
     done = {}
     if path.exists():
         for line in path.read_text().splitlines():
@@ -50,14 +53,20 @@ def generate_answers(engine_dir: Path, prompts: list[str], max_tokens: int, path
     todo = [p for p in prompts if p not in done]
     if todo:
         engine = Engine(engine_dir, method="none", batch_size=batch_size)
-        scheduler = Scheduler(engine)
+        limits = engine.pipeline.limits
+        encoded = [engine.encode_prompt(prompt) for prompt in todo]
+        todo, encoded = zip(*[(p, ids) for p, ids in zip(todo, encoded) if len(ids) <= limits.max_input_length]) \
+            if any(len(ids) <= limits.max_input_length for ids in encoded) else ((), ())
+        # every row may hold a whole sequence: the batch is the rows, not the KV budget of the serving pipeline
+        scheduler = Scheduler(engine, ServingSpec(kv_capacity_tokens=batch_size * limits.max_sequence_length))
         finished: queue.Queue = queue.Queue()  # (index, answer or the error), from the scheduler's thread
         try:
-            for index, prompt in enumerate(todo):
-                request = GenerationRequest(engine.encode_prompt(prompt), max_tokens, SamplingParams(), 0)
-                scheduler.submit(request, answer_collector(index, finished))
+            for index, ids in enumerate(encoded):
+                scheduler.submit(GenerationRequest(ids, max_tokens, SamplingParams(), 0),
+                                 answer_collector(index, finished))
+            started, tokens = time.perf_counter(), 0
             with path.open("a") as out, progress_bar(console) as progress:
-                task = progress.add_task("target answers", total=len(todo))
+                task = progress.add_task(description, total=len(todo))
                 for _ in todo:
                     index, answer = finished.get()
                     if isinstance(answer, str):
@@ -65,10 +74,12 @@ def generate_answers(engine_dir: Path, prompts: list[str], max_tokens: int, path
                     done[todo[index]] = answer
                     out.write(json.dumps({"prompt": todo[index], "answer": answer}) + "\n")
                     out.flush()
-                    progress.advance(task)
+                    tokens += len(answer)
+                    rate = tokens / max(time.perf_counter() - started, 1e-9)
+                    progress.update(task, advance=1, description=f"{description} ({rate:.0f} tokens/s)")
         finally:
             scheduler.stop()
-    return {p: done[p] for p in prompts}
+    return {p: done[p] for p in prompts if p in done}
 
 
 def answer_collector(index: int, finished: queue.Queue):

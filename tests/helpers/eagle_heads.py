@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
+from specdeploy.speculative.draft_vocabulary import most_frequent_tokens
 from specdeploy.speculative.eagle_head import Eagle3Head, EagleConfig
-from specdeploy.training.eagle import collect, draft_vocabulary, train
+from specdeploy.training.eagle import collect, train
 
 HIDDEN, VOCAB, DRAFT_VOCAB = 64, 128, 96
 FEATURE_LAYERS = (0, 1, 1)  # the tiny target has two layers
@@ -36,7 +37,7 @@ def trained_tiny_head(engine, directory: Path, steps: int = 3, epochs: int = 15)
     samples = collect(engine.target, sequences, FEATURE_LAYERS)
     torch.manual_seed(0)
     head = Eagle3Head(tiny_config())
-    ids = draft_vocabulary(samples, DRAFT_VOCAB, VOCAB)
+    ids = torch.tensor(most_frequent_tokens((s.tokens.tolist() for s in samples), DRAFT_VOCAB, VOCAB))
     head.set_draft_vocabulary(ids)
     rows = engine.target.lm_head.weight.detach().float()[ids]
     work = directory.parent / f"{directory.name}-work"

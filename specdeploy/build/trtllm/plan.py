@@ -210,7 +210,7 @@ def target_max_draft_len(pipeline: PipelineSpec) -> int:
     trtGptModelInflightBatching.cpp @ b35ac1b6, lookaheadDecodingLayer.cpp @ 3585984b; examples/lookahead/
     README.md asks for them equal)."""
     if target_mode(pipeline) == LOOKAHEAD_BUILD_MODE:
-        return pipeline.speculation.lookahead.nodes
+        return pipeline.speculation.verify_nodes()[0]
     return pipeline.limits.max_draft_tokens
 
 
