@@ -45,10 +45,13 @@ class Distillation(NamedTuple):
 
 
 def distillation_answers(pipeline_path: str | Path, engines_dir: Path, work_dir: Path, prompts: int,
-                         max_tokens: int, console, source: str = "written", batch: int | None = None) -> Distillation:
+                         max_tokens: int, console, source: str = "written", batch: int | None = None,
+                         own_requests: int | None = None) -> Distillation:
     """Build the pipeline's target alone, under its own name (the heads do not exist yet, so the pipeline's own
     engine cannot be built), and have it answer the training prompts of `source`, `batch` at a time (default: the
-    pipeline's limits.max_batch_size), cached in work_dir/answers.jsonl."""
+    pipeline's limits.max_batch_size), cached in work_dir/answers.jsonl. own_requests: how many requests the target
+    writes for itself for the scaled source (None: one per seed kind and topic); the same count gives the same
+    prompt order, so a smaller --prompts takes a prefix of a larger one's prompts (and its answers)."""
     started = time.perf_counter()
     pipeline = load_pipeline(pipeline_path)
     target_only = dataclasses.replace(pipeline, name=f"{pipeline.name}-target", speculation=SpeculationSpec())
@@ -57,7 +60,7 @@ def distillation_answers(pipeline_path: str | Path, engines_dir: Path, work_dir:
     batch = batch or pipeline.limits.max_batch_size
     bench = [p["prompt"] for p in load_prompts()]
     if source == "scaled":
-        requests = self_instruct_requests()[:prompts]  # no more of its own than prompts in all
+        requests = self_instruct_requests()[:own_requests]
         written = generate_answers(engine_dir, requests, SELF_INSTRUCT_TOKENS, work_dir / "self_instruct.jsonl",
                                    batch, console, description="the target's own requests")
         tokenizer = load_tokenizer_files(engine_dir / "target")

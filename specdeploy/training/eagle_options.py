@@ -15,6 +15,7 @@ class EagleTrainingOptions:
     epochs: int = 2
     prompt_source: str = "scaled"  # training/distillation.py: "scaled" or "written"
     answer_batch: int = 32  # the target's answers decoded together
+    own_requests: int | None = None  # requests the target writes for itself (None: every seed kind and topic)
     autocast: bool = True  # the head's matmuls in bf16 (fp32 weights and losses)
     # the draft vocabulary: the target's most frequent tokens in the answers (SmolLM2's whole head is 49,152 rows, a
     # fifth of its weights; a draft step over it would cost more than the rest of the head)

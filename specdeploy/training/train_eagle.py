@@ -38,7 +38,7 @@ def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
     work_dir = options.work_dir
     pipeline, engine_dir, train_prompts, held_out, answers, answers_seconds = distillation_answers(
         pipeline_path, engines_dir, work_dir, options.prompts, options.max_tokens, console, options.prompt_source,
-        options.answer_batch)
+        options.answer_batch, options.own_requests)
     train_prompts = [p for p in train_prompts if p in answers]  # a prompt over the input limit has no answer
     held_out = [p for p in held_out if p in answers]
     steps = pipeline.speculation.num_draft_tokens
