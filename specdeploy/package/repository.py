@@ -93,6 +93,8 @@ def speculative_model(pipeline: PipelineSpec, on_gpu: bool = False, **parameters
     add_tensor(speculative.output, "text_output", "TYPE_STRING", [-1])
     add_tensor(speculative.output, "output_ids", "TYPE_INT32", [-1])
     add_statistics(speculative.output)
+    # on the final response only: how the request ended (decoding/finish.py), as OpenAI's finish_reason reads it
+    add_tensor(speculative.output, "finish_reason", "TYPE_STRING", [-1])
     return speculative
 
 

@@ -203,8 +203,10 @@ def submit_request(pb, request, encoder, pipeline: PipelineSpec, tokenizer, queu
         sender.send(error_response(pb, exc), flags=pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
-def stats_response(pb, stats, text: str | None = None, ids: list[int] | None = None) -> object:
-    """A response: text_output (or output_ids) and the request's statistics so far."""
+def stats_response(pb, stats, text: str | None = None, ids: list[int] | None = None,
+                   finished: Finish | None = None) -> object:
+    """A response: text_output (or output_ids) and the request's statistics so far; the final one also names how the
+    request ended (finish_reason)."""
     if text is not None:
         outputs = [pb.Tensor("text_output", np.array([[text.encode("utf-8")]], dtype=object))]
     else:
@@ -212,6 +214,8 @@ def stats_response(pb, stats, text: str | None = None, ids: list[int] | None = N
     for name, kind, field_name in STATISTICS:
         dtype = np.int32 if kind == "TYPE_INT32" else np.float32
         outputs.append(pb.Tensor(name, np.array([[getattr(stats, field_name)]], dtype=dtype)))
+    if finished is not None:
+        outputs.append(pb.Tensor("finish_reason", np.array([[finished.value.encode("utf-8")]], dtype=object)))
     return pb.InferenceResponse(outputs)
 
 
@@ -246,9 +250,9 @@ class Responder:
             return
         new = self.ids[self.sent:]
         if self.detokenizer is not None:
-            response = stats_response(pb, stats, text=self.detokenizer.add(new))
+            response = stats_response(pb, stats, text=self.detokenizer.add(new), finished=finished)
         else:
-            response = stats_response(pb, stats, ids=new)
+            response = stats_response(pb, stats, ids=new, finished=finished)
         if new:  # a final response may carry no token
             self.timing.responses.append(len(new))
         self.sent = len(self.ids)
