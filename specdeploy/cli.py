@@ -348,15 +348,20 @@ def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_a
 @click.option("--grpc-port", type=int, default=8001, show_default=True)
 @click.option("--http-port", type=int, default=8000, show_default=True)
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
+@click.option("--openai-port", type=int, default=9000, show_default=True,
+              help="The OpenAI-compatible endpoints (/v1/chat/completions, …) beside tritonserver; 0: none.")
 @click.option("--address", default="127.0.0.1", show_default=True, help="Interface to bind (0.0.0.0: all).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
               help="Seconds running requests get to finish after SIGTERM or Ctrl-C (default: 30).")
 @device_option
 def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path | None, grpc_port: int,
-          http_port: int, metrics_port: int, address: str, drain_timeout: float | None, device: str | None) -> None:
-    """Run tritonserver on the pipeline's model repository until SIGTERM or Ctrl-C, then drain and exit."""
+          http_port: int, metrics_port: int, openai_port: int, address: str, drain_timeout: float | None,
+          device: str | None) -> None:
+    """Run tritonserver on the pipeline's model repository, and the OpenAI-compatible endpoints beside it, until
+    SIGTERM or Ctrl-C, then drain both and exit."""
     import signal
 
+    from specdeploy.serve.openai_api.front import OpenAIFront
     from specdeploy.serve.tritonserver import DRAIN_TIMEOUT, TritonServer
     from specdeploy.workflows import package as package_pipeline
 
@@ -367,18 +372,29 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
     elif device is not None:
         raise click.UsageError("--device applies when packaging PIPELINE.yaml; a given --model-repository runs "
                                "where it was packaged for")
-    server = TritonServer(model_repository, grpc_port, http_port, metrics_port, address,
-                          drain_timeout=DRAIN_TIMEOUT if drain_timeout is None else drain_timeout)
+    timeout = DRAIN_TIMEOUT if drain_timeout is None else drain_timeout
+    server = TritonServer(model_repository, grpc_port, http_port, metrics_port, address, drain_timeout=timeout)
+    front = None
+
+    def drain(*_) -> None:
+        if front is not None:
+            front.drain()
+        server.drain()
+
     # The handlers only start the drain (a second signal kills): the main thread is the one waiting on the server.
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: server.drain())
+        signal.signal(signum, drain)
     server.start()
-    click.echo(f"tritonserver ready: gRPC {server.grpc_url}, metrics {server.metrics_url}; SIGTERM or Ctrl-C "
-               f"drains and stops it", err=True)
+    if openai_port and not server.draining:
+        front = OpenAIFront(model_repository, server.grpc_url, openai_port, address, timeout).start()
+    click.echo(f"tritonserver ready: gRPC {server.grpc_url}, metrics {server.metrics_url}"
+               + (f", OpenAI API {front.url}" if front else "") + "; SIGTERM or Ctrl-C drains and stops it", err=True)
     if not os.environ.get("SPECDEPLOY_ADMIN_KEY"):
         click.echo(f"admin endpoints (logging, shared memory, model repository, trace) need the header "
                    f"specdeploy-admin-key: {server.admin_key} (set SPECDEPLOY_ADMIN_KEY to choose it)", err=True)
     status = server.process.wait()
+    if front is not None:
+        front.stop()
     server.cleanup()
     click.echo(f"tritonserver exited with status {status}", err=True)
     raise SystemExit(status)

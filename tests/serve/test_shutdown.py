@@ -68,17 +68,20 @@ class Serve:
     """`specdeploy serve --model-repository …` in its own process, on free ports."""
 
     def __init__(self, repository: Path, log: Path) -> None:
-        self.ports = [free_port() for _ in range(3)]
+        self.ports = [free_port() for _ in range(4)]
         command = [sys.executable, "-m", "specdeploy.cli", "serve", "--model-repository", str(repository),
                    "--grpc-port", str(self.ports[0]), "--http-port", str(self.ports[1]),
-                   "--metrics-port", str(self.ports[2]), "--drain-timeout", str(DRAIN)]
+                   "--metrics-port", str(self.ports[2]), "--openai-port", str(self.ports[3]),
+                   "--drain-timeout", str(DRAIN)]
         self.log = log.open("wb")
         self.process = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 240
-        while not self.ready():
+        while not self.ready() or len(children(self.process.pid)) < 2:
             assert self.process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
             time.sleep(0.5)
-        (self.triton,) = children(self.process.pid)
+        (self.triton,) = [pid for pid in children(self.process.pid)
+                          if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"]
+        (self.front,) = [pid for pid in children(self.process.pid) if pid != self.triton]  # the OpenAI front
         self.files = server_files(self.triton)
 
     @property
@@ -89,7 +92,7 @@ class Serve:
         return is_ready("127.0.0.1", self.ports[1])
 
     def close(self) -> None:
-        for pid in (self.process.pid, getattr(self, "triton", None)):
+        for pid in (self.process.pid, getattr(self, "triton", None), getattr(self, "front", None)):
             if pid is not None and alive(pid):
                 os.kill(pid, signal.SIGKILL)
         self.process.wait()
@@ -106,7 +109,7 @@ def serve(repository, tmp_path):
 def test_sigterm_while_idle_exits_zero_and_leaves_nothing(serve):
     serve.process.send_signal(signal.SIGTERM)
     assert serve.process.wait(DRAIN + 20) == 0
-    assert not alive(serve.triton)
+    assert not alive(serve.triton) and not alive(serve.front)
     assert leftovers(serve.files) == set()
 
 
@@ -175,8 +178,8 @@ def test_a_killed_supervisor_takes_the_server_down(serve):
     os.kill(serve.process.pid, signal.SIGKILL)
     serve.process.wait()
     deadline = time.monotonic() + DRAIN + 30
-    while alive(serve.triton):
-        assert time.monotonic() < deadline, "tritonserver outlived its supervisor"
+    while alive(serve.triton) or alive(serve.front):
+        assert time.monotonic() < deadline, "tritonserver or the OpenAI front outlived its supervisor"
         time.sleep(0.2)
     assert not serve.ready()
     # tritonserver stopped cleanly (its shared memory is gone); only serve's temporary directory remains, which a
