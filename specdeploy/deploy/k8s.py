@@ -30,7 +30,7 @@ from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy import k8s_placement as placement
 from specdeploy.deploy import k8s_pod_build as pod_build
 from specdeploy.deploy.build_memory import build_memory_gib
-from specdeploy.deploy.k8s_commands import server_command, under_launcher
+from specdeploy.deploy.k8s_commands import openai_container, openai_port, server_command, under_launcher
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
 from specdeploy.deploy.k8s_multinode import GROUP_NAME, LAUNCHER_ACCOUNT, group_disruption_budget, leader_worker_set
 from specdeploy.deploy.overlay_options import OverlayOptions
@@ -213,6 +213,13 @@ def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, opt
     command, arguments, env = server_command(pipeline, repository, drain, size)
     container = {"name": "triton", "command": command, "args": arguments,
                  "resources": placement.server_resources(size)}
+    # the OpenAI endpoints: `specdeploy serve` runs them in this container; beside a bare tritonserver, a sidecar does,
+    # on repositories with the `speculative` model (the llm_api line serves Triton's own llmapi model instead)
+    sidecars = []
+    if command[0] == "specdeploy":
+        container["ports"] = [openai_port()]
+    elif pipeline.backend.settings.line == "engine":
+        sidecars.append(openai_container(repository, drain))
     if env:
         container["env"] = env
     if pipeline.backend.kind == "trtllm":  # loading engines of tens to hundreds of GB from the data volume
@@ -225,7 +232,7 @@ def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, opt
                      "initContainers": [{"name": "wait-for-repository",
                                          "env": base.wait_environment(repository, build_deadline_s(pipeline, size),
                                                                              build_job)}],
-                     "containers": [container],
+                     "containers": [container, *sidecars],
                      "volumes": [{"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": f"{size.shm_gib}Gi"}}],
                      **placement_spec}}
 
@@ -249,7 +256,9 @@ def with_pod_build(overlay: Overlay, pod: dict) -> dict:
                                       step_resources(pipeline, overlay.size, overlay.build_memory_gib), mounts)
     patch = pod_build.pod_build_patch(steps, volumes)
     triton = {**pod["spec"]["containers"][0], "volumeMounts": [pod_build.read_only_data_mount()]}
-    spec = {**pod["spec"], "initContainers": patch["initContainers"], "containers": [triton],
+    sidecars = [{**container, "volumeMounts": [pod_build.read_only_data_mount(), {"name": "tmp", "mountPath": "/tmp"}]}
+                for container in pod["spec"]["containers"][1:]]
+    spec = {**pod["spec"], "initContainers": patch["initContainers"], "containers": [triton, *sidecars],
             "volumes": [*pod["spec"]["volumes"], *patch["volumes"]]}
     return {**pod, "spec": spec}
 

@@ -26,7 +26,9 @@ MODELS_DIR = f"{DATA_DIR}/models"
 PIPELINE_DIR = "/etc/specdeploy"
 PIPELINE_KEY = "pipeline.yaml"
 UID = 10001  # the images' user (build/Dockerfile.*)
-PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+TRITON_PORTS = {"http": 8000, "grpc": 8001, "metrics": 8002}
+OPENAI_PORT = 9000  # the OpenAI-compatible endpoints (serve/openai_api/): `specdeploy serve`'s, or a sidecar's
+PORTS = {**TRITON_PORTS, "openai": OPENAI_PORT}  # what the Service and the NetworkPolicy open
 # gRPC is HTTP/2 in clear text: Gateway and Ingress implementations proxy it as such only when told (review N10)
 APP_PROTOCOLS = {"grpc": "kubernetes.io/h2c"}
 SERVER_LABELS = {"app.kubernetes.io/name": APP, "app.kubernetes.io/component": "server"}
@@ -161,7 +163,8 @@ def server_container() -> dict:
     /dev/shm for the Python backend's stubs, the preStop pause before the drain."""
     return {"name": "triton", "image": IMAGE, "imagePullPolicy": "IfNotPresent",
             "command": ["specdeploy"], "args": ["serve"], "env": environment(),
-            "ports": [{"name": name, "containerPort": port, "protocol": "TCP"} for name, port in PORTS.items()],
+            "ports": [{"name": name, "containerPort": port, "protocol": "TCP"}
+                      for name, port in TRITON_PORTS.items()],
             "startupProbe": probe("/v2/health/ready", 10, 60),
             "livenessProbe": probe("/v2/health/live", 10, 3),
             "readinessProbe": probe("/v2/health/ready", 5, 3),
@@ -219,7 +222,8 @@ def disruption_budget() -> dict:
 
 
 def network_policy() -> dict:
-    """Only Triton's ports, and only from inside the cluster (clients, Prometheus)."""
+    """Only the served ports (Triton's and the OpenAI endpoints'), and only from inside the cluster (clients,
+    Prometheus)."""
     return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy", "metadata": {"name": SERVER},
             "spec": {"podSelector": {"matchLabels": SERVER_LABELS}, "policyTypes": ["Ingress"],
                      "ingress": [{"from": [{"namespaceSelector": {}}],

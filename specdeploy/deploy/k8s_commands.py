@@ -29,7 +29,7 @@ def triton_arguments(repository: str, drain_s: int, rank: int = 0, load: list[st
                  f"--backend-config=python,shm-region-prefix-name=prefix{rank}_",
                  f"--exit-timeout-secs={drain_s + EXIT_MARGIN}"]
     if rank == 0:
-        return [*arguments, *(f"--{name}-port={port}" for name, port in base.PORTS.items()),
+        return [*arguments, *(f"--{name}-port={port}" for name, port in base.TRITON_PORTS.items()),
                 "--allow-metrics=true", "--allow-gpu-metrics=true"]
     return [*arguments, "--allow-http=false", "--allow-grpc=false", "--allow-metrics=false",
             "--model-control-mode=explicit", *(f"--load-model={name}" for name in load or [])]
@@ -70,7 +70,7 @@ def server_command(pipeline: PipelineSpec, repository: str, drain_s: int, size: 
     """(command, args, extra env) of the serving container (the leader's, across nodes)."""
     if pipeline.backend.kind == "torch":
         return (["specdeploy"], ["serve", "--model-repository", repository, "--address", "0.0.0.0",
-                                 "--drain-timeout", str(drain_s)], [])
+                                 "--openai-port", str(base.OPENAI_PORT), "--drain-timeout", str(drain_s)], [])
     models = engine_models(pipeline)
     if size.nodes == 1 and size.gpus == 1 and len(models) == 1:
         return ["tritonserver"], triton_arguments(repository, drain_s), []
@@ -87,3 +87,27 @@ def server_command(pipeline: PipelineSpec, repository: str, drain_s: int, size: 
     env = [{"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
            {"name": "GROUP_KEY", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.labels['{GROUP_KEY_LABEL}']"}}}]
     return [*launcher(drain_s, size.nodes), "mpirun"], arguments, env
+
+
+def openai_port() -> dict:
+    return {"name": "openai", "containerPort": base.OPENAI_PORT, "protocol": "TCP"}
+
+
+def openai_container(repository: str, drain_s: int) -> dict:
+    """The OpenAI endpoints beside a tritonserver that runs alone in its container (the GPU pods): the front
+    process, on the repository tritonserver serves, talking to it over the pod's loopback; ready only while the
+    model is, and drained by the pod's SIGTERM as tritonserver is."""
+    probe = {"httpGet": {"path": "/health/ready", "port": "openai"}, "periodSeconds": 5, "failureThreshold": 3,
+             "timeoutSeconds": 5}
+    return {"name": "openai", "image": base.IMAGE, "imagePullPolicy": "IfNotPresent",
+            "command": ["python3", "-m", "specdeploy.serve.openai_api.front"],
+            "args": ["--repository", repository, "--triton", f"127.0.0.1:{base.TRITON_PORTS['grpc']}",
+                     "--address", "0.0.0.0", "--port", str(base.OPENAI_PORT), "--drain-timeout", str(drain_s)],
+            "env": base.environment(), "ports": [openai_port()],
+            "livenessProbe": {**probe, "httpGet": {"path": "/health/live", "port": "openai"}},
+            "readinessProbe": probe,
+            "lifecycle": {"preStop": {"sleep": {"seconds": base.PRESTOP_SECONDS}}},
+            "volumeMounts": base.mounts(pipeline=False),  # the repository's tokenizer and pipeline; /tmp
+            "securityContext": base.container_security(),
+            # requests equal to limits: a GPU pod is Guaranteed (every container of it)
+            "resources": {"requests": {"cpu": "500m", "memory": "512Mi"}, "limits": {"cpu": "500m", "memory": "512Mi"}}}

@@ -200,10 +200,23 @@ def test_probes_ports_and_shared_memory_of_the_serving_container(rendered):
     for name, documents in rendered.items():
         template = server_templates(documents)[0]
         triton = serving_container(template)
-        assert {p["name"]: p["containerPort"] for p in triton["ports"]} == {"http": 8000, "grpc": 8001,
-                                                                             "metrics": 8002}, name
+        containers = template["spec"]["containers"]
+        declared = {p["name"]: p["containerPort"] for c in containers for p in c.get("ports", [])}
+        assert {p["name"] for p in triton["ports"]} >= {"http", "grpc", "metrics"}, name
         service_ports = {p["name"]: p for p in one(documents, "Service")["spec"]["ports"]}
         assert service_ports["grpc"]["appProtocol"] == "kubernetes.io/h2c", name  # review N10
+        # the OpenAI endpoints: `specdeploy serve`'s (CPU) or a sidecar's, wherever the repository has the
+        # speculative model; the llm_api line's (Triton's llmapi model) has none
+        serves_openai = "llm_api" not in yaml.safe_dump(documents)
+        expected = {"http": 8000, "grpc": 8001, "metrics": 8002, **({"openai": 9000} if serves_openai else {})}
+        assert declared == expected, name
+        assert set(service_ports) == {"http", "grpc", "metrics", "openai"}, name
+        if serves_openai:
+            front = next(c for c in containers if any(p["name"] == "openai" for p in c["ports"]))
+            assert front["readinessProbe"]["httpGet"] == {"path": "/health/ready", "port": "openai"} or \
+                front is triton, name
+            command = [*front["command"], *front.get("args", [])]
+            assert "9000" in command and ("serve" in command or "specdeploy.serve.openai_api.front" in command), name
         for probe, path in (("startupProbe", "/v2/health/ready"), ("livenessProbe", "/v2/health/live"),
                             ("readinessProbe", "/v2/health/ready")):
             assert triton[probe]["httpGet"]["path"] == path, (name, probe)
