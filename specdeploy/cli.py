@@ -408,9 +408,11 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
 @device_option
 def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | None, device: str | None) -> None:
     """The main job end to end: build, package, serve on free local ports, stream a generation over gRPC with the
-    acceptance statistics and a plain-vs-speculative comparison, then stop the server."""
+    acceptance statistics and a plain-vs-speculative comparison, show the OpenAI endpoint answering the same, then
+    stop the server."""
+    from specdeploy.serve.openai_api.front import OpenAIFront, served_name
     from specdeploy.serve.tritonserver import TritonServer
-    from specdeploy.workflows import RequestOptions, generate_over_grpc
+    from specdeploy.workflows import RequestOptions, generate_over_grpc, openai_curl
     from specdeploy.workflows import package as package_pipeline
 
     repository = package_pipeline(pipeline_path, engines_dir, device=device).directory
@@ -420,6 +422,10 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
         report = generate_over_grpc(server.grpc_url, prompt, RequestOptions(max_tokens=max_tokens), True, True,
                                     echo_text)
         print_generation(report)
+        with OpenAIFront(repository, server.grpc_url) as front:
+            command, answer = openai_curl(front.url, served_name(repository), prompt, max_tokens or 32)
+            click.echo(f"\nthe same server over the OpenAI API (specdeploy serve runs it on port 9000):\n  {command}")
+            click.echo(f"→ {answer}")
     click.echo("tritonserver stopped")
 
 

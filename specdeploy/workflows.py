@@ -250,3 +250,20 @@ def generate_over_grpc(url: str, prompt: str, options: RequestOptions, stream: b
     details = {**statistics, "seconds": seconds, "tokens_per_s": rate, "mean_accepted_length": mean_length}
     return GenerationReport(text, url, generated, counts["acceptance_rate"], mean_length, rate, details,
                             seconds=seconds, plain_tokens_per_s=plain_rate)
+
+
+def openai_curl(base_url: str, model: str, prompt: str, max_tokens: int) -> tuple[str, str]:
+    """A curl command for one chat completion from the OpenAI endpoint at `base_url`, and what it answered (the
+    reply's text and usage, as curl would print them, in one line)."""
+    import json
+    import shlex
+    import urllib.request
+
+    body = json.dumps({"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens})
+    command = (f"curl -s {base_url}/chat/completions -H 'Content-Type: application/json' -d "
+               f"{shlex.quote(body)}")
+    request = urllib.request.Request(f"{base_url}/chat/completions", body.encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=300) as response:
+        reply = json.loads(response.read())
+    return command, json.dumps({"content": reply["choices"][0]["message"]["content"], "usage": reply["usage"]})

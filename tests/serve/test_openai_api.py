@@ -241,3 +241,20 @@ def test_a_draining_front_is_not_ready_and_answers_503_while_live_streams_finish
         thread.join(60)
         assert live["text"] == plain_text(engine, LONG, 120)  # the live stream finished
         assert front.stop() == 0
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_the_demo_shows_a_curl_line_the_openai_endpoint_answers(smollm2_fp32_engines, shared_root):
+    from helpers.cli import run_cli
+
+    engine = smollm2_fp32_engines["draft-target"]
+    root = shared_root / "smollm2"
+    result = run_cli("demo", str(root / "fp32.yaml"), PROMPTS[0], "--engines-dir", str(root / "engines"),
+                     "--max-tokens", str(MAX_TOKENS))
+    assert result.returncode == 0, result.stderr
+    curl = next(line.strip() for line in result.stdout.splitlines() if line.strip().startswith("curl -s http://"))
+    assert "/v1/chat/completions" in curl and f'"model": "{MODEL}"' in curl
+    answer = json.loads(result.stdout.split("→ ", 1)[1].splitlines()[0])
+    assert answer["content"] == plain_text(engine, PROMPTS[0])  # the gRPC path's text, over HTTP
+    assert answer["usage"]["speculation"]["verification_steps"] > 0
