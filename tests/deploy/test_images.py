@@ -5,6 +5,8 @@ test_image_runs.py), which .ci/run runs when their inputs changed."""
 
 from __future__ import annotations
 
+import configparser
+import re
 import shutil
 import subprocess
 import sys
@@ -61,7 +63,21 @@ def test_images_run_as_a_non_root_user_from_pinned_bases(flavour):
         if "/" in image or ":" in image:
             assert ":" in image and not image.endswith(":latest"), f"{image}: pin the base image's tag"
     ports = " ".join(rest for keyword, rest in final_stage(path) if keyword == "EXPOSE").split()
-    assert ports == ["8000", "8001", "8002"]
+    assert ports == ["8000", "8001", "8002", "9000"]  # Triton's HTTP, gRPC and metrics; the OpenAI front
+
+
+def test_the_gpu_image_adds_what_our_code_needs_in_the_ranges_setup_cfg_pins():
+    """The GPU image installs specdeploy --no-deps; what the NGC image lacks (the OpenAI front's starlette and
+    uvicorn among it) is installed by name, in the same ranges as setup.cfg, so the two cannot drift apart."""
+    install = " ".join(rest for keyword, rest in instructions(DOCKERFILES["gpu"]) if keyword == "RUN")
+    added = dict(re.findall(r'"([a-z0-9_\-\[\],]+)([<>=][^"]*)"', install))
+    required = configparser.ConfigParser()
+    required.read(REPO / "setup.cfg")
+    pinned = dict(re.match(r"([a-z0-9_\-\[\],]+)(.*)", line.strip()).groups()
+                  for line in required["options"]["install_requires"].strip().splitlines())
+    assert {"starlette", "uvicorn", "gguf", "click", "rich", "tritonclient[grpc,http]"} <= set(added)
+    for name, versions in added.items():
+        assert pinned[name] == versions, f"{name}: {versions} in the GPU image, {pinned[name]} in setup.cfg"
 
 
 def test_the_gpu_image_is_the_pinned_triton_trtllm_image():
