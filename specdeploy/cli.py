@@ -184,7 +184,8 @@ def print_generation(report: GenerationReport) -> None:
 @cli.command()
 @click.argument("pipeline_paths", metavar="[PIPELINE.yaml]...", nargs=-1)
 @engines_option
-@click.option("--url", default=None, help="Benchmark a running server (HOST:PORT) with concurrent gRPC streams.")
+@click.option("--url", default=None, help="Benchmark a running server with concurrent streams: HOST:PORT over "
+              "Triton gRPC, http://HOST:PORT/v1 over the OpenAI API (chat completions).")
 @click.option("--plain-url", default=None, metavar="HOST:PORT",
               help="With --url: measure plain decoding on this server (the same target served without "
                    "speculation) instead of with num_draft_tokens 0 on --url; needed where --url's engine "

@@ -1,4 +1,5 @@
-"""Load generator for a running server: concurrent gRPC streams, speculative and plain side by side.
+"""Load generator for a running server: concurrent streams, speculative and plain side by side, over Triton's gRPC
+(HOST:PORT) or the OpenAI API (http://HOST:PORT/v1, chat completions), the same requests either way.
 
 For each concurrency level, the same requests run twice, once with the server's speculation and once with
 `num_draft_tokens = 0`, so the crossover (where speculation stops paying as the batch fills) shows in one table.
@@ -10,13 +11,15 @@ from __future__ import annotations
 import random
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from specdeploy.bench.server_results import Percentiles, RequestLatencies
 from specdeploy.errors import RequestError
-from specdeploy.serve.client import generate
+from specdeploy.serve import openai_client
+from specdeploy.serve.client import Chunk, generate
 from specdeploy.serve.latency import RequestTiming
 
 
@@ -74,6 +77,12 @@ class LevelResult:
             inter_token_latencies=itls, response_gaps=gaps)
 
 
+def generate_at(url: str, prompt: str, max_tokens: int | None, stream: bool = True, **fields) -> Iterator[Chunk]:
+    """serve/client.py's generate over the protocol the URL names (openai_client.is_openai_url)."""
+    protocol = openai_client.generate if openai_client.is_openai_url(url) else generate
+    return protocol(url, prompt, max_tokens, stream=stream, **fields)
+
+
 def one_request(url: str, prompt: str, index: int, max_tokens: int, num_draft_tokens: int | None,
                 cancel_after: int | None) -> RequestResult:
     """Stream one request; with cancel_after, drop the stream after that many responses."""
@@ -81,7 +90,7 @@ def one_request(url: str, prompt: str, index: int, max_tokens: int, num_draft_to
     started = time.perf_counter()
     result.timing = RequestTiming(started)
     try:
-        for count, chunk in enumerate(generate(url, prompt, max_tokens, stream=True,
+        for count, chunk in enumerate(generate_at(url, prompt, max_tokens, stream=True,
                                                num_draft_tokens=num_draft_tokens), 1):
             result.text += chunk.text
             if chunk.statistics:

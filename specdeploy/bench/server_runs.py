@@ -9,11 +9,10 @@ import statistics
 import time
 
 from specdeploy.bench.results import Cost
-from specdeploy.bench.server_load import check_results, one_request, run_level
+from specdeploy.bench.server_load import check_results, generate_at, one_request, run_level
 from specdeploy.bench.server_results import ServerBenchReport, ServerLevel
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
-from specdeploy.serve.client import generate
 from specdeploy.serve.metrics_scrape import scrape, total
 from specdeploy.spec.request import NO_END_ID, GenerationRequest
 
@@ -139,7 +138,7 @@ def run_long_stream(url: str, engine: Engine, prompt: str, tokens: int, repeats:
         request = GenerationRequest(ids, tokens, engine.pipeline.sampling.params(temperature=0.0), gamma,
                                     end_id=NO_END_ID)
         engine.start(dataclasses.replace(request, max_tokens=8)).run()  # warm-up
-        list(generate(url, prompt, 8, temperature=0.0, num_draft_tokens=gamma))
+        list(generate_at(url, prompt, 8, temperature=0.0, num_draft_tokens=gamma))
         runs: dict[str, list[dict]] = {"in_process": [], "grpc_stream": []}
         for _ in range(repeats):
             started, samples = time.perf_counter(), []
@@ -148,7 +147,7 @@ def run_long_stream(url: str, engine: Engine, prompt: str, tokens: int, repeats:
                 samples.append((time.perf_counter() - started, len(generation.tokens)))
             runs["in_process"].append(stream_figures(samples))
             started, samples = time.perf_counter(), []
-            for chunk in generate(url, prompt, tokens, stream=True, temperature=0.0, end_id=NO_END_ID,
+            for chunk in generate_at(url, prompt, tokens, stream=True, temperature=0.0, end_id=NO_END_ID,
                                   num_draft_tokens=gamma):
                 if chunk.statistics:
                     samples.append((time.perf_counter() - started, int(chunk.statistics["generated_tokens"])))

@@ -15,12 +15,16 @@ import urllib.request
 import pytest
 from helpers.served import LONG, MAX_TOKENS, PROMPTS, plain_text, wait_for_idle
 
+from specdeploy.bench.server_load import run_level
+from specdeploy.errors import RequestError
 from specdeploy.package.repository import write_repository
+from specdeploy.serve import openai_client
 from specdeploy.serve.client import generate
 from specdeploy.serve.metrics_scrape import scrape, total
 from specdeploy.serve.openai_api.front import OpenAIFront
 from specdeploy.serve.openai_api.protocol import ApiError, StopTail, chat_request, completion_request
 from specdeploy.serve.tritonserver import TritonServer
+from specdeploy.spec.request import NO_END_ID
 
 MODEL = "smollm2-fp32"
 
@@ -51,6 +55,8 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}]}
     ({"frequency_penalty": 0.5}, "frequency_penalty"),
     ({"presence_penalty": -1}, "presence_penalty"), ({"logit_bias": {"5": 1}}, "logit_bias"),
     ({"temperature": 3}, "temperature"), ({"stream_options": {"include_usage": True}}, "stream_options"),
+    ({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "stream_options"),
+    ({"ignore_eos": "yes"}, "ignore_eos"),
     ({"stop": ["a", "b", "c", "d", "e"]}, "stop"), ({"max_tokens": 0}, "max_tokens"), ({"frobnicate": 1}, "frobnicate"),
     ({"messages": [{"role": "tool", "content": "x"}]}, "messages[0]"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -70,6 +76,11 @@ def test_an_unknown_model_is_a_404_and_the_extensions_reach_the_model():
     assert generation.inputs == {"temperature": None, "top_p": None, "top_k": 40, "repetition_penalty": 1.1,
                                  "random_seed": 7, "num_draft_tokens": 2, "request_kind": "chat", "max_tokens": 9}
     assert generation.stop == ["x"] and generation.stream and generation.include_usage
+    assert not generation.continuous_usage
+    generation = chat_request({**CHAT, "ignore_eos": True, "stream": True,
+                               "stream_options": {"include_usage": True, "continuous_usage_stats": True}}, Words(),
+                              MODEL)
+    assert generation.inputs["end_id"] == NO_END_ID and generation.continuous_usage
     completion = completion_request({"model": MODEL, "prompt": ["ab"], "max_tokens": 3}, Words(), MODEL)
     assert completion.prompt_ids == [97, 98] and not completion.chat
     assert refusal({"model": MODEL, "prompt": "a", "echo": True}, chat=False).param == "echo"
@@ -83,6 +94,19 @@ def test_a_stop_sequence_is_left_out_even_when_it_arrives_in_pieces():
     tail = StopTail(["\n\n"])
     assert tail.add("Hi\n", False) + tail.add("\n", True) == "Hi"
     assert StopTail(["END"]).add("no stop here EN", True) == "no stop here EN"  # ended otherwise: all of it
+
+
+def test_the_bench_client_maps_the_grpc_fields_onto_an_openai_request():
+    assert openai_client.is_openai_url("http://host:9000/v1") and not openai_client.is_openai_url("host:8001")
+    body = openai_client.request_body(MODEL, "hi", 7, True, {"num_draft_tokens": 0, "temperature": 0.0,
+                                                             "random_seed": 3, "end_id": NO_END_ID,
+                                                             "stop_words": ["x"], "top_k": None})
+    assert body == {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                    "stream_options": {"include_usage": True, "continuous_usage_stats": True}, "max_tokens": 7,
+                    "num_draft_tokens": 0, "temperature": 0.0, "seed": 3, "ignore_eos": True, "stop": ["x"]}
+    with pytest.raises(RequestError, match="end_id"):
+        openai_client.request_body(MODEL, "hi", 7, True, {"end_id": 2})
+    assert openai_client.connection("http://h:9/v1", 1)[1] == "/v1" == openai_client.connection("http://h:9", 1)[1]
 
 
 @pytest.fixture(scope="module")
@@ -258,3 +282,25 @@ def test_the_demo_shows_a_curl_line_the_openai_endpoint_answers(smollm2_fp32_eng
     answer = json.loads(result.stdout.split("→ ", 1)[1].splitlines()[0])
     assert answer["content"] == plain_text(engine, PROMPTS[0])  # the gRPC path's text, over HTTP
     assert answer["usage"]["speculation"]["verification_steps"] > 0
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
+def test_bench_drives_either_protocol_with_the_same_requests_and_the_same_counts(front):
+    """bench --url's load generator over gRPC and over the OpenAI API: one stream, the same texts, tokens and
+    speculation counts (from usage in every chunk), plain too; ignore_eos runs to max_tokens past the end."""
+    front, server, engine = front
+    results = {}
+    for url in (server.grpc_url, front.url):
+        for gamma in (None, 0):
+            level = run_level(url, PROMPTS[:2], 1, 2, MAX_TOKENS, num_draft_tokens=gamma)
+            results[url, gamma] = [(r.text, r.generated_tokens, r.drafted, r.accepted, r.finished, len(r.timing.bursts))
+                                   for r in level.results]
+    for gamma in (None, 0):
+        assert results[server.grpc_url, gamma] == results[front.url, gamma]
+    assert [text for text, *_ in results[front.url, None]] == [plain_text(engine, p) for p in PROMPTS[:2]]
+    assert all(drafted > 0 for _, _, drafted, *_ in results[front.url, None])
+    assert all(drafted == 0 for _, _, drafted, *_ in results[front.url, 0])
+    chunks = list(openai_client.generate(front.url, "Say hi.", 40, temperature=0.0, end_id=NO_END_ID))
+    counts = [int(c.statistics["generated_tokens"]) for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == 40 and chunks[-1].final

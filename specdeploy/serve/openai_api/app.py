@@ -97,15 +97,21 @@ def create_app(state: FrontState) -> Starlette:
     async def events(answer: Answer, first, pieces: AsyncIterator) -> AsyncIterator[bytes]:
         """The stream's chunks; a usage chunk last when asked; an error after the first chunk as an error event."""
         tail = StopTail(answer.generation.stop)
+        prompt_tokens = len(answer.generation.prompt_ids)
+
+        def chunk(piece, first: bool = False) -> bytes:
+            so_far = usage(prompt_tokens, piece.statistics) if answer.generation.continuous_usage else None
+            return sse(answer.chunk(tail.add(piece.text, piece.finish_reason is not None), piece.finish_reason,
+                                    first=first, usage_=so_far))
+
         try:
             last = first
-            yield sse(answer.chunk(tail.add(first.text, first.finish_reason is not None), first.finish_reason,
-                                   first=True))
+            yield chunk(first, first=True)
             async for piece in pieces:
                 last = piece
-                yield sse(answer.chunk(tail.add(piece.text, piece.finish_reason is not None), piece.finish_reason))
+                yield chunk(piece)
             if answer.generation.include_usage:
-                yield sse(answer.usage_chunk(usage(len(answer.generation.prompt_ids), last.statistics)))
+                yield sse(answer.usage_chunk(usage(prompt_tokens, last.statistics)))
             yield b"data: [DONE]\n\n"
         except ApiError as error:
             yield sse(error.body())

@@ -3,9 +3,11 @@
 A request is checked field by field, and a field this server cannot honour is refused with a 400 in OpenAI's error
 shape naming it, never ignored. Unset fields take the served pipeline's defaults (its `sampling` section: greedy for
 the shipped pipelines), which differ from OpenAI's own defaults (temperature 1). top_k and repetition_penalty are
-accepted as top-level fields, as vLLM takes them (the openai client sends them with `extra_body`); so are the
-speculation fields num_draft_tokens and request_kind. `usage` carries the request's speculation in an extension
-object, `usage.speculation` (USAGE_EXTENSION).
+accepted as top-level fields, as vLLM takes them (the openai client sends them with `extra_body`), and so are
+vLLM's ignore_eos (generate max_tokens tokens whatever the model says: load tools fix output lengths with it) and
+stream_options.continuous_usage_stats (usage in every streamed chunk), and the speculation fields num_draft_tokens
+and request_kind. `usage` carries the request's speculation in an extension object, `usage.speculation`
+(USAGE_EXTENSION).
 """
 
 from __future__ import annotations
@@ -14,14 +16,17 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
+from specdeploy.spec.request import NO_END_ID
+
 USAGE_EXTENSION = "speculation"
 CHAT_FIELDS = {"model", "messages", "max_tokens", "max_completion_tokens", "temperature", "top_p", "n", "stream",
                "stream_options", "stop", "seed", "user", "logprobs", "top_logprobs", "tools", "tool_choice",
                "parallel_tool_calls", "response_format", "frequency_penalty", "presence_penalty", "logit_bias",
-               "top_k", "repetition_penalty", "num_draft_tokens", "request_kind"}
+               "top_k", "repetition_penalty", "ignore_eos", "num_draft_tokens", "request_kind"}
 COMPLETION_FIELDS = {"model", "prompt", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop",
                      "seed", "user", "logprobs", "echo", "best_of", "suffix", "frequency_penalty", "presence_penalty",
-                     "logit_bias", "top_k", "repetition_penalty", "num_draft_tokens", "request_kind"}
+                     "logit_bias", "top_k", "repetition_penalty", "ignore_eos", "num_draft_tokens",
+                     "request_kind"}
 ROLES = ("system", "user", "assistant", "developer")
 MAX_STOPS = 4  # OpenAI's limit on `stop`
 
@@ -54,6 +59,7 @@ class Generation:
     stream: bool = False
     include_usage: bool = False
     chat: bool = True
+    continuous_usage: bool = False  # usage in every streamed chunk (vLLM's stream_options.continuous_usage_stats)
 
 
 def check_fields(body: object, allowed: set[str]) -> dict:
@@ -102,6 +108,11 @@ def common_fields(body: dict, model_name: str) -> dict[str, object]:
               "top_k": number(body, "top_k", int, 0), "repetition_penalty": number(body, "repetition_penalty", float),
               "random_seed": number(body, "seed", int, 0, 2 ** 64 - 1),
               "num_draft_tokens": number(body, "num_draft_tokens", int, 0)}
+    ignore_eos = body.get("ignore_eos")
+    if ignore_eos is not None and not isinstance(ignore_eos, bool):
+        raise bad("ignore_eos", f"must be true or false, got {ignore_eos!r}")
+    if ignore_eos:
+        inputs["end_id"] = NO_END_ID
     kind = body.get("request_kind")
     if kind is not None:
         if not isinstance(kind, str):
@@ -124,19 +135,30 @@ def stop_strings(body: dict) -> list[str]:
     return words
 
 
-def stream_settings(body: dict) -> tuple[bool, bool]:
+@dataclass
+class StreamSettings:
+    stream: bool = False
+    include_usage: bool = False
+    continuous_usage: bool = False
+
+
+def stream_settings(body: dict) -> StreamSettings:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise bad("stream", f"must be true or false, got {stream!r}")
     options = body.get("stream_options")
     if options is None:
-        return stream, False
+        return StreamSettings(stream)
     if not stream:
         raise bad("stream_options", "only allowed when stream is true")
-    if not isinstance(options, dict) or set(options) - {"include_usage"} or \
-            not isinstance(options.get("include_usage", False), bool):
-        raise bad("stream_options", "takes include_usage (true or false) only")
-    return stream, options.get("include_usage", False)
+    names = ("include_usage", "continuous_usage_stats")
+    if not isinstance(options, dict) or set(options) - set(names) or \
+            not all(isinstance(options.get(name, False), bool) for name in names):
+        raise bad("stream_options", "takes include_usage and continuous_usage_stats (true or false) only")
+    include_usage, continuous = options.get("include_usage", False), options.get("continuous_usage_stats", False)
+    if continuous and not include_usage:
+        raise bad("stream_options", "continuous_usage_stats needs include_usage: true")
+    return StreamSettings(stream, include_usage, continuous)
 
 
 def message_text(message: object, index: int) -> dict[str, str]:
@@ -178,9 +200,9 @@ def chat_request(body: object, tokenizer, model_name: str) -> Generation:
         ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     else:
         ids = tokenizer("\n".join(m["content"] for m in conversation))["input_ids"]
-    stream, include_usage = stream_settings(body)
-    return Generation(model_name, ids, {**inputs, "max_tokens": max_tokens}, stop_strings(body), stream,
-                      include_usage, chat=True)
+    settings = stream_settings(body)
+    return Generation(model_name, ids, {**inputs, "max_tokens": max_tokens}, stop_strings(body), settings.stream,
+                      settings.include_usage, chat=True, continuous_usage=settings.continuous_usage)
 
 
 def completion_request(body: object, tokenizer, model_name: str) -> Generation:
@@ -202,9 +224,10 @@ def completion_request(body: object, tokenizer, model_name: str) -> Generation:
         ids = list(prompt)
     else:
         raise bad("prompt", "required: one non-empty string, or one list of token ids")
-    stream, include_usage = stream_settings(body)
+    settings = stream_settings(body)
     return Generation(model_name, ids, {**inputs, "max_tokens": number(body, "max_tokens", int, 1)},
-                      stop_strings(body), stream, include_usage, chat=False)
+                      stop_strings(body), settings.stream, settings.include_usage, chat=False,
+                      continuous_usage=settings.continuous_usage)
 
 
 def usage(prompt_tokens: int, statistics: dict[str, float]) -> dict:
@@ -246,8 +269,10 @@ class Answer:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         return {**self._head(), "choices": [choice], "usage": usage_}
 
-    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False) -> dict:
-        """One streamed chunk (chat: a delta, the first one naming the role)."""
+    def chunk(self, text: str, finish_reason: str | None = None, first: bool = False,
+              usage_: dict | None = None) -> dict:
+        """One streamed chunk (chat: a delta, the first one naming the role); with continuous usage, the usage so
+        far."""
         suffix = ".chunk" if self.generation.chat else ""
         if self.generation.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
@@ -256,7 +281,7 @@ class Answer:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         head = self._head(suffix)
-        return {**head, "choices": [choice], **({"usage": None} if self.generation.include_usage else {})}
+        return {**head, "choices": [choice], **({"usage": usage_} if self.generation.include_usage else {})}
 
     def usage_chunk(self, usage_: dict) -> dict:
         """The last chunk of a stream with include_usage: no choices, the usage."""
