@@ -4,10 +4,11 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 CHECKOV := $(VENV)/tools/checkov/bin/checkov
+AIPERF := $(VENV)/tools/aiperf/bin/aiperf
 PIPELINE ?= pipelines/smollm2-draft-target.yaml
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv peers demo test bench report lint k8s clean-engines image image-gpu-layer image-test
+.PHONY: venv peers demo test bench openai-load report lint k8s clean-engines image image-gpu-layer image-test
 
 venv: $(STAMP)
 
@@ -49,6 +50,14 @@ bench: venv
 	# prompts; written into the engine), then at that cap
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-moe-draft-target.yaml --measure-gamma-cap --json bench-results/moe-gamma-cap.json --no-transformers
 	$(VENV)/bin/specdeploy bench pipelines/smollm2-moe-draft-target.yaml --json bench-results/moe-draft-target.json --no-transformers
+
+# The OpenAI front under load: its cost against gRPC direct (bench --url both ways, alternating), and NVIDIA's aiperf
+# beside bench --url on the same prompts (scripts/openai_load.py). aiperf lives in an environment of its own (it pins
+# its own transformers and pydantic); on 2 cores this takes about 10 minutes.
+openai-load: venv
+	test -x $(AIPERF) || python3 -m venv $(VENV)/tools/aiperf
+	$(VENV)/tools/aiperf/bin/pip install --quiet aiperf==0.13.0
+	$(PY) scripts/openai_load.py $(PIPELINE) --aiperf $(AIPERF) --out bench-results/openai-load
 
 # One pipeline's report with its peers: reports/<pipeline>/report.md and PNG plots (llama.cpp after make peers).
 # transformers' plain generate is measured among the peers, so the older single-prompt baseline is left out.
