@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -32,6 +33,43 @@ from specdeploy.spec.prompt_sets import load_prompts
 from specdeploy.workflows import prepare_engine
 
 PERCENTILES = ("p50", "p90", "p99")
+POLLS_PER_SECOND = 500
+
+
+def cpu_seconds(pid: int | None = None) -> float:
+    """User and system CPU seconds of process `pid` and its live descendants (tritonserver's Python backend stubs
+    do the model's work), from /proc; without a pid, of this process's finished children."""
+    if pid is None:
+        children = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return children.ru_utime + children.ru_stime
+    parents, ticks = {}, {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # a process that ended meanwhile
+        process = int(stat.parent.name)
+        parents[process], ticks[process] = int(fields[1]), int(fields[11]) + int(fields[12])
+    tree, grown = {pid}, True
+    while grown:
+        grown = False
+        for process, parent in parents.items():
+            if parent in tree and process not in tree:
+                tree.add(process)
+                grown = True
+    return sum(ticks.get(process, 0) for process in tree) / os.sysconf("SC_CLK_TCK")
+
+
+def measured_bench(url: str, options: argparse.Namespace, out: Path, processes: dict[str, int]) -> dict:
+    """bench(), and the CPU milliseconds per generated token that each process spent meanwhile: the server's, the
+    front's and the client's (bench itself). With ignore_eos every request makes exactly max_tokens tokens, in plain
+    and speculative runs at each level."""
+    before = {name: cpu_seconds(pid) for name, pid in processes.items()} | {"client": cpu_seconds()}
+    report = bench(url, options, out)
+    after = {name: cpu_seconds(pid) for name, pid in processes.items()} | {"client": cpu_seconds()}
+    tokens = 2 * len(report["levels"]) * options.requests * options.max_tokens
+    report["cpu_ms_per_token"] = {name: (after[name] - before[name]) * 1000 / tokens for name in before}
+    return report
 
 
 def bench(url: str, options: argparse.Namespace, out: Path) -> dict:
@@ -72,6 +110,13 @@ def aiperf(binary: str, url: str, model: str, tokenizer: Path, dataset: Path, co
                     "--model", model, "--tokenizer", name, "--input-file", str(dataset),
                     "--custom-dataset-type", "single_turn", "--dataset-sampling-strategy", "sequential",
                     "--concurrency", str(concurrency), "--request-count", str(requests),
+                    # With a concurrency alone, aiperf's loop polls for a free slot without sleeping
+                    # (timing/strategies/request_rate.py, CONCURRENCY_BURST) and takes a core from a CPU server: 64
+                    # tokens took 57-94 s instead of 1.5 s here. A rate far above what the server can serve keeps the
+                    # cap and checks for a free slot every 1/rate seconds instead; at 20 a second it also spread the
+                    # first requests 50 ms apart where bench starts them together (its TTFT p50 at 8 streams: 77 ms
+                    # against bench's 189), so the rate is high enough that the first 8 start within 16 ms.
+                    "--request-rate", str(POLLS_PER_SECOND), "--arrival-pattern", "constant",
                     "--warmup-request-count", "1", "--extra-inputs", "temperature:0", "ignore_eos:true",
                     "--use-server-token-count", "--per-chunk-usage",
                     "--no-server-metrics", "--no-auto-plot", "--ui", "none", "--output-artifact-dir", str(out)],
@@ -110,6 +155,10 @@ def markdown(result: dict) -> str:
     lines = ["| streams | OpenAI / gRPC tokens/s, speculative | plain | TTFT added (p50, ms) |", "|---|---|---|---|"]
     lines += [f"| {row['concurrency']} | {row['speculative_ratio']:.3f} | {row['plain_ratio']:.3f} | "
               f"{row['added_ttft_ms']:+.1f} |" for row in result["front_cost"]]
+    if result.get("cpu_ms_per_token"):
+        lines += ["", "| CPU ms per token | server | front | client |", "|---|---|---|---|"]
+        lines += [f"| {protocol} | " + " | ".join(f"{cpu.get(name, 0.0):.2f}" for name in ("server", "front", "client"))
+                  + " |" for protocol, cpu in result["cpu_ms_per_token"].items()]
     if result["tools"]:
         lines += ["", "| streams | tool | TTFT p50 / p90 / p99 (ms) | ITL p50 / p90 / p99 (ms) | tokens/s |",
                   "|---|---|---|---|---|"]
@@ -143,11 +192,17 @@ def main() -> None:
     with TritonServer(repository, log_file=options.out / "tritonserver.log") as server, \
             OpenAIFront(repository, server.grpc_url) as front:
         runs: dict[str, list[dict]] = {"grpc": [], "openai": []}
+        processes = {"server": server.process.pid, "front": front.process.pid}
         for round_ in range(options.rounds):
             for protocol, url in (("grpc", server.grpc_url), ("openai", front.url)):
-                runs[protocol].append(bench(url, options, options.out / f"bench-{protocol}-{round_}.json"))
+                runs[protocol].append(measured_bench(url, options, options.out / f"bench-{protocol}-{round_}.json",
+                                                     processes))
         result = {"pipeline": options.pipeline, "max_tokens": options.max_tokens, "requests": options.requests,
-                  "front_cost": front_cost(runs, levels), "tools": []}
+                  "front_cost": front_cost(runs, levels), "tools": [],
+                  "cpu_ms_per_token": {protocol: {name: statistics.median(run["cpu_ms_per_token"][name]
+                                                                          for run in reports)
+                                                  for name in reports[0]["cpu_ms_per_token"]}
+                                       for protocol, reports in runs.items()}}
         if options.aiperf:
             model = served_name(repository)
             for concurrency in levels:

@@ -4,6 +4,8 @@ level as the median of each round's ratio (a round pairs a gRPC run with the Ope
 
 from __future__ import annotations
 
+import time
+
 import pytest
 from helpers.repo import load_script
 from helpers.tiny_models import TINY, char_tokenizer
@@ -52,3 +54,27 @@ def test_the_front_cost_is_the_median_of_each_rounds_ratio():
     table = openai_load.markdown({"front_cost": [one, eight], "tools": []})
     assert "| 1 | 0.950 | 1.000 | +4.0 |" in table and "| 8 | 0.950 | 0.950 | +4.0 |" in table
     assert "tool" not in table  # no aiperf run, no table of tools
+
+
+def test_cpu_seconds_count_a_process_tree(tmp_path):
+    """The server's model work runs in tritonserver's child processes: a busy child counts towards its parent's pid."""
+    import subprocess
+    import sys
+
+    ready = tmp_path / "busy"
+    child = tmp_path / "child.py"
+    child.write_text("import sys, time\nend = time.process_time() + 0.6\nwhile time.process_time() < end:\n    pass\n"
+                     "open(sys.argv[1], 'w').close()\ntime.sleep(60)\n")
+    parent = subprocess.Popen([sys.executable, "-c", "import subprocess, sys, time\n"
+                               "subprocess.Popen([sys.executable, sys.argv[1], sys.argv[2]])\ntime.sleep(60)",
+                               str(child), str(ready)])
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert ready.exists()
+        assert openai_load.cpu_seconds(parent.pid) >= 0.5  # the child's: the parent only sleeps
+    finally:
+        subprocess.run(["pkill", "-P", str(parent.pid)])
+        parent.kill()
+        parent.wait()
