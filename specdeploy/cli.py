@@ -351,13 +351,15 @@ def package(pipeline_path: str, engines_dir: Path, output: Path | None, served_a
 @click.option("--metrics-port", type=int, default=8002, show_default=True)
 @click.option("--openai-port", type=int, default=9000, show_default=True,
               help="The OpenAI-compatible endpoints (/v1/chat/completions, …) beside tritonserver; 0: none.")
+@click.option("--openai-max-requests", type=click.IntRange(min=0), default=128, show_default=True,
+              help="Requests the OpenAI endpoints run at once; more get 429 (0: no limit).")
 @click.option("--address", default="127.0.0.1", show_default=True, help="Interface to bind (0.0.0.0: all).")
 @click.option("--drain-timeout", type=click.FloatRange(min=0), default=None,
               help="Seconds running requests get to finish after SIGTERM or Ctrl-C (default: 30).")
 @device_option
 def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path | None, grpc_port: int,
-          http_port: int, metrics_port: int, openai_port: int, address: str, drain_timeout: float | None,
-          device: str | None) -> None:
+          http_port: int, metrics_port: int, openai_port: int, openai_max_requests: int, address: str,
+          drain_timeout: float | None, device: str | None) -> None:
     """Run tritonserver on the pipeline's model repository, and the OpenAI-compatible endpoints beside it, until
     SIGTERM or Ctrl-C, then drain both and exit."""
     import signal
@@ -387,7 +389,8 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
         signal.signal(signum, drain)
     server.start()
     if openai_port and not server.draining:
-        front = OpenAIFront(model_repository, server.grpc_url, openai_port, address, timeout).start()
+        front = OpenAIFront(model_repository, server.grpc_url, openai_port, address, timeout,
+                            openai_max_requests).start()
     click.echo(f"tritonserver ready: gRPC {server.grpc_url}, metrics {server.metrics_url}"
                + (f", OpenAI API {front.url}" if front else "") + "; SIGTERM or Ctrl-C drains and stops it", err=True)
     if not os.environ.get("SPECDEPLOY_ADMIN_KEY"):

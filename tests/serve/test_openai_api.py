@@ -269,6 +269,28 @@ def test_a_draining_front_is_not_ready_and_answers_503_while_live_streams_finish
 
 @pytest.mark.smollm2
 @pytest.mark.slow
+def test_a_full_front_answers_429_until_a_request_ends(front):
+    front_, server, engine = front
+    with OpenAIFront(front_.repository, server.grpc_url, max_requests=1) as limited:
+        request = urllib.request.Request(f"{limited.url}/chat/completions", method="POST",
+                                         data=json.dumps({**CHAT, "model": MODEL, "max_tokens": 4}).encode(),
+                                         headers={"Content-Type": "application/json"})
+        chunks = client(limited.url).chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": LONG}], max_tokens=40, stream=True)
+        text = next(iter(chunks)).choices[0].delta.content or ""  # the stream runs: the front is full
+        with pytest.raises(urllib.error.HTTPError) as caught:
+            urllib.request.urlopen(request)
+        assert caught.value.code == 429 and caught.value.headers["Retry-After"]
+        error = json.loads(caught.value.read())["error"]
+        assert error["code"] == "overloaded" and "limit of 1" in error["message"]
+        text += "".join(c.choices[0].delta.content or "" for c in chunks)
+        assert text == plain_text(engine, LONG, 40)  # the running stream lost nothing
+        with urllib.request.urlopen(request) as response:  # it ended: the front takes work again
+            assert json.loads(response.read())["usage"]["completion_tokens"] == 4
+
+
+@pytest.mark.smollm2
+@pytest.mark.slow
 def test_the_demo_shows_a_curl_line_the_openai_endpoint_answers(smollm2_fp32_engines, shared_root):
     from helpers.cli import run_cli
 

@@ -2,7 +2,8 @@
 `data: [DONE]`), GET /v1/models, and GET /health/live and /health/ready (ready only while the `speculative` model is
 and the front is not draining, as Triton's /v2/health/ready). A draining front answers new work with 503 and
 Retry-After, as vLLM and SGLang answer an overloaded engine; a request Triton refuses because the server is
-shutting down gets the same. A client that disconnects mid-stream cancels its request (upstream.py)."""
+shutting down gets the same. A full front (max_requests running) answers 429 and Retry-After, as TGI answers past
+its --max-concurrent-requests. A client that disconnects mid-stream cancels its request (upstream.py)."""
 
 from __future__ import annotations
 
@@ -39,6 +40,7 @@ class FrontState:
     client: object
     tokenizer: object
     model_name: str
+    max_requests: int = 0  # running at once before new ones get 429 (0: no limit)
     draining: bool = False
     running: int = 0
     created: int = field(default_factory=lambda: int(time.time()))
@@ -54,6 +56,10 @@ def create_app(state: FrontState) -> Starlette:
         if state.draining:
             return error_response(ApiError(503, "the server is shutting down: send the request to another "
                                                 "replica", kind="server_error", code="shutting_down"))
+        if state.max_requests and state.running >= state.max_requests:
+            return error_response(ApiError(429, f"the server is running its limit of {state.max_requests} requests "
+                                                f"(--openai-max-requests): retry later or send it to another replica",
+                                           kind="server_error", code="overloaded"))
         try:
             body = await request.json()
         except ValueError:

@@ -22,6 +22,7 @@ from specdeploy.errors import SpecdeployError
 from specdeploy.serve.tritonserver import DRAIN_TIMEOUT, die_with_parent, free_port
 
 DEFAULT_PORT = 9000  # Triton's OpenAI frontend's default
+MAX_REQUESTS = 128  # requests running through the front at once before new ones get 429 (TGI's default limit)
 TOKENIZER_FOLDER = Path("preprocessing") / "1" / "tokenizer"
 PIPELINE_FILE = Path("speculative") / "1" / "pipeline.json"
 
@@ -50,7 +51,8 @@ def draining_server_class():
     return DrainingServer
 
 
-async def serve_forever(repository: Path, triton_url: str, address: str, port: int, drain_timeout: float) -> None:
+async def serve_forever(repository: Path, triton_url: str, address: str, port: int, drain_timeout: float,
+                        max_requests: int = MAX_REQUESTS) -> None:
     import tritonclient.grpc.aio as grpcclient
     import uvicorn
 
@@ -59,7 +61,8 @@ async def serve_forever(repository: Path, triton_url: str, address: str, port: i
 
     DrainingServer = draining_server_class()  # noqa: N806 - a class, made where uvicorn is imported
     tokenizer = load_tokenizer_files(repository / TOKENIZER_FOLDER)
-    state = FrontState(grpcclient.InferenceServerClient(triton_url), tokenizer, served_name(repository))
+    state = FrontState(grpcclient.InferenceServerClient(triton_url), tokenizer, served_name(repository),
+                       max_requests)
     server = DrainingServer(uvicorn.Config(create_app(state), host=address, port=port, log_level="warning",
                                            timeout_graceful_shutdown=1))
 
@@ -86,17 +89,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--address", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT)
     parser.add_argument("--drain-timeout", type=float, default=DRAIN_TIMEOUT)
+    parser.add_argument("--max-requests", type=int, default=MAX_REQUESTS, help="running at once; more get 429")
     options = parser.parse_args(argv)
     asyncio.run(serve_forever(options.repository.resolve(), options.triton, options.address, options.port,
-                              options.drain_timeout))
+                              options.drain_timeout, options.max_requests))
 
 
 class OpenAIFront:
     """The front's process beside a TritonServer: start() waits until it answers, drain() sends it SIGTERM."""
 
     def __init__(self, repository: Path, triton_url: str, port: int | None = None, address: str = "127.0.0.1",
-                 drain_timeout: float = DRAIN_TIMEOUT) -> None:
+                 drain_timeout: float = DRAIN_TIMEOUT, max_requests: int = MAX_REQUESTS) -> None:
         self.repository, self.triton_url, self.address = Path(repository), triton_url, address
+        self.max_requests = max_requests
         self.port = port or free_port()
         self.drain_timeout = drain_timeout
         self.process: subprocess.Popen | None = None
@@ -109,7 +114,8 @@ class OpenAIFront:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "specdeploy.serve.openai_api.front", "--repository", str(self.repository),
              "--triton", self.triton_url, "--address", self.address, "--port", str(self.port),
-             "--drain-timeout", str(self.drain_timeout)], preexec_fn=die_with_parent)
+             "--drain-timeout", str(self.drain_timeout), "--max-requests", str(self.max_requests)],
+            preexec_fn=die_with_parent)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
