@@ -124,7 +124,7 @@ def test_the_generator_refuses_what_the_cluster_could_not_run(tmp_path):
     with pytest.raises(SpecdeployError, match="speculation.eagle.head .* is relative"):
         write_overlay(eagle, tmp_path / "k8s", OverlayOptions(weights_gib=15.8))
     adapted = tmp_path / "adapted.yaml"  # so is an early exit's adapter folder
-    adapted.write_text((REPO / "pipelines/smollm2-early-exit.yaml").read_text().replace(
+    adapted.write_text((REPO / "pipelines/experimental/smollm2-early-exit.yaml").read_text().replace(
         "exit_layer: measured", "exit_layer: 16\n    adapter: exit-adapter/smollm2"))
     with pytest.raises(SpecdeployError, match="speculation.early_exit.adapter .* is relative"):
         write_overlay(adapted, tmp_path / "k8s")

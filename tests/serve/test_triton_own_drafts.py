@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 # build sweep runs here
 PIPELINES = {"eagle": ("smollm2-eagle.yaml", {}),
              "lookahead": ("smollm2-lookahead.yaml", {}),
-             "early_exit": ("smollm2-early-exit.yaml", {"exit_layer": 26})}
+             "early_exit": ("experimental/smollm2-early-exit.yaml", {"exit_layer": 26})}
 
 
 @pytest.fixture(scope="module", params=list(PIPELINES))

@@ -136,14 +136,14 @@ def test_bad_adapter_settings_are_named(target, tmp_path):
 
 @pytest.mark.smollm2
 def test_the_shipped_adapter_fits_its_shipped_pipeline():
-    """pipelines/smollm2-exit-adapter.yaml's adapter folder loads for that pipeline's target at its exit layer, and
+    """pipelines/experimental/smollm2-exit-adapter.yaml's adapter folder loads for that pipeline's target at its exit layer, and
     it is trained (not the zero-initialised block, which would be the plain early exit)."""
     from helpers.repo import REPO
 
     from specdeploy.build.checkpoints import target_config
     from specdeploy.speculative.exit_adapter import target_name
 
-    pipeline = load_pipeline(REPO / "pipelines" / "smollm2-exit-adapter.yaml").resolved()
+    pipeline = load_pipeline(REPO / "pipelines" / "experimental" / "smollm2-exit-adapter.yaml").resolved()
     config, spec = target_config(pipeline), pipeline.speculation.early_exit
     adapter = ExitAdapter.load(spec.adapter, target_name(pipeline.target.checkpoint), config.num_layers,
                                config.hidden_size, spec.exit_layer)
