@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -72,6 +73,59 @@ def test_the_script_parses_and_its_dry_run_prints_every_step_and_runs_none(tmp_p
     assert lines[-2].endswith(f"summary {out}") and "exit status 0" in lines[-1]
     only = subprocess.run([str(SCRIPT), "--dry-run", "--only", "ngram", str(out)], capture_output=True, text=True)
     assert only.returncode == 0 and "smollm2-ngram-trtllm" in only.stdout and "draft-target" not in only.stdout
+
+
+def test_the_dry_run_lists_every_slice_with_what_it_needs_and_an_estimate(tmp_path):
+    """Review W2 (round 5): the check runs only where NGC's TensorRT-LLM image (or TensorRT-LLM 1.2.1 with Triton)
+    is, so the dry run says so, and gives each slice its own needs and an estimated time, marked as an estimate
+    and leaving out the image pull and the installs."""
+    result = subprocess.run([str(SCRIPT), "--dry-run", str(tmp_path / "check")], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    common = next(line for line in lines if line.startswith("[trtllm-check] every slice needs"))
+    assert "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3" in common and "TensorRT-LLM 1.2.1" in common
+    assert "estimates, never measured" in common and "without the image pull and the installs" in common
+    minutes = 0
+    doc = {row.split("|")[1].strip(" `"): row for row in (REPO / "docs" / "tensorrt-llm.md").read_text().splitlines()
+           if row.startswith("| `") and "minutes" in row}
+    for method in (*METHODS, "eagle", "lookahead"):  # each shipped here (eagle: pipelines/smollm2-eagle.yaml)
+        (line,) = [line for line in lines if line.startswith(f"[trtllm-check] slice {method}: needs ")]
+        needs, estimate = line.split("; estimate: about ")
+        assert len(needs) > len(f"[trtllm-check] slice {method}: needs ") + 10 and estimate.endswith(" minutes")
+        assert f"about {estimate}" in doc[method]  # docs/tensorrt-llm.md's table says the same
+        minutes += int(estimate.removesuffix(" minutes"))
+    assert f"[trtllm-check] all slices listed: estimate about {minutes} minutes" in lines
+    assert "Medusa converter" in result.stdout and "/app/all_models/llmapi" in result.stdout
+
+
+def test_the_preflight_names_what_is_missing_and_the_torch_check(tmp_path):
+    """Review W2 (round 5): on a GPU host without TensorRT-LLM (PyTorch alone), the preflight fails at once, names
+    every missing piece and points at the torch engine's check; nothing is written."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text('#!/bin/sh\necho "NVIDIA H100 80GB HBM3, 81559 MiB"\n')
+    (tools / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "check"
+    python = REPO / ".venv" / "bin" / "python"  # specdeploy, no tensorrt_llm
+    env = {**os.environ, "PATH": f"{tools}:/usr/bin:/bin", "PYTHON": str(python if python.exists() else "python3")}
+    result = subprocess.run([str(SCRIPT), "--only", "ngram", str(out)], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 1
+    failure = result.stdout[result.stdout.index("preflight failed"):]
+    assert "import tensorrt_llm" in failure and "trtllm-build on PATH" in failure
+    assert "tritonserver on PATH" in failure and "a GPU" not in failure.split("This check")[0]
+    assert "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3" in failure and "scripts/gpu-check.sh" in failure
+    assert (REPO / "scripts" / "gpu-check.sh").is_file() and not out.exists()
+
+
+def test_no_doc_or_script_promises_the_check_fits_a_device_lease():
+    """Review W2 (round 5): the check's time was never measured, and a GPU lease without NGC's image cannot run it
+    at all; the estimates stand in the dry run, and no text claims it fits a 15-minute lease."""
+    texts = [*(REPO / "docs").glob("*.md"), SCRIPT, REPO / "scripts" / "trtllm_check.py", REPO / "README.md"]
+    for path in texts:
+        text = " ".join(path.read_text().split())
+        assert not re.search(r"15-minute|\blease\b", text), path
 
 
 def test_the_eagle_slice_serves_a_speculative_and_a_plain_twin_in_turn(tmp_path):
