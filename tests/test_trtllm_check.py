@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import subprocess
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -22,6 +23,7 @@ from trtllm_double.llmapi_speculative import eagle_setup
 
 from specdeploy.build.trtllm.engine_build import plan
 from specdeploy.build.trtllm.plan import llm_api_config
+from specdeploy.build.trtllm.upstream import LLMAPI_INPUTS
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.speculative.eagle_head import Eagle3Head, EagleConfig
 
@@ -71,6 +73,59 @@ def test_the_script_parses_and_its_dry_run_prints_every_step_and_runs_none(tmp_p
     assert lines[-2].endswith(f"summary {out}") and "exit status 0" in lines[-1]
     only = subprocess.run([str(SCRIPT), "--dry-run", "--only", "ngram", str(out)], capture_output=True, text=True)
     assert only.returncode == 0 and "smollm2-ngram-trtllm" in only.stdout and "draft-target" not in only.stdout
+
+
+def test_the_dry_run_lists_every_slice_with_what_it_needs_and_an_estimate(tmp_path):
+    """Review W2 (round 5): the check runs only where NGC's TensorRT-LLM image (or TensorRT-LLM 1.2.1 with Triton)
+    is, so the dry run says so, and gives each slice its own needs and an estimated time, marked as an estimate
+    and leaving out the image pull and the installs."""
+    result = subprocess.run([str(SCRIPT), "--dry-run", str(tmp_path / "check")], capture_output=True, text=True,
+                            timeout=60)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    common = next(line for line in lines if line.startswith("[trtllm-check] every slice needs"))
+    assert "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3" in common and "TensorRT-LLM 1.2.1" in common
+    assert "estimates, never measured" in common and "without the image pull and the installs" in common
+    minutes = 0
+    doc = {row.split("|")[1].strip(" `"): row for row in (REPO / "docs" / "tensorrt-llm.md").read_text().splitlines()
+           if row.startswith("| `") and "minutes" in row}
+    for method in (*METHODS, "eagle", "lookahead"):  # each shipped here (eagle: pipelines/smollm2-eagle.yaml)
+        (line,) = [line for line in lines if line.startswith(f"[trtllm-check] slice {method}: needs ")]
+        needs, estimate = line.split("; estimate: about ")
+        assert len(needs) > len(f"[trtllm-check] slice {method}: needs ") + 10 and estimate.endswith(" minutes")
+        assert f"about {estimate}" in doc[method]  # docs/tensorrt-llm.md's table says the same
+        minutes += int(estimate.removesuffix(" minutes"))
+    assert f"[trtllm-check] all slices listed: estimate about {minutes} minutes" in lines
+    assert "Medusa converter" in result.stdout and "/app/all_models/llmapi" in result.stdout
+
+
+def test_the_preflight_names_what_is_missing_and_the_torch_check(tmp_path):
+    """Review W2 (round 5): on a GPU host without TensorRT-LLM (PyTorch alone), the preflight fails at once, names
+    every missing piece and points at the torch engine's check; nothing is written."""
+    tools = tmp_path / "bin"
+    tools.mkdir()
+    (tools / "nvidia-smi").write_text('#!/bin/sh\necho "NVIDIA H100 80GB HBM3, 81559 MiB"\n')
+    (tools / "nvidia-smi").chmod(0o755)
+    out = tmp_path / "check"
+    python = REPO / ".venv" / "bin" / "python"  # specdeploy, no tensorrt_llm
+    env = {**os.environ, "PATH": f"{tools}:/usr/bin:/bin", "PYTHON": str(python if python.exists() else "python3")}
+    result = subprocess.run([str(SCRIPT), "--only", "ngram", str(out)], capture_output=True, text=True, timeout=120,
+                            env=env)
+    assert result.returncode == 1
+    failure = result.stdout[result.stdout.index("preflight failed"):]
+    assert "import tensorrt_llm" in failure and "trtllm-build on PATH" in failure
+    assert "tritonserver on PATH" in failure and "a GPU" not in failure.split("This check")[0]
+    assert "nvcr.io/nvidia/tritonserver:26.04-trtllm-python-py3" in failure and "scripts/gpu-check.sh" in failure
+    assert (REPO / "scripts" / "gpu-check.sh").is_file() and not out.exists()
+
+
+def test_no_doc_or_script_promises_the_check_fits_a_device_lease():
+    """Review W2 (round 5): the check's time was never measured, and a GPU lease without NGC's image cannot run it
+    at all; the estimates stand in the dry run, and no text claims it fits a 15-minute lease."""
+    texts = [*(REPO / "docs").glob("*.md"), SCRIPT, REPO / "scripts" / "trtllm_check.py", REPO / "README.md"]
+    for path in texts:
+        text = " ".join(path.read_text().split())
+        assert not re.search(r"15-minute|\blease\b", text), path
 
 
 def test_the_eagle_slice_serves_a_speculative_and_a_plain_twin_in_turn(tmp_path):
@@ -240,21 +295,28 @@ def test_the_eagle_variants_plan_on_the_llm_api_line(tmp_path):
 
 class LLMAPIDouble(BaseHTTPRequestHandler):
     """Triton's LLM-API model behind its generate_stream endpoint, for one non-streamed request: one SSE event with
-    text_output and the draft counters (greedy: the prompt repeated; sampled: letters drawn by the request's seed)."""
+    text_output (greedy: the prompt repeated; sampled: letters drawn by the request's seed) and, only when the
+    request set sampling_param_return_perf_metrics, the draft counters, as JSON strings. Upstream sends them only
+    when the output carries perf metrics, which a request asks for with that flag (default False), and with
+    text_output's dtype, BYTES (NVIDIA/TensorRT-LLM@b35ac1b6 triton_backend/all_models/llmapi/tensorrt_llm/1/
+    model.py `_create_response`; helpers.py `get_sampling_params_from_request`, default_values
+    {'sampling_param_return_perf_metrics': False})."""
 
     drafted = 6
 
     def do_POST(self):  # noqa: N802 (http.server's name)
         assert self.path == "/v2/models/tensorrt_llm/generate_stream"
         body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+        assert set(body) <= set(LLMAPI_INPUTS), set(body) - set(LLMAPI_INPUTS)  # Triton refuses the others
         assert body["streaming"] is False and body["sampling_param_exclude_input_from_output"] is True
         if body.get("sampling_param_temperature"):
             draw = random.Random(body["sampling_param_seed"])
             text = "".join(draw.choice("abc") for _ in range(body["sampling_param_max_tokens"]))
         else:
             text = (body["text_input"] * 64)[:body["sampling_param_max_tokens"]]
-        event = {"model_name": "tensorrt_llm", "text_output": text, "total_draft_tokens": self.drafted,
-                 "total_accepted_draft_tokens": self.drafted // 2}
+        event = {"model_name": "tensorrt_llm", "text_output": text}
+        if body.get("sampling_param_return_perf_metrics", False):
+            event.update(total_draft_tokens=str(self.drafted), total_accepted_draft_tokens=str(self.drafted // 2))
         self.send_response(200)
         self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
@@ -264,12 +326,34 @@ class LLMAPIDouble(BaseHTTPRequestHandler):
         pass
 
 
-def test_the_llm_api_runs_and_their_comparison_write_what_the_summary_reads(tmp_path, monkeypatch, capsys):
-    """The EAGLE-3 slice's Python against a double of the LLM-API model's endpoint and a stand-in torch engine:
-    requests and their answers parse, the comparison writes greedy, distribution and speed in the summary's
-    formats, and a server that never drafted fails the greedy check."""
-    check = helper()
-    monkeypatch.setattr(check, "DISTRIBUTION_TRIALS", 120)
+MERGED = 1000  # a token of the stand-in torch engine spelling "lo", which the char tokenizer spells l, o
+
+
+class LLMAPIEngine:
+    """The torch engine's plain greedy text: the same as the double's, spelled with MERGED where "lo" first occurs:
+    ids that decode to the server's text but that tokenizing that text again does not give."""
+
+    def __init__(self):
+        self.tokenizer = char_tokenizer()
+
+    def encode_prompt(self, prompt):
+        return prompt
+
+    def generate(self, prompt, params, max_tokens, num_draft_tokens):
+        ids = self.tokenizer.encode((prompt * 64)[:max_tokens], add_special_tokens=False)
+        pair = self.tokenizer.encode("lo", add_special_tokens=False)
+        at = next((i for i in range(len(ids) - 1) if ids[i:i + 2] == pair), None)
+        if at is not None:
+            ids[at:at + 2] = [MERGED]
+        return type("Run", (), {"run": lambda run_self: ids})()
+
+    def decode(self, ids):
+        return "".join("lo" if token == MERGED else self.tokenizer.decode([token]) for token in ids)
+
+
+def llmapi_runs(check, tmp_path) -> Path:
+    """The EAGLE-3 slice's two runs against LLMAPIDouble: its speculative and its plain server (the prompts
+    x=1 and hello); the folder the comparison writes to."""
     char_tokenizer().save_pretrained(tmp_path / "tokenizer")
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ("x=1", "hello")) + "\n")
@@ -280,22 +364,22 @@ def test_the_llm_api_runs_and_their_comparison_write_what_the_summary_reads(tmp_
         for arm, offset in (("speculative", 0), ("plain", 1000)):
             report = check.llmapi_run(url, tmp_path / "tokenizer", prompts, offset, tmp_path / f"{arm}.json",
                                       max_tokens=20)
-        assert [len(row["ids"]) for row in report["greedy"]] == [20, 20]
+        assert [len(row["text"]) for row in report["greedy"]] == [20, 20]
         assert len(report["samples"]) == 120 and {len(s["ids"]) for s in report["samples"]} == {4}
         assert [level["concurrency"] for level in report["speed"]] == [1, 8]
     finally:
         server.shutdown()
+    return tmp_path / "results" / "smollm2-eagle-trtllm"
 
-    class Engine:  # the torch engine's plain greedy text: the same as the double's
-        def encode_prompt(self, prompt):
-            return prompt
 
-        def generate(self, prompt, params, max_tokens, num_draft_tokens):
-            ids = char_tokenizer().encode((prompt * 64)[:max_tokens], add_special_tokens=False)
-            return type("Run", (), {"run": lambda run_self: ids})()
-
-    monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: Engine())
-    results = tmp_path / "results" / "smollm2-eagle-trtllm"
+def test_the_llm_api_runs_and_their_comparison_write_what_the_summary_reads(tmp_path, monkeypatch, capsys):
+    """The EAGLE-3 slice's Python against a double of the LLM-API model's endpoint and a stand-in torch engine:
+    requests and their answers parse, the comparison writes greedy, distribution and speed in the summary's
+    formats, and a server that never drafted fails the greedy check."""
+    check = helper()
+    monkeypatch.setattr(check, "DISTRIBUTION_TRIALS", 120)
+    results = llmapi_runs(check, tmp_path)
+    monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: LLMAPIEngine())
     assert check.llmapi_compare(Path("smollm2-eagle.yaml"), tmp_path / "speculative.json", tmp_path / "plain.json",
                                 results, max_tokens=20)
     assert {p.name for p in results.iterdir()} == {"greedy.json", "distribution.json", "speed.json"}
@@ -307,6 +391,51 @@ def test_the_llm_api_runs_and_their_comparison_write_what_the_summary_reads(tmp_
     (tmp_path / "speculative.json").write_text(json.dumps(speculative))
     assert not check.llmapi_compare(Path("smollm2-eagle.yaml"), tmp_path / "speculative.json",
                                     tmp_path / "plain.json", results, max_tokens=20)
+
+
+def test_the_llm_api_slice_asks_for_the_draft_counters_it_needs(tmp_path, monkeypatch):
+    """Review B1 (round 5): upstream's LLM-API model answers total_draft_tokens and total_accepted_draft_tokens
+    only to a request that set sampling_param_return_perf_metrics. A client without the flag (the slice before the
+    fix) reads 0 drafted everywhere and fails a sound server; with it, the same server passes."""
+    check = helper()
+    monkeypatch.setattr(check, "DISTRIBUTION_TRIALS", 120)
+    monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: LLMAPIEngine())
+    assert check.LLMAPI_REQUEST["sampling_param_return_perf_metrics"] is True
+    without = {k: v for k, v in check.LLMAPI_REQUEST.items() if k != "sampling_param_return_perf_metrics"}
+    monkeypatch.setattr(check, "LLMAPI_REQUEST", without)
+    results = llmapi_runs(check, tmp_path / "old")
+    assert not check.llmapi_compare(Path("smollm2-eagle.yaml"), tmp_path / "old" / "speculative.json",
+                                    tmp_path / "old" / "plain.json", results, max_tokens=20)
+    greedy = json.loads((results / "greedy.json").read_text())
+    distribution = json.loads((results / "distribution.json").read_text())
+    assert "0/2 drafted" in greedy["detail"] and distribution["arms"][0]["drafting"] == 0
+    monkeypatch.undo()
+    monkeypatch.setattr(check, "DISTRIBUTION_TRIALS", 120)
+    monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: LLMAPIEngine())
+    results = llmapi_runs(check, tmp_path / "new")
+    assert check.llmapi_compare(Path("smollm2-eagle.yaml"), tmp_path / "new" / "speculative.json",
+                                tmp_path / "new" / "plain.json", results, max_tokens=20)
+
+
+def test_the_llm_api_slice_compares_greedy_answers_as_text(tmp_path, monkeypatch):
+    """Review M4 (round 5): the server answers text, and tokenizing it again may give other ids than the torch
+    engine generated (here its "lo" token, which the tokenizer spells as two). The ids would then part at the
+    fourth token of "hello" and fail a sound server; the slice decodes the torch engine's ids and compares text."""
+    check = helper()
+    monkeypatch.setattr(check, "DISTRIBUTION_TRIALS", 120)
+    results = llmapi_runs(check, tmp_path)
+    engine = LLMAPIEngine()
+    monkeypatch.setattr("specdeploy.workflows.load_engine", lambda *args, **kwargs: engine)
+    torch_ids = engine.generate("hello", None, 20, 0).run()
+    served = next(row["text"] for row in json.loads((tmp_path / "speculative.json").read_text())["greedy"]
+                  if row["prompt"] == "hello")
+    assert engine.decode(torch_ids) == served  # the same text
+    retokenized = engine.tokenizer.encode(served, add_special_tokens=False)
+    assert not check.agrees(retokenized, torch_ids)  # the comparison before the fix: parts at token 3
+    assert check.llmapi_compare(Path("smollm2-eagle.yaml"), tmp_path / "speculative.json", tmp_path / "plain.json",
+                                results, max_tokens=20)
+    rows = json.loads((results / "greedy.json").read_text())["prompts"]
+    assert [row["server_vs_torch"] for row in rows] == [20, 20]  # characters, all shared
 
 
 @pytest.mark.smollm2

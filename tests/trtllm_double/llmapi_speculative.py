@@ -35,7 +35,9 @@ class EagleSetup:
     max_total_draft_tokens: int  # the chain's length unless a tree is asked for
     draft_dir: Path
     layers_to_capture: tuple[int, ...]  # target layers whose outputs the draft reads
-    samples_at_temperature: bool  # False: a request at T > 0 is decoded greedily all the same
+    # False: a request at T > 0 is decoded greedily all the same. True (the two-model path): sampled, its greedy
+    # drafts verified by rejection sampling against a one-hot q (not emulated here; see samples below)
+    samples_at_temperature: bool
 
 
 def eagle_setup(config: dict, target_layers: int, backend: str = "pytorch") -> EagleSetup:
@@ -89,7 +91,15 @@ def eagle_setup(config: dict, target_layers: int, backend: str = "pytorch") -> E
     if layers is None:  # the field's documented default
         layers = {1, target_layers // 2 - 1, target_layers - 4}
     # DecodingBaseConfig.allow_advanced_sampling (prototype): "allows non-greedy sampling when speculation is used.
-    # Only applicable to 1-model code paths; non-greedy sampling is always enabled on 2-model paths"
+    # Only applicable to 1-model code paths; non-greedy sampling is always enabled on 2-model paths". How the
+    # two-model path samples, as read in index copies not dated to 1.2.1: ModelDrafter._create_draft_request asks
+    # for the draft's logits when sampler.should_provide_draft_probs(request), _prepare_draft_batch sets
+    # py_draft_use_greedy_sampling (the static draft loop) and d2t (_torch/speculative/model_drafter.py); then
+    # TorchSampler.process_draft_tokens takes _process_draft_tokens_rejection_sampling with q one-hot on the draft's
+    # argmax, scattered to the target's vocabulary through d2t (_torch/pyexecutor/sampler.py): a draft token d is
+    # kept with probability p(d), else replaced by a sample of (p - q)+ renormalised, so the output follows p. Not
+    # token matching: that is _process_draft_tokens_greedy, for requests without draft logits. The double stops at
+    # "sampled"; trtllm-check's EAGLE slice tests the rule on a GPU.
     samples = not one_model or bool(config.get("allow_advanced_sampling", False))
     return EagleSetup(mode="EAGLE3_ONE_MODEL" if one_model else "EAGLE3", max_draft_len=max_draft_len,
                       max_total_draft_tokens=total, draft_dir=draft_dir, layers_to_capture=tuple(sorted(layers)),

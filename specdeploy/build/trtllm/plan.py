@@ -302,10 +302,13 @@ def eagle_speculative_config(pipeline: PipelineSpec, head: Path) -> dict:
     "EAGLE-3"): decoding_type Eagle, which that backend runs as EAGLE-3 in every 1.x release (1.1's from_dict table
     and 1.2's tagged union both take it); the linear chain of max_draft_len tokens its 1.2 line offers (validation
     asks for eagle.top_k 1, and a chain cut at eagle.max_nodes as the torch engine cuts it); and the two-model path
-    (eagle3_one_model false), whose sampler draws the target's own tokens at the request's temperature, top-k and
-    top-p and accepts a greedy draft token only when it equals that draw, which keeps sampled text exact; the
-    one-model default decodes greedily at any temperature unless a prototype switch is on. head: where the LLM
-    finds the head folder; the layers it reads are taken from the pipeline's own copy."""
+    (eagle3_one_model false), which samples at the request's temperature, top-k and top-p: at T > 0 its sampler
+    verifies the greedy drafts by rejection sampling against a one-hot draft distribution (q = the draft's argmax,
+    mapped to the target's vocabulary through d2t), so a draft token d is kept with probability p(d) and otherwise
+    replaced by a sample of (p - q)+, renormalised: exact. That rests on reading upstream copies not dated to 1.2.1
+    (docs/tensorrt-llm.md "Sampling"); trtllm-check's EAGLE slice settles it. The one-model default decodes
+    greedily at any temperature unless a prototype switch is on. head: where the LLM finds the head folder; the
+    layers it reads are taken from the pipeline's own copy."""
     speculation = pipeline.speculation
     config = {"decoding_type": "Eagle", "max_draft_len": min(speculation.num_draft_tokens,
                                                              speculation.eagle.max_nodes),
