@@ -37,7 +37,8 @@ it serves two repositories in turn, the speculative one and a plain one of the s
 
 The lookahead and Medusa slices run on the engine line, but their target engine speculates on every request (the
 `speculative` model refuses num_draft_tokens 0, which cannot turn it off) and samples less than a request can ask
-(lookahead: greedily only; Medusa: temperature 1 and top-k alone), so they too serve a plain twin in turn and compare:
+(lookahead: greedily only; Medusa: greedily only, its sampling not being exact), so they too serve a plain twin in
+turn and compare:
   python3 scripts/trtllm_check.py pipeline SHIPPED.yaml OUT_DIR --lookahead [--plain]
       SHIPPED's target with lookahead decoding (W, N, G = LOOKAHEAD_SIZES) on the engine line; --plain, the same
       target without speculation (SHIPPED: smollm2-ngram.yaml, whose target the slice borrows); without --lookahead,
@@ -45,7 +46,9 @@ The lookahead and Medusa slices run on the engine line, but their target engine 
   python3 scripts/trtllm_check.py twin-run GRPC_URL PROMPTS.jsonl OUT.json [--sampled SEED_OFFSET]
       on one server: each prompt's greedy tokens and drafts, a sampled request (refused or not, and the message),
       and tokens/s at concurrency 1 and 8; --sampled (Medusa), TRTLLM_CHECK_TRIALS requests at each of MEDUSA_ARMS
-      (T 1.0, top-k 4: what its engine samples), seeds from SEED_OFFSET on
+      (T 1.0, top-k 4: what its engine samples), seeds from SEED_OFFSET on; the `speculative` model refuses
+      sampled Medusa unless its server runs with SPECDEPLOY_UNCHECKED_MEDUSA_SAMPLING=1, which serve-command sets
+      for a Medusa pipeline, so these requests reach the engine
   python3 scripts/trtllm_check.py twin-compare SHIPPED.yaml SPECULATIVE.json PLAIN.json OUT_DIR
       greedy.json (speculative against plain and the torch engine, every prompt drafted), refusal.json (the
       speculative server refused the request at T 0.7, top-k 4 naming temperature, the plain one served it),
@@ -85,8 +88,10 @@ SAMPLED_ARMS = {"T 0.7, top-k 4": {"temperature": 0.7, "top_k": 4},
                 "T 0.7, top-k 4, penalty 1.2": {"temperature": 0.7, "top_k": 4, "repetition_penalty": 1.2},
                 "T 0.7, top-p 0.9, penalty 1.2": {"temperature": 0.7, "top_p": 0.9, "repetition_penalty": 1.2}}
 REPORTED_ONLY = {"T 0.7, top-p 0.9, penalty 1.2"}
-# Medusa's engine samples at temperature 1 with top-k alone (the speculative model refuses anything else); its
-# tokens are the target's own samples wherever a draft is accepted, so they follow the plain twin's distribution.
+# Medusa's engine samples at temperature 1 with top-k alone. Its tree's nodes draw from one random state per request,
+# so its tokens are expected NOT to follow the plain twin's distribution (docs/tensorrt-llm.md): the `speculative`
+# model refuses sampled Medusa, and lets these requests through only under UNCHECKED_MEDUSA_SAMPLING, which
+# serve_command sets for a Medusa pipeline. A pass here is the evidence that would lift the refusal.
 MEDUSA_ARMS = {"T 1.0, top-k 4": {"temperature": 1.0, "top_k": 4}}
 TESTED_POSITIONS = (1, 2)  # the tokens of the first speculative step (the first comes from the prefill)
 DISTRIBUTION_P_VALUE = 1e-3  # below this, speculative sampling differs from plain
@@ -151,16 +156,22 @@ def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False, lookahead:
 
 
 def serve_command(pipeline_path: Path, repository: Path) -> str:
-    """The overlay's serving command for this pipeline on one node (deploy/k8s.py decides the mode)."""
+    """The overlay's serving command for this pipeline on one node (deploy/k8s.py decides the mode). For a Medusa
+    pipeline it also sets UNCHECKED_MEDUSA_SAMPLING: the `speculative` model refuses sampled Medusa requests (its
+    engine draws a step's tree nodes from one random state), and MEDUSA_ARMS' requests must reach the engine to
+    measure that; the setting still refuses what the engine would ignore (a temperature other than 1, a top-p)."""
     from specdeploy.build.checkpoints import target_config
     from specdeploy.deploy.k8s_commands import server_command
     from specdeploy.deploy.sizing import pod_size
+    from specdeploy.serve.trtllm.orchestration import UNCHECKED_MEDUSA_SAMPLING
     from specdeploy.spec.pipeline import load_pipeline
 
     pipeline = load_pipeline(pipeline_path)
     size = pod_size(pipeline, target_config(pipeline), None, gpus_per_node=8)
     command, arguments, environment = server_command(pipeline, str(repository), 30, size)
     assignments = [f"{e['name']}={e['value']}" for e in environment if "value" in e]
+    if pipeline.speculation.method == "medusa":
+        assignments.append(f"{UNCHECKED_MEDUSA_SAMPLING}=1")
     return shlex.join(["env", *assignments, *command, *arguments] if assignments else [*command, *arguments])
 
 

@@ -474,6 +474,20 @@ def test_the_servers_command_is_the_overlays(tmp_path):
     assert plain.startswith("tritonserver ") and "--grpc-port=8001" in plain and "TRTLLM_ORCHESTRATOR" not in plain
 
 
+@pytest.mark.smollm2
+def test_the_medusa_server_lets_the_sampled_arm_reach_its_engine(tmp_path):
+    """The speculative model refuses sampled Medusa (its engine's tree draws share one random state); the Medusa
+    slice's speculative server runs with SPECDEPLOY_UNCHECKED_MEDUSA_SAMPLING=1 so MEDUSA_ARMS' requests reach the
+    engine, which is what the arm measures. Its plain twin, and other methods, run without it."""
+    check = helper()
+    medusa = check.serve_command(check.trtllm_variant(REPO / "pipelines" / "smollm2-medusa.yaml", tmp_path),
+                                 tmp_path / "repo")
+    assert medusa.startswith("env ") and "SPECDEPLOY_UNCHECKED_MEDUSA_SAMPLING=1" in medusa.split(" tritonserver")[0]
+    for twin in (check.trtllm_variant(REPO / "pipelines" / "smollm2-medusa.yaml", tmp_path, plain=True),
+                 check.trtllm_variant(REPO / "pipelines" / "smollm2-ngram.yaml", tmp_path)):
+        assert "UNCHECKED_MEDUSA" not in check.serve_command(twin, tmp_path / "repo")
+
+
 def samples(probabilities: list[list[float]], trials: int, seed: int) -> list[tuple[int, ...]]:
     """trials sequences of 3 tokens: the first from probabilities[0], the next two from a row picked by the
     previous token (a toy conditional model)."""

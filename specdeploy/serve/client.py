@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from specdeploy.errors import RequestError
-from specdeploy.serve.requests import SCALAR_INPUTS, STATISTICS
+from specdeploy.serve.requests import SCALAR_INPUTS, STATISTICS, UPSTREAM_INPUTS_NOT_TAKEN
 
 # The model clients call: `speculative` takes text directly, and a cancelled or dropped stream frees its row at once.
 # The `ensemble` (tensorrtllm_backend's layout) answers the same inputs, but Triton 2.51 does not pass a client's
@@ -45,7 +45,9 @@ def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) ->
             continue
         if name not in SCALAR_INPUTS:
             allowed = ", ".join(["stop_words", *SCALAR_INPUTS])
-            raise RequestError(f"{name}: not an input of the ensemble (allowed: {allowed})")
+            upstream = " (upstream's ensemble takes it; this server does not: docs/serving.md)" \
+                if name in UPSTREAM_INPUTS_NOT_TAKEN else ""
+            raise RequestError(f"{name}: not an input of the ensemble{upstream} (allowed: {allowed})")
         kind = SCALAR_INPUTS[name].removeprefix("TYPE_")
         if kind == "STRING":
             inputs.append(make(name, "BYTES", np.array([[str(value).encode("utf-8")]], dtype=object)))

@@ -27,6 +27,19 @@ SCALAR_INPUTS = {
     "num_draft_tokens": "TYPE_INT32", "request_kind": "TYPE_STRING",
 }
 
+# The inputs of upstream's `ensemble` (NVIDIA/TensorRT-LLM@2a9abd95 triton_backend/all_models/inflight_batcher_llm/
+# ensemble/config.pbtxt) that ours and the speculative model do not declare, so Triton refuses a request carrying one
+# before any model sees it: "unexpected inference input '<name>' for model '<model>'". Upstream's `seed` is our
+# `random_seed` (tensorrtllm_backend's older name); the rest have no counterpart here (docs/serving.md says why).
+UPSTREAM_INPUTS_NOT_TAKEN = (
+    "decoder_text_input", "num_return_sequences", "bad_words", "exclude_input_in_output", "pad_id", "length_penalty",
+    "min_tokens", "presence_penalty", "frequency_penalty", "seed", "return_log_probs", "return_context_logits",
+    "return_generation_logits", "return_perf_metrics", "return_num_input_tokens", "return_num_output_tokens",
+    "beam_width", "prompt_embedding_table", "prompt_table_extra_id", "prompt_vocab_size", "embedding_bias_words",
+    "embedding_bias_weights", "lora_task_id", "lora_weights", "lora_config", "guided_decoding_guide_type",
+    "guided_decoding_guide",
+)
+
 
 def required(value: np.ndarray | None, name: str) -> np.ndarray:
     if value is None:

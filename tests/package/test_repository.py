@@ -80,3 +80,36 @@ def test_package_skips_unchanged_inputs_and_repackages_a_change(tiny_checkpoints
     path.write_text(path.read_text() + "serving: {kv_capacity_tokens: 1000}\n")
     assert package(path, tmp_path / "engines", output).written
     assert package(path, tmp_path / "engines", output, served_at=tmp_path / "elsewhere").written
+
+
+# Upstream's ensemble inputs (NVIDIA/TensorRT-LLM@2a9abd95 triton_backend/all_models/inflight_batcher_llm/ensemble/
+# config.pbtxt), as read there
+UPSTREAM_ENSEMBLE_INPUTS = {
+    "text_input", "decoder_text_input", "max_tokens", "num_return_sequences", "bad_words", "stop_words",
+    "exclude_input_in_output", "end_id", "pad_id", "top_k", "top_p", "temperature", "length_penalty",
+    "repetition_penalty", "min_tokens", "presence_penalty", "frequency_penalty", "seed", "return_log_probs",
+    "return_context_logits", "return_generation_logits", "return_perf_metrics", "return_num_input_tokens",
+    "return_num_output_tokens", "beam_width", "stream", "prompt_embedding_table", "prompt_table_extra_id",
+    "prompt_vocab_size", "embedding_bias_words", "embedding_bias_weights", "lora_task_id", "lora_weights",
+    "lora_config", "guided_decoding_guide_type", "guided_decoding_guide",
+}
+
+
+def test_every_upstream_ensemble_input_is_taken_or_listed_as_not_taken(tiny_engines, tmp_path):
+    """A client written for upstream's ensemble names: each name is declared by our ensemble and speculative model,
+    or listed in UPSTREAM_INPUTS_NOT_TAKEN (which neither declares, so Triton refuses it naming it) and in
+    docs/serving.md."""
+    from helpers.repo import REPO
+
+    from specdeploy.serve.requests import UPSTREAM_INPUTS_NOT_TAKEN
+
+    output = write_repository(tiny_engines["ngram"].dir, tmp_path / "repo")
+    not_taken = set(UPSTREAM_INPUTS_NOT_TAKEN)
+    for name in ("ensemble", "speculative"):
+        config = text_format.Parse((output / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
+        declared = {tensor.name for tensor in config.input}
+        assert not declared & not_taken, name
+        assert UPSTREAM_ENSEMBLE_INPUTS - declared == not_taken, name
+    serving = " ".join((REPO / "docs" / "serving.md").read_text().split())
+    assert [name for name in UPSTREAM_INPUTS_NOT_TAKEN if f"`{name}`" not in serving] == []
+    assert "unexpected inference input 'seed' for model 'speculative'" in serving

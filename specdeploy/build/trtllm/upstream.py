@@ -117,6 +117,16 @@ LLMAPI_INPUTS = {
     "sampling_param_exclude_input_from_output": ("TYPE_BOOL", [1]),
     "sampling_param_return_perf_metrics": ("TYPE_BOOL", [1]), "return_finish_reason": ("TYPE_BOOL", [1]),
 }
+# The inputs upstream's LLM-API config declares and ours does not (NVIDIA/TensorRT-LLM@0a710573 triton_backend/
+# all_models/llmapi/tensorrt_llm/config.pbtxt), so Triton refuses a request carrying one before the model sees it:
+# "unexpected inference input '<name>' for model 'tensorrt_llm'". Not declared because nothing checks what the served
+# release's model.py does with them under speculation: best_of (several sequences), the occurrence penalties, the
+# stop reason and cumulative logprob outputs (undeclared outputs), `stop` (cancel by request), LoRA adapters, images.
+LLMAPI_INPUTS_NOT_DECLARED = (
+    "image_url", "sampling_param_best_of", "sampling_param_frequency_penalty", "sampling_param_presence_penalty",
+    "return_stop_reason", "return_cumulative_logprob", "stop", "lora_id", "lora_name", "lora_path",
+    "lora_ckpt_source",
+)
 LLMAPI_OUTPUTS = {
     "text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
     "acceptance_rate": ("TYPE_FP32", [1]), "total_accepted_draft_tokens": ("TYPE_INT32", [1]),

@@ -18,6 +18,7 @@ is tested without a server. Nothing here reads a tensor name.
 from __future__ import annotations
 
 import copy
+import functools
 import hashlib
 import secrets
 import threading
@@ -117,14 +118,26 @@ def check_lookahead_request(request: GenerationRequest) -> None:
                            f"no penalties; send 1, got {params.repetition_penalty}")
 
 
-def check_medusa_request(request: GenerationRequest) -> None:
+# Set to 1 in the server's environment, it lets sampled requests reach a Medusa engine (check_medusa_request). For
+# trtllm-check's Medusa distribution arm alone, the evidence that would lift the refusal; never for serving.
+UNCHECKED_MEDUSA_SAMPLING = "SPECDEPLOY_UNCHECKED_MEDUSA_SAMPLING"
+
+
+def check_medusa_request(request: GenerationRequest, unchecked_sampling: bool = False) -> None:
     """RequestError naming the field for a request a TensorRT-LLM Medusa engine would answer as something else,
-    without a word. DecodingMode::Medusa has neither the temperature nor an occurrence-penalty bit (cpp/include/
-    tensorrt_llm/executor/types.h; the penalty layer applies each only under its bit, penaltyLayer.cpp), and its
-    layer samples the target's tokens with top-k alone (samplePrimeHeadTokens, medusaDecodingLayer.cpp @ 015884d6),
-    where a top-k of 0 makes the kernel write nothing (samplingTopKKernels.cu @ 03961722). So a penalty is refused
-    at any temperature; sampling is served only as the engine runs it: temperature 1, top_p 1, and a top_k of 1 to
-    trtllm_sampling.TOP_K_MAX (the kernel's most). Greedy (temperature 0) is sent as top-k 1 and is exact."""
+    without a word. DecodingMode::Medusa has no occurrence-penalty bit (cpp/include/tensorrt_llm/executor/types.h;
+    the penalty layer applies each only under its bit, penaltyLayer.cpp): a penalty is refused at any temperature.
+    Greedy (temperature 0, sent as top-k 1) is exact and served.
+    A sampled request is refused: the engine draws every tree node of a step from the request's one random state
+    (one curand state per request, MedusaDecodingLayer; all nodes sampled in one call, samplePrimeHeadTokens; the
+    top-k kernel's block of each (request, node) calls curand_uniform on that state: NVIDIA/TensorRT-LLM@1a43c7d6
+    cpp/tensorrt_llm/layers/medusaDecodingLayer.cpp and the 1.x samplingTopKKernels.cu), so the nodes' uniforms are
+    not independent and a child's token given its accepted parent is biased (the backend double does the same, and
+    test_orchestration's distribution test fails on it).
+    unchecked_sampling (trtllm-check's distribution arm only, UNCHECKED_MEDUSA_SAMPLING) lets sampling through as
+    the engine runs it, refusing only what it would ignore: no temperature bit (temperature must be 1), top-k alone
+    (top_p 1), and a top_k of 1 to trtllm_sampling.TOP_K_MAX, since a top-k of 0 makes the kernel write nothing
+    (samplingTopKKernels.cu @ 03961722)."""
     params = request.sampling
     medusa = "this pipeline runs TensorRT-LLM's Medusa decoding, which"
     if params.repetition_penalty != 1:
@@ -132,6 +145,12 @@ def check_medusa_request(request: GenerationRequest) -> None:
                            f"send 1, got {params.repetition_penalty}")
     if params.greedy:
         return
+    if not unchecked_sampling:
+        raise RequestError(f"temperature: {medusa} decodes exactly only greedily: at temperature > 0 its engine "
+                           f"draws all tree nodes of a step from one random state, so sampled text would not follow "
+                           f"the model's distribution. Send temperature 0 (or top_k 1) here, or serve the pipeline "
+                           f"on the torch backend, whose Medusa samples exactly; got temperature "
+                           f"{params.temperature}")
     if params.temperature != 1:
         raise RequestError(f"temperature: {medusa} samples the unscaled logits (its decoding mode has no "
                            f"temperature); send 1 or 0 (greedy), got {params.temperature}")
@@ -207,11 +226,19 @@ ENGINE_MODES = {"medusa": EngineMode("Medusa", check_medusa_request, STREAM_CHUN
 
 class Orchestrator:
     def __init__(self, pipeline: PipelineSpec, calls: EngineCalls, vocab_size: int, end_ids: frozenset[int],
-                 on_change: Callable[[Orchestrator], None] | None = None, tokenizer=None) -> None:
+                 on_change: Callable[[Orchestrator], None] | None = None, tokenizer=None,
+                 unchecked_medusa_sampling: bool = False) -> None:
         """pipeline: the served pipeline (limits, sampling defaults, speculation, policy). end_ids: the model's
         end-of-sequence tokens. on_change: called when a request joins or leaves (metrics). tokenizer: the
-        target's, for requests' stop strings (the executor matches token ids only: this loop matches the text)."""
+        target's, for requests' stop strings (the executor matches token ids only: this loop matches the text).
+        unchecked_medusa_sampling: let sampled requests reach a Medusa engine (check_medusa_request; trtllm-check
+        only)."""
         self.pipeline, self.calls, self.vocab_size, self.end_ids = pipeline, calls, vocab_size, end_ids
+        mode = pipeline.speculation.traits.trtllm.engine_mode
+        self.engine_mode = ENGINE_MODES.get(mode)
+        if mode == "medusa" and unchecked_medusa_sampling:
+            self.engine_mode = self.engine_mode._replace(
+                check=functools.partial(check_medusa_request, unchecked_sampling=True))
         self.tokenizer = tokenizer
         self.on_change = on_change
         self.policy = pipeline.serving.policy
@@ -235,7 +262,7 @@ class Orchestrator:
         if self.drain_deadline is not None:
             raise ShuttingDown("server is shutting down: not accepting new requests")
         check_request(request, self.pipeline, self.vocab_size, self.kv_capacity)
-        engine_mode = ENGINE_MODES.get(self.pipeline.speculation.traits.trtllm.engine_mode)
+        engine_mode = self.engine_mode
         if engine_mode is not None:
             check_plain_request(request, engine_mode.name)
             engine_mode.check(request)

@@ -23,7 +23,12 @@ from trtllm_double.llmapi_speculative import eagle_setup
 from trtllm_double.trtllm_build import GPU_SM_VARIABLE
 
 from specdeploy.build.trtllm import engine_build as trtllm
-from specdeploy.build.trtllm.upstream import LLMAPI_IMAGE_MODEL_CODE, LLMAPI_INPUTS, LLMAPI_MODEL_CODE
+from specdeploy.build.trtllm.upstream import (
+    LLMAPI_IMAGE_MODEL_CODE,
+    LLMAPI_INPUTS,
+    LLMAPI_INPUTS_NOT_DECLARED,
+    LLMAPI_MODEL_CODE,
+)
 from specdeploy.errors import BuildError
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.speculative.medusa import MedusaHeads
@@ -233,6 +238,19 @@ def test_the_llm_api_line_writes_its_configuration_with_the_final_paths(double, 
     check_upstream_auto_complete(triton_config, model_yaml["triton_config"])
     assert {t.name: (pb.DataType.Name(t.data_type), list(t.dims)) for t in triton_config.input} == {
         name: (kind, dims) for name, (kind, dims) in LLMAPI_INPUTS.items()}
+    # upstream's inputs (NVIDIA/TensorRT-LLM@0a710573 triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt):
+    # each declared here or listed as not declared (Triton refuses it naming it), and that list in the docs
+    upstream = {"text_input", "image_url", "streaming", "sampling_param_best_of", "sampling_param_temperature",
+                "sampling_param_top_k", "sampling_param_top_p", "sampling_param_frequency_penalty",
+                "sampling_param_presence_penalty", "sampling_param_max_tokens", "sampling_param_stop",
+                "sampling_param_seed", "sampling_param_exclude_input_from_output",
+                "sampling_param_return_perf_metrics", "return_finish_reason", "return_stop_reason",
+                "return_cumulative_logprob", "stop", "lora_id", "lora_name", "lora_path", "lora_ckpt_source"}
+    declared = {t.name for t in triton_config.input}
+    assert not declared & set(LLMAPI_INPUTS_NOT_DECLARED) and upstream - declared == set(LLMAPI_INPUTS_NOT_DECLARED)
+    docs = " ".join((REPO / "docs" / "tensorrt-llm.md").read_text().split())
+    assert [name for name in LLMAPI_INPUTS_NOT_DECLARED if f"`{name}`" not in docs] == []
+    assert "unexpected inference input 'sampling_param_best_of' for model 'tensorrt_llm'" in docs
 
 
 def test_an_eagle3_pipeline_builds_and_packages_on_the_llm_api_line(double, tmp_path, tiny_checkpoints):

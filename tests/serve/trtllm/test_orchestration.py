@@ -31,7 +31,14 @@ from specdeploy.spec.speculation import LookaheadSpec
 
 sys.path.insert(0, str(REPO / "tests" / "trtllm_double" / "backend"))
 from bls_double import BlsDouble, pipeline_doubles  # noqa: E402
-from tensorrtllm_double import LookaheadConfig, Sampling, TensorrtllmDouble  # noqa: E402
+from tensorrtllm_double import (  # noqa: E402
+    BackendSettings,
+    EngineConfig,
+    LookaheadConfig,
+    Sampling,
+    TensorrtllmDouble,
+    uniform,
+)
 
 TARGET, DRAFT = "tensorrt_llm", "tensorrt_llm_draft"
 
@@ -454,24 +461,83 @@ def medusa_pipeline(engine):
 @pytest.mark.parametrize("params, field", [
     (SamplingParams(repetition_penalty=1.2), "repetition_penalty"),
     (SamplingParams(temperature=1.0, top_k=4, repetition_penalty=1.2), "repetition_penalty"),
+    (SamplingParams(temperature=1.0, top_k=4, seed=1), "temperature"),
+    (SamplingParams(temperature=0.7, top_k=4), "temperature"),
+    (SamplingParams(temperature=1.0), "temperature"),
+], ids=["greedy-penalised", "t1-penalised", "t1-topk4", "t0.7", "t1"])
+def test_a_medusa_pipeline_serves_greedy_only_and_refuses_sampling_naming_temperature(tiny_engines, params, field):
+    """TensorRT-LLM's Medusa draws a step's tree nodes from one random state, so its sampled text is biased
+    (test_sampled_medusa_on_one_random_state_fails_the_distribution_test), and it has no penalty: such a request
+    is refused naming the field, and saying what to send, before any engine call. Greedy is served, whatever top_k
+    and top_p say (they do nothing at temperature 0)."""
+    engine = tiny_engines["draft_target"]
+    calls = MedusaEngine([[5, 6, 7], [10], [11, 12]])
+    orch = Orchestrator(medusa_pipeline(engine), calls, engine.vocab_size, engine.end_ids)
+    with pytest.raises(RequestError, match=rf"^{field}: this pipeline runs TensorRT-LLM's Medusa decoding") as refused:
+        orch.submit(GenerationRequest([5, 6, 7], 3, params, end_id=-1), Collector())
+    if field == "temperature":
+        assert "Send temperature 0 (or top_k 1)" in str(refused.value) and "torch backend" in str(refused.value)
+    assert calls.calls == []
+    for served in (SamplingParams(top_p=0.5), SamplingParams(top_k=1025)):
+        assert run(orch, GenerationRequest([5, 6, 7], 3, served, end_id=-1)).tokens == [10, 11, 12]
+    orch.stop()
+
+
+@pytest.mark.parametrize("params, field", [
     (SamplingParams(temperature=0.7, top_k=4), "temperature"),
     (SamplingParams(temperature=1.0, top_k=4, top_p=0.9), "top_p"),
     (SamplingParams(temperature=1.0), "top_k"),
     (SamplingParams(temperature=1.0, top_k=1025), "top_k"),
-], ids=["greedy-penalised", "t1-penalised", "t0.7", "top-p", "top-k-0", "top-k-over-1024"])
-def test_a_medusa_pipeline_refuses_what_its_engine_would_silently_ignore(tiny_engines, params, field):
-    """TensorRT-LLM's Medusa decoding has no temperature or penalty, samples with top-k alone and writes nothing at
-    top-k 0 (the double does the same: test_trtllm_double), so such a request is refused naming the field before
-    any engine call; greedy and temperature 1 with a top-k of 1 to 1024 are served."""
+], ids=["t0.7", "top-p", "top-k-0", "top-k-over-1024"])
+def test_trtllm_checks_unchecked_medusa_sampling_still_refuses_what_the_engine_would_ignore(tiny_engines, params,
+                                                                                           field):
+    """trtllm-check's Medusa distribution arm lets sampled requests through (UNCHECKED_MEDUSA_SAMPLING) to measure
+    the engine, but only as the engine samples: temperature 1, top-k alone, a top-k of 1 to 1024 (0 writes
+    nothing). Anything else is still refused naming the field; temperature 1 with top-k 1024 is served."""
     engine = tiny_engines["draft_target"]
     calls = MedusaEngine([[5, 6, 7], [10], [11, 12]])
-    orch = Orchestrator(medusa_pipeline(engine), calls, engine.vocab_size, engine.end_ids)
+    orch = Orchestrator(medusa_pipeline(engine), calls, engine.vocab_size, engine.end_ids,
+                        unchecked_medusa_sampling=True)
     with pytest.raises(RequestError, match=rf"^{field}: this pipeline runs TensorRT-LLM's Medusa decoding"):
         orch.submit(GenerationRequest([5, 6, 7], 3, params, end_id=-1), Collector())
     assert calls.calls == []
-    for served in (SamplingParams(top_p=0.5), SamplingParams(temperature=1.0, top_k=1024, seed=1)):
-        assert run(orch, GenerationRequest([5, 6, 7], 3, served, end_id=-1)).tokens == [10, 11, 12]
+    served = SamplingParams(temperature=1.0, top_k=1024, seed=1)
+    assert run(orch, GenerationRequest([5, 6, 7], 3, served, end_id=-1)).tokens == [10, 11, 12]
     orch.stop()
+
+
+class IndependentUniforms(TensorrtllmDouble):
+    """A Medusa engine drawing each tree node with its own uniform: what exact sampling would need (the control)."""
+
+    def medusa_uniforms(self, generator, nodes):
+        return [uniform(generator) for _ in range(nodes)]
+
+
+@pytest.mark.parametrize("engine_class, exact", [(TensorrtllmDouble, False), (IndependentUniforms, True)],
+                         ids=["one-random-state", "independent-uniforms"])
+def test_sampled_medusa_on_one_random_state_fails_the_distribution_test(tiny_engines, engine_class, exact):
+    """The double of a Medusa engine (tree {0}, {0, 0}, {1}) at T 1, top-k 4, as the orchestration sent sampled
+    requests before it refused them: its nodes share one uniform, as upstream's one random state per request gives
+    them, and the distribution test the orchestration's sampling passes (stratified_fit) rejects its second token,
+    drawn at the accepted child with the uniform that picked its parent. The same engine with independent uniforms
+    passes the same test with the same seeds: the test has the power, and the failure is the shared uniform's."""
+    engine = tiny_engines["draft_target"]
+    settings = BackendSettings(EngineConfig(256, 256 + 3, 3, "medusa", False), True, True,
+                               medusa_choices=((0,), (0, 0), (1,)))
+    double = engine_class(engine.dir / "target", settings)
+    prompt = engine.encode_prompt("TYvRhZ.,AXqk")
+    params = SamplingParams(temperature=1.0, top_k=4)
+    outputs = []
+    for trial in range(600):  # each trial seeded (seed = its index): one fixed experiment
+        inputs = {"input_ids": np.array([prompt], dtype=np.int32),
+                  "input_lengths": np.array([[len(prompt)]], dtype=np.int32),
+                  "request_output_len": np.array([[2]], dtype=np.int32),
+                  "temperature": np.array([[1.0]], dtype=np.float32), "runtime_top_k": np.array([[4]], np.int32),
+                  "runtime_top_p": np.array([[1.0]], dtype=np.float32), "seed": np.array([[trial]], np.uint64)}
+        outputs.append(tuple(token for step in double.run(inputs) for token in step.tokens))
+    fit = stratified_fit(outputs, (0, 1), double, prompt, params)
+    assert fit.tested >= 600, fit
+    assert fit.ok == exact, fit
 
 
 @pytest.mark.parametrize("method", ["draft_target", "ngram"])

@@ -258,10 +258,11 @@ def test_lookahead_decodes_greedily_whatever_the_request_samples(tiny_engines, t
     assert sampled == expected
 
 
-def medusa_double(tiny_engines) -> TensorrtllmDouble:
-    """The double of a Medusa engine over the tiny target (its max_draft_len the tree's nodes)."""
+def medusa_double(tiny_engines, choices=((0,), (0, 0), (1,))) -> TensorrtllmDouble:
+    """The double of a Medusa engine over the tiny target with this tree (its max_draft_len the tree's nodes)."""
     engine_config = EngineConfig(256, 256 + 8, 8, "medusa", False)
-    return TensorrtllmDouble(tiny_engines["ngram"].dir / "target", BackendSettings(engine_config, True, True))
+    return TensorrtllmDouble(tiny_engines["ngram"].dir / "target",
+                             BackendSettings(engine_config, True, True, medusa_choices=choices))
 
 
 def test_medusa_samples_with_top_k_alone_whatever_else_the_request_says(tiny_engines):
@@ -278,6 +279,30 @@ def test_medusa_samples_with_top_k_alone_whatever_else_the_request_says(tiny_eng
         fields = {"temperature": 1.0, "runtime_top_k": 8, "runtime_top_p": 1.0, "seed": [[3]], **changed}
         assert new_tokens(double, request(prompt, 30, **fields)) == plain, changed
     assert set(new_tokens(double, request(prompt, 5, temperature=1.0, runtime_top_k=0, runtime_top_p=1.0))) == {0}
+
+
+def test_a_medusa_step_is_the_accepted_tree_path_and_its_nodes_share_one_uniform(tiny_engines):
+    """The tree {0}, {0, 0}, {1}: greedy, every step accepts the path of top tokens (three tokens a step, the greedy
+    text); sampled, the step's nodes draw with one uniform (upstream's one curand state per request), so with the
+    uniforms shared the root and its accepted child fall at the same quantile of their top-k walks."""
+    double = medusa_double(tiny_engines)
+    prompt = tiny_engines["ngram"].encode_prompt("abcabcabc")
+    steps = [step.tokens for step in double.run(request(prompt, 30, runtime_top_k=1, streaming=True))]
+    assert [token for step in steps for token in step] == greedy_reference(tiny_engines, prompt, 30)
+    assert {len(step) for step in steps} == {3}
+    drawn = []  # each node's uniform, in order: a step of n tokens drew at the root and its n - 1 accepted nodes
+    original = Sampling.draw_at
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Sampling, "draw_at", lambda self, probs, u: drawn.append(u) or original(self, probs, u))
+        sampled = [step.tokens for step in double.run(request(prompt, 40, temperature=1.0, runtime_top_k=4,
+                                                               runtime_top_p=1.0, seed=[[3]], streaming=True))]
+    per_step = []
+    for step in sampled[:-1]:  # the last step may be cut to the request's length
+        per_step.append(set(drawn[:len(step)]))
+        del drawn[:len(step)]
+    assert any(len(step) > 1 for step in sampled[:-1])  # some steps accepted a node
+    assert all(len(uniforms) == 1 for uniforms in per_step)  # one uniform for all of a step's nodes
+    assert len(set.union(*per_step)) == len(per_step)  # a fresh one each step
 
 
 class Successor(TensorrtllmDouble):

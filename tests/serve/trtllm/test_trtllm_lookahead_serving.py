@@ -129,3 +129,25 @@ def test_per_request_lookahead_sizes_are_refused_by_name_even_at_the_engine_mode
             message = stream_error(server.grpc_url, model, [*inputs, size])
             assert f"unexpected inference input '{name}'" in message, (model, message)
     assert server.ready()
+
+
+def test_upstream_ensemble_inputs_we_do_not_take_are_refused_naming_them(served):
+    """A client written for upstream's ensemble that sends an input we do not take (UPSTREAM_INPUTS_NOT_TAKEN,
+    docs/serving.md) learns its name at once: neither `ensemble` nor `speculative` declares it, so Triton refuses the
+    request before any model sees it; our client refuses it before sending, saying upstream takes it."""
+    import tritonclient.grpc as grpcclient
+
+    from specdeploy.serve.requests import UPSTREAM_INPUTS_NOT_TAKEN
+
+    server, _, _ = served
+    with pytest.raises(RequestError, match=r"^seed: not an input of the ensemble \(upstream's ensemble takes it"):
+        list(generate(server.grpc_url, PROMPTS[0], 8, seed=1))
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[PROMPTS[0].encode()]], dtype=object))
+    for name in UPSTREAM_INPUTS_NOT_TAKEN:
+        extra = grpcclient.InferInput(name, [1, 1], "INT32")
+        extra.set_data_from_numpy(np.array([[1]], dtype=np.int32))
+        for model in ("ensemble", "speculative"):
+            message = stream_error(server.grpc_url, model, [text, extra])
+            assert f"unexpected inference input '{name}' for model '{model}'" in message, (model, message)
+    assert server.ready()

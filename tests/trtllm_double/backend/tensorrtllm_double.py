@@ -21,8 +21,10 @@ commit) in tests/trtllm_double/README.md. In short:
 - lookahead (`lookahead_steps`): greedy whatever the request's sampling, a step's tokens the longest guess the
   target's argmax confirms plus one; a request's own lookahead_* tensors read as the backend reads them (keyed on
   lookahead_window_size alone) and a size above the model's failing only when its step runs.
-- Medusa (`medusa_token`): each token sampled with top-k alone from the unscaled, unpenalised logits (temperature,
-  repetition penalty and top-p dropped), nothing written (token 0 here) at a top-k of 0; the tree is not emulated.
+- Medusa (`medusa_steps`): each target token sampled with top-k alone from the unscaled, unpenalised logits
+  (temperature, repetition penalty and top-p dropped), nothing written (token 0 here) at a top-k of 0; a step
+  verifies the tree of medusa_choices, every node's target token drawn with the step's one uniform, as upstream's
+  one random state per request gives them (the heads are a stand-in: each node drafts the target's own ranked token).
 What it does not do: batch requests (one at a time, a lock per call) or page the KV cache (it keeps one cached
 sequence and reuses its prefix, as block reuse would). Its lookahead verifies only the n-gram pool's guesses, not
 the Jacobi window's rows, so its steps accept no more than upstream's would (the text is the same: greedy).
@@ -31,6 +33,7 @@ the Jacobi window's rows, so its steps accept no more than upstream's would (the
 from __future__ import annotations
 
 import json
+import re
 import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -132,6 +135,7 @@ class BackendSettings:
     enable_kv_cache_reuse: bool
     lookahead: LookaheadConfig | None = None  # the (W, N, G) a lookahead engine runs (None: not a lookahead engine)
     lookahead_configured: bool = False  # the backend read the lookahead_* parameters (decoding_mode lookahead)
+    medusa_choices: tuple[tuple[int, ...], ...] = ()  # a Medusa engine's tree (empty: its root alone)
     warnings: tuple[str, ...] = ()  # what upstream only logs
 
     @property
@@ -176,6 +180,15 @@ def lookahead_parameters(parameters: dict[str, str]) -> LookaheadConfig | None:
     if config.problem():
         raise load_error(config.problem())
     return config
+
+
+def medusa_parameters(parameters: dict[str, str]) -> tuple[tuple[int, ...], ...]:
+    """The tree in medusa_choices ("{0}, {0, 0}, {1}", as `package` writes it), read under decoding_mode medusa.
+    Without it upstream runs its default tree, which the double does not emulate: the root alone."""
+    if parameters.get("decoding_mode") != "medusa":
+        return ()
+    groups = re.findall(r"\{([^}]*)\}", parameters.get("medusa_choices", ""))
+    return tuple(tuple(int(index) for index in group.split(",")) for group in groups)
 
 
 def lookahead_engine(engine: EngineConfig, configured: LookaheadConfig | None, beam_width: int
@@ -238,7 +251,7 @@ def load_settings(parameters: dict[str, str]) -> BackendSettings:
         warnings.append("Model is not built with Lookahead decoding, but decoding mode is Lookahead. Overwriting "
                         "decoding mode.")
     return BackendSettings(engine, boolean(parameters, "exclude_input_in_output", False), reuse, lookahead,
-                           configured is not None, tuple(warnings))
+                           configured is not None, medusa_parameters(parameters), tuple(warnings))
 
 
 # ---- requests -------------------------------------------------------------------------------------------------
@@ -319,8 +332,12 @@ class Sampling:
     def draw(self, probs: torch.Tensor, generator: torch.Generator) -> int:
         """samplingTopKKernels.cu / samplingTopPKernels.cu: the first candidate whose cumulative mass reaches
         u × top_p × S (u in (0, 1]), else the last."""
+        return self.draw_at(probs, uniform(generator))
+
+    def draw_at(self, probs: torch.Tensor, u: float) -> int:
+        """draw, with the uniform given."""
         order, cumulative = self.candidates(probs)
-        threshold = uniform(generator) * self.top_p * float(cumulative[-1])
+        threshold = u * self.top_p * float(cumulative[-1])
         index = int((cumulative < threshold).sum())
         return int(order[min(index, order.shape[0] - 1)])
 
@@ -334,18 +351,12 @@ class Sampling:
         return kept / kept.sum()
 
 
-def medusa_token(sampling: Sampling, logits: torch.Tensor, generator: torch.Generator) -> int:
-    """A Medusa engine's token (its tree is not emulated: a step's tokens are those its target samples, each
-    accepted draft equal to them). DecodingMode::Medusa has neither the temperature nor an occurrence-penalty bit
-    (cpp/include/tensorrt_llm/executor/types.h @ a98a9061, index copy), and the penalty layer applies each only
-    under its bit (penaltyLayer.cpp @ 2a9abd95, index copy): temperature and repetition penalty are dropped.
-    samplePrimeHeadTokens passes top-k alone (medusaDecodingLayer.cpp @ 015884d6): top-p is dropped. A top-k of 0
-    (sent, not absent) makes the top-k kernel write nothing (samplingTopKKernels.cu @ 03961722): the token is
-    whatever the buffer held, here 0."""
-    if sampling.top_k == 0:
-        return 0
-    plain = Sampling(1.0, sampling.top_k, 1.0, 1.0, sampling.seed)
-    return plain.draw(logits.double().softmax(-1), generator)
+def medusa_sampling(sampling: Sampling) -> Sampling:
+    """What a Medusa engine samples its target tokens with. DecodingMode::Medusa has neither the temperature nor an
+    occurrence-penalty bit (cpp/include/tensorrt_llm/executor/types.h @ a98a9061, index copy), and the penalty layer
+    applies each only under its bit (penaltyLayer.cpp @ 2a9abd95, index copy): temperature and repetition penalty
+    are dropped. samplePrimeHeadTokens passes top-k alone (medusaDecodingLayer.cpp @ 015884d6): top-p is dropped."""
+    return Sampling(1.0, sampling.top_k, 1.0, 1.0, sampling.seed)
 
 
 def uniform(generator: torch.Generator) -> float:
@@ -455,13 +466,12 @@ class TensorrtllmDouble:
                 if echo or step.tokens:
                     yield Step(echo + step.tokens, None)
                 return  # a target request that brought drafts ends after this one step
-            medusa = self.engine.speculative_decoding_mode == "medusa"
+            if self.engine.speculative_decoding_mode == "medusa":
+                yield from self.medusa_steps(tokens, count, end_id, sampling, generator, echo)
+                return
             for _ in range(count):
                 logits = self.logits(tokens, 1)
-                if medusa:
-                    token = medusa_token(sampling, logits[0], generator)
-                else:
-                    token = sampling.draw(sampling.probabilities(logits[0], self.seen(tokens)), generator)
+                token = sampling.draw(sampling.probabilities(logits[0], self.seen(tokens)), generator)
                 if token == end_id:
                     return  # the executor stops at the end token without returning it
                 tokens.append(token)
@@ -530,6 +540,63 @@ class TensorrtllmDouble:
             pooled = len(tokens)
             yield Step(echo + step, None)
             echo = []
+
+    def medusa_steps(self, tokens: list[int], count: int, end_id: int, sampling: Sampling,
+                     generator: torch.Generator, echo: list[int]) -> Iterator[Step]:
+        """A Medusa engine's steps: each the accepted path of the tree plus the target's token after it. A top-k of 0
+        (sent, not absent) makes the top-k kernel write nothing (samplingTopKKernels.cu @ 03961722): every token
+        is whatever the buffer held, here 0, one a step."""
+        produced = 0
+        while produced < count:
+            step = [0] if sampling.top_k == 0 else self.medusa_step(tokens, medusa_sampling(sampling), generator)
+            step = step[:count - produced]
+            if end_id in step:  # not returned, and nothing after it
+                step = step[:step.index(end_id)]
+                if echo or step:
+                    yield Step(echo + step, None)
+                return
+            tokens.extend(step)
+            produced += len(step)
+            yield Step(echo + step, None)
+            echo = []
+
+    def medusa_step(self, tokens: list[int], sampling: Sampling, generator: torch.Generator) -> list[int]:
+        """One step over the tree (settings.medusa_choices, top-k index paths): the target's token at the root and
+        at every node (its logits after the node's drafted path), then from the root down, while a child drafted
+        the token its parent's target drew, that child is accepted; the step is the accepted drafts plus the
+        target's token at the last accepted node (acceptDraftTokensByIdsWithPaths).
+        The draws share one uniform: upstream keeps one curand state per request (MedusaDecodingLayer's
+        mCurandStatesDevice, batchSize states) and samples every node in one call (samplePrimeHeadTokens over
+        tokensPerStep = getMaxDecodingTokens()), and the top-k kernel runs one block per (request, node) whose thread
+        0 calls curand_uniform(curandState + batchSlot) (topKStage2Sampling on grid(batchSize, maxTokensPerStep),
+        samplingTopKKernels.cu, index copy with strictTopPBoundary) — NVIDIA/TensorRT-LLM@1a43c7d6
+        cpp/tensorrt_llm/layers/medusaDecodingLayer.cpp. Concurrent reads of one state give the nodes (mostly) one
+        uniform, so a child's draw given its parent's accepted draw is biased; the trtllm orchestration refuses
+        sampled Medusa for that reason (test_orchestration shows the distribution test catching it).
+        The heads are a stand-in: node (c1, …, cd) drafts the target's c_d-th most likely token after its parent's
+        path (drafts that never depend on the step's uniform, as the real heads' do not)."""
+        choices = sorted(self.settings.medusa_choices, key=len)  # parents first
+        drafts: dict[tuple[int, ...], int] = {}
+        for path in choices:
+            parent = [drafts[path[:depth]] for depth in range(1, len(path))]
+            drafts[path] = int(torch.argsort(self.logits(tokens + parent, 1)[0], descending=True)[path[-1]])
+        uniforms = self.medusa_uniforms(generator, 1 + len(choices))
+        node, emitted = (), []
+        while True:
+            path = [drafts[node[:depth]] for depth in range(1, len(node) + 1)]
+            u = uniforms[0 if not node else 1 + choices.index(node)]
+            token = sampling.draw_at(self.logits(tokens + path, 1)[0].double().softmax(-1), u)
+            emitted.append(token)
+            child = next((c for c in choices if c[:-1] == node and len(c) == len(node) + 1 and drafts[c] == token),
+                         None)
+            if child is None:
+                return emitted
+            node = child
+
+    def medusa_uniforms(self, generator: torch.Generator, nodes: int) -> list[float]:
+        """The uniforms of one step's nodes (the root first): one, shared, as upstream's one state per request
+        gives them (medusa_step)."""
+        return [uniform(generator)] * nodes
 
     def verify(self, tokens: list[int], drafts: list[int], draft_logits: np.ndarray | None, sampling: Sampling,
                generator: torch.Generator) -> Step:
