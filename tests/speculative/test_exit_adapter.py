@@ -136,8 +136,8 @@ def test_bad_adapter_settings_are_named(target, tmp_path):
 
 @pytest.mark.smollm2
 def test_the_shipped_adapter_fits_its_shipped_pipeline():
-    """pipelines/experimental/smollm2-exit-adapter.yaml's adapter folder loads for that pipeline's target at its exit layer, and
-    it is trained (not the zero-initialised block, which would be the plain early exit)."""
+    """pipelines/experimental/smollm2-exit-adapter.yaml's adapter folder loads for that pipeline's target at its exit
+    layer, and it is trained (not the zero-initialised block, which would be the plain early exit)."""
     from helpers.repo import REPO
 
     from specdeploy.build.checkpoints import target_config
