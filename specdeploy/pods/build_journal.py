@@ -11,7 +11,8 @@ that case.
 `wait` is the serving pods' init container: it returns once the package stamp records the pipeline's digest and
 this image's specdeploy and Triton model code (a new image waits for its own build Job's repository), and
 gives up with a message naming the failure once the build Job's own status says it failed (pods/job_status.py,
-where the pod holds a token for it), or once the newest Job of this pipeline has failed as often as its
+where the pod holds a token for it) or that it completed while the stamp is still another version's (a
+Complete Job never runs again: review W1), or once the newest Job of this pipeline has failed as often as its
 backoffLimit allows by the journal, or with exit status 2 (a configuration error: the Job's podFailurePolicy fails it
 at once).
 
@@ -33,7 +34,7 @@ import time
 from pathlib import Path
 
 from specdeploy.package.package_stamp import model_code_files, stale_for_this_code
-from specdeploy.pods.job_status import JobReader, failure
+from specdeploy.pods.job_status import JobReader, completed, failure
 from specdeploy.pods.launch import exit_status
 
 CONFIGURATION_ERROR = 2  # specdeploy's exit status for a bad pipeline or input: retrying cannot help
@@ -125,12 +126,13 @@ def stamp_state(stamp: Path, digest: str, code: dict[str, str | None]) -> str | 
     return stale_for_this_code(recorded, digest, code)
 
 
-def job_verdict(job: JobReader | None, said: set[str]) -> str | None:
-    """Why the build Job has failed, by its own status, or None while it has not or cannot be read (said once)."""
+def read_job(job: JobReader | None, said: set[str]) -> dict | None:
+    """The build Job as the API has it, or None where it does not exist, there is no reader or the API cannot be read
+    (said once)."""
     if job is None:
         return None
     try:
-        return failure(job.read())
+        return job.read()
     except (OSError, ValueError) as error:
         if "unreadable" not in said:
             said.add("unreadable")
@@ -155,11 +157,20 @@ def wait(journal: Path, pipeline: Path, stamp: Path, backoff_limit: int, poll_s:
             print(f"the repository is packaged from this pipeline ({digest[:12]}) by this image's specdeploy",
                   flush=True)
             return 0
-        failed = job_verdict(job, said)
+        status = read_job(job, said)
+        failed = failure(status)
         if failed is not None:
             print(f"giving up: the build Job {job.job} has failed ({failed}). kubectl describe job/{job.job} and "
                   f"its logs (kubectl logs job/{job.job} --all-containers) say why; fix the cause, delete the Job "
                   f"and apply again", file=sys.stderr, flush=True)
+            return 1
+        # A Complete Job never runs again: re-applying its name (a revert within its TTL) starts nothing, so a stamp
+        # still stale once it has completed (read again: the package step may have written it since) never changes
+        if completed(status) and (stale := stamp_state(stamp, digest, code)) is not None:
+            print(f"giving up: the build Job {job.job} has completed, but {stamp} is not this pipeline's and this "
+                  f"image's ({stale}): a Job that has completed does not run again when applied again. kubectl delete "
+                  f"job/{job.job}, then apply again (kubectl apply -k <overlay>) to rebuild", file=sys.stderr,
+                  flush=True)
             return 1
         history = entries(journal, digest)
         reason = verdict(history, backoff_limit)

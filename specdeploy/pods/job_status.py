@@ -23,6 +23,7 @@ from pathlib import Path
 
 SERVICE_ACCOUNT_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # where the wait mounts its token
 FAILED_CONDITIONS = ("Failed", "FailureTarget")
+COMPLETE_CONDITIONS = ("Complete", "SuccessCriteriaMet")  # SuccessCriteriaMet: newer controllers, set first
 TIMEOUT_S = 10
 
 
@@ -76,3 +77,12 @@ def failure(job: dict | None) -> str | None:
             message = condition.get("message")
             return f"{reason}: {message}" if message else reason
     return None
+
+
+def completed(job: dict | None) -> bool:
+    """Whether the Job has succeeded (its Complete condition, or SuccessCriteriaMet while its pods terminate): a
+    Complete Job never runs again, whatever is applied with its name (review W1)."""
+    if not job:
+        return False
+    return any(condition.get("type") in COMPLETE_CONDITIONS and condition.get("status") == "True"
+               for condition in job.get("status", {}).get("conditions") or [])

@@ -191,6 +191,42 @@ def test_the_wait_gives_up_when_the_jobs_own_status_says_it_failed(volume, tmp_p
     assert api.requests[0] == ("/apis/batch/v1/namespaces/specdeploy/jobs/p-engine-build-0123456789", "Bearer token-1")
 
 
+COMPLETE_JOB = {"kind": "Job", "status": {"succeeded": 1, "conditions": [
+    {"type": "SuccessCriteriaMet", "status": "True"}, {"type": "Complete", "status": "True"}]}}
+
+
+def test_a_complete_job_with_another_versions_stamp_ends_the_wait_at_once(volume, tmp_path, capsys):
+    """Review W1: a revert names a Job that has already completed, which `kubectl apply` does not rerun, over a
+    repository another version stamped. The wait gives up at once, saying to delete the Job, not at its deadline."""
+    volume["stamp"].parent.mkdir(parents=True)
+    volume["stamp"].write_text(json.dumps({"specdeploy": "0.0.0", "files": {"pipeline_file": "another"}}))
+    api = StandInApi(200, COMPLETE_JOB)
+    try:
+        started = time.monotonic()
+        status = build_journal.wait(volume["journal"], volume["pipeline"], volume["stamp"], 2, 0.1,
+                                    give_up_after_s=60, job=api.reader(tmp_path / "credentials"))
+    finally:
+        api.close()
+    assert status == 1 and time.monotonic() - started < 10
+    error = capsys.readouterr().err
+    assert "has completed" in error and "kubectl delete job/p-engine-build-0123456789" in error
+
+
+def test_a_complete_job_whose_stamp_is_this_versions_ends_the_wait_ready(volume, tmp_path):
+    import specdeploy
+    from specdeploy.package.package_stamp import model_code_files
+
+    volume["stamp"].parent.mkdir(parents=True)
+    volume["stamp"].write_text(json.dumps({"specdeploy": specdeploy.__version__, "files": {
+        "pipeline_file": build_journal.pipeline_digest(volume["pipeline"]), **model_code_files()}}))
+    api = StandInApi(200, COMPLETE_JOB)
+    try:
+        assert build_journal.wait(volume["journal"], volume["pipeline"], volume["stamp"], 2, 0.1,
+                                  give_up_after_s=60, job=api.reader(tmp_path / "credentials")) == 0
+    finally:
+        api.close()
+
+
 @pytest.mark.parametrize("status, body", [(200, {"kind": "Job", "status": {"active": 1}}), (404, {}), (403, {})])
 def test_a_running_missing_or_unreadable_job_leaves_the_wait_to_its_journal_and_deadline(volume, tmp_path, capsys,
                                                                                         status, body):
