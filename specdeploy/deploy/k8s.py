@@ -33,6 +33,7 @@ from specdeploy.deploy.build_memory import build_memory_gib
 from specdeploy.deploy.k8s_commands import openai_container, openai_port, server_command, under_launcher
 from specdeploy.deploy.k8s_monitoring import adapter_values, prometheus_rule, release_labels
 from specdeploy.deploy.k8s_multinode import GROUP_NAME, LAUNCHER_ACCOUNT, group_disruption_budget, leader_worker_set
+from specdeploy.deploy.k8s_versions import Version, version_key
 from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.deploy.sizing import PodSize, check_node_span, engine_load_seconds, pod_size
 from specdeploy.errors import SpecdeployError
@@ -193,25 +194,32 @@ def step_resources(pipeline: PipelineSpec, size: PodSize, memory_gib: int) -> di
     return placement.resources(size.cpu_request, size.cpu_limit, memory_gib, memory_gib, pod_build.build_gpus(pipeline))
 
 
-def build_job_patch(pipeline: PipelineSpec, repository: str, size: PodSize, memory_gib: int,
+def build_job_patch(pipeline: PipelineSpec, version: Version, size: PodSize, memory_gib: int,
                     placement_spec: dict) -> dict:
+    """The base's Job for this pipeline: its steps hold the version's lease (the build also collects superseded
+    versions) and write the version's folders."""
     pipeline_file = f"{base.PIPELINE_DIR}/{base.PIPELINE_KEY}"
     mounts, volumes = build_volumes(pipeline)
     step = {"resources": step_resources(pipeline, size, memory_gib),
-            "env": base.journal_environment(repository), **({"volumeMounts": mounts} if mounts else {})}
-    spec = {"initContainers": [{"name": "build", "args": ["build", pipeline_file], **step}],
-            "containers": [{"name": "package", "args": package_arguments(pipeline, repository), **step}],
+            "env": [{"name": "SPECDEPLOY_ENGINES", "value": version.engines},
+                    *base.journal_environment(version.repository)], **({"volumeMounts": mounts} if mounts else {})}
+    spec = {"initContainers": [{"name": "build", "command": [*version.building(True), *base.step_command("build")],
+                                "args": ["build", pipeline_file], **step}],
+            "containers": [{"name": "package", "command": [*version.building(False), *base.step_command("package")],
+                            "args": package_arguments(pipeline, version.repository), **step}],
             **placement_spec, **({"volumes": volumes} if volumes else {})}
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": base.BUILD_JOB},
             "spec": {"activeDeadlineSeconds": build_deadline_s(pipeline, size), "template": {"spec": spec}}}
 
 
-def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, options: OverlayOptions,
+def server_pod_patch(pipeline: PipelineSpec, version: Version, size: PodSize, options: OverlayOptions,
                      pipeline_hash: str, placement_spec: dict, build_job: str) -> dict:
-    """`build_job`: the build Job's name as applied (prefixed), whose status the wait reads."""
+    """`build_job`: the build Job's name as applied (prefixed), whose status the wait reads. Every container that
+    reads the version's repository holds its lease for life (pods/versions.py)."""
     drain = options.longest_generation_s
+    repository = version.repository
     command, arguments, env = server_command(pipeline, repository, drain, size)
-    container = {"name": "triton", "command": command, "args": arguments,
+    container = {"name": "triton", "command": [*version.holding(), *command], "args": arguments,
                  "resources": placement.server_resources(size)}
     # the OpenAI endpoints: `specdeploy serve` runs them in this container; beside a bare tritonserver, a sidecar does,
     # on repositories with the `speculative` model (the llm_api line serves Triton's own llmapi model instead)
@@ -219,7 +227,8 @@ def server_pod_patch(pipeline: PipelineSpec, repository: str, size: PodSize, opt
     if command[0] == "specdeploy":
         container["ports"] = [openai_port()]
     elif pipeline.backend.settings.line == "engine":
-        sidecars.append(openai_container(repository, drain))
+        sidecar = openai_container(repository, drain)
+        sidecars.append({**sidecar, "command": [*version.holding(), *sidecar["command"]]})
     if env:
         container["env"] = env
     if pipeline.backend.kind == "trtllm":  # loading engines of tens to hundreds of GB from the data volume
@@ -253,7 +262,8 @@ def with_pod_build(overlay: Overlay, pod: dict) -> dict:
     pipeline = overlay.pipeline
     mounts, volumes = build_volumes(pipeline)
     steps = pod_build.init_containers(pipeline, package_arguments(pipeline, overlay.repository),
-                                      step_resources(pipeline, overlay.size, overlay.build_memory_gib), mounts)
+                                      step_resources(pipeline, overlay.size, overlay.build_memory_gib), mounts,
+                                      overlay.version, build_deadline_s(pipeline, overlay.size))
     patch = pod_build.pod_build_patch(steps, volumes)
     triton = {**pod["spec"]["containers"][0], "volumeMounts": [pod_build.read_only_data_mount()]}
     sidecars = [{**container, "volumeMounts": [pod_build.read_only_data_mount(), {"name": "tmp", "mountPath": "/tmp"}]}
@@ -344,9 +354,17 @@ class Overlay:
         digest = hashlib.sha256(f"{self.pipeline_hash}\n{job}".encode()).hexdigest()
         return f"{base.BUILD_JOB}-{digest[:10]}"
 
+    @functools.cached_property
+    def version(self) -> Version:
+        """This pipeline version's folders and lease on the data volume (deploy/k8s_versions.py): collected once
+        unheld for longer than a build, a wait's margin and a load take."""
+        idle = build_deadline_s(self.pipeline, self.size) + base.WAIT_MARGIN_S + engine_load_seconds(
+            self.size, self.options.volume_read_gibps)
+        return Version(f"{self.pipeline.name}-{version_key(self.pipeline_hash, self.gpu_product)}", idle)
+
     @property
     def repository(self) -> str:
-        return f"{base.MODELS_DIR}/{self.pipeline.name}"
+        return self.version.repository
 
     @property
     def instance(self) -> dict[str, str]:
@@ -392,7 +410,7 @@ def checked_overlay(pipeline_path: Path, options: OverlayOptions) -> Overlay:
 
 def server_files(overlay: Overlay) -> dict[str, Manifest]:
     """The serving pods: the base's Deployment patched, or across nodes a LeaderWorkerSet that replaces it."""
-    pod = server_pod_patch(overlay.pipeline, overlay.repository, overlay.size, overlay.options, overlay.pipeline_hash,
+    pod = server_pod_patch(overlay.pipeline, overlay.version, overlay.size, overlay.options, overlay.pipeline_hash,
                            overlay.placement, overlay.prefix + overlay.build_job_name)
     if overlay.builds_in_pod:
         # The build's deadline, then loading the engines (the startup probe's allowance)
@@ -402,7 +420,7 @@ def server_files(overlay: Overlay) -> dict[str, Manifest]:
     if overlay.size.nodes == 1:
         return {"deployment.yaml": Manifest(deployment_patch(pod))}
     group = leader_worker_set(pod, overlay.size, image_text(overlay.image), overlay.prefix, overlay.instance,
-                              overlay.repository)
+                              overlay.version)
     return {"leaderworkerset.yaml": Manifest(group),
             "deployment-delete.yaml": Manifest(delete_patch("Deployment", "apps/v1", base.SERVER))}
 
@@ -435,7 +453,7 @@ def group_patches(overlay: Overlay) -> list[dict]:
 
 
 def overlay_build_job(overlay: Overlay) -> dict:
-    return build_job_patch(overlay.pipeline, overlay.repository, overlay.size, overlay.build_memory_gib,
+    return build_job_patch(overlay.pipeline, overlay.version, overlay.size, overlay.build_memory_gib,
                            overlay.placement)
 
 

@@ -124,15 +124,18 @@ def journal_command(*arguments: str) -> list[str]:
             "--pipeline", "$(PIPELINE)"]
 
 
+def step_command(name: str) -> list[str]:
+    """A build Job step's command up to its arguments: `specdeploy` under the build journal's record."""
+    return [*journal_command("record"), "--job-uid", "$(JOB_UID)", "--step", name, "--", "specdeploy"]
+
+
 def build_job() -> dict:
     """`specdeploy build` (an init container) then `specdeploy package`: both skip when their inputs are unchanged,
     so rerunning the Job, or applying it again, does nothing. Each step runs under the build journal (its start and
     failures, for the serving pods' wait). A configuration error (exit status 2) fails the Job at once; an evicted or
     preempted pod does not count against backoffLimit. Overlays set the arguments, resources and deadline."""
     def step(name: str) -> dict:
-        return {"name": name, "image": IMAGE, "imagePullPolicy": "IfNotPresent",
-                "command": [*journal_command("record"), "--job-uid", "$(JOB_UID)", "--step", name, "--",
-                            "specdeploy"],
+        return {"name": name, "image": IMAGE, "imagePullPolicy": "IfNotPresent", "command": step_command(name),
                 "args": [name], "env": [*environment(), *journal_environment(),
                                         {"name": "JOB_UID", "valueFrom": {"fieldRef": {
                                             "fieldPath": "metadata.labels['batch.kubernetes.io/controller-uid']"}}}],

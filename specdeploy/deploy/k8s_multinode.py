@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy.k8s_commands import GROUP_WAIT_SECONDS, LAUNCHER
+from specdeploy.deploy.k8s_versions import Version
 from specdeploy.deploy.sizing import PodSize
 from specdeploy.package.package_stamp import STAMP_FILE
 
@@ -85,7 +86,7 @@ def prefixed_references(pod: dict, prefix: str) -> dict:
 
 
 def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, labels: dict,
-                      repository: str) -> list[dict]:
+                      version: Version) -> list[dict]:
     """The LeaderWorkerSet (one group = size.nodes pods), the leader's RBAC for `kubectl exec` and the group's
     network policy. `labels`: the overlay's instance label, which kustomize does not add inside the templates."""
     leader_labels = {**base.SERVER_LABELS, **labels}  # the Service and PodMonitor select the leaders
@@ -106,14 +107,15 @@ def leader_worker_set(pod_patch: dict, size: PodSize, image: str, prefix: str, l
     # waits for those ranks to end (the leader drains the group through mpirun; launch.py hold), after the same
     # preStop pause as the leader's and within the same grace period
     grace = leader["spec"]["terminationGracePeriodSeconds"]
-    worker_container = {**worker["spec"]["containers"][0], "command": list(LAUNCHER),
+    # the ranks it hosts load the version's repository: the hold holds its lease (pods/versions.py)
+    worker_container = {**worker["spec"]["containers"][0], "command": [*version.holding(wait=True), *LAUNCHER],
                         "args": ["hold", "--drain-timeout", str(grace - base.PRESTOP_SECONDS - HOLD_EXIT_MARGIN)]}
     worker_container.pop("env", None)
     worker_container["env"] = base.environment()
     for key in WORKER_PROBE_KEYS:
         worker_container.pop(key, None)
     # Ready once the packaged repository its ranks load is visible on its mount (the leader's wait counts it)
-    worker_container["readinessProbe"] = {"exec": {"command": ["test", "-f", f"{repository}/{STAMP_FILE}"]},
+    worker_container["readinessProbe"] = {"exec": {"command": ["test", "-f", f"{version.repository}/{STAMP_FILE}"]},
                                           "periodSeconds": 10, "failureThreshold": 3, "timeoutSeconds": 5}
     worker["metadata"]["annotations"] = {**worker["metadata"].get("annotations", {}),
                                          "checkov.io/skip1": "CKV_K8S_8=PID 1 is the hold process, the container "

@@ -102,8 +102,8 @@ def check_shared_class(mode: str, storage_class: str | None) -> None:
 
 def volume_gib(size: PodSize, build_copies: int) -> int:
     """The data volume: what a build writes (`build_copies` × the weights: engines, TensorRT-LLM checkpoints and any
-    exported Hugging Face copy), twice, because a rebuild stages its new engine beside the old one it replaces,
-    plus a tenth for logs and the model repository's small files."""
+    exported Hugging Face copy), twice, because a new version builds into folders of its own beside the running one
+    (deploy/k8s_versions.py), plus a tenth for logs and the model repository's small files."""
     floor = 50 if size.gpus else 10
     return max(floor, math.ceil(2 * build_copies * size.weights_gib * 1.1))
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from specdeploy.build.trtllm.plan import build_workers
 from specdeploy.deploy import k8s_base as base
 from specdeploy.deploy import k8s_placement as placement
+from specdeploy.deploy.k8s_versions import Version
 from specdeploy.deploy.sizing import PodSize
 from specdeploy.spec.pipeline import PipelineSpec
 
@@ -57,16 +58,22 @@ def rollout(size: PodSize, gpus_per_node: int) -> Rollout:
     return Rollout(max_surge=0, max_unavailable=1, max_replicas=1)
 
 
-def init_containers(pipeline: PipelineSpec, package: list[str], step_resources: dict, mounts: list[dict]) -> list[dict]:
-    """build then package, each a full container (the base's pod has only the wait this replaces)."""
+def init_containers(pipeline: PipelineSpec, package: list[str], step_resources: dict, mounts: list[dict],
+                    version: Version, deadline_s: int) -> list[dict]:
+    """build then package, each a full container (the base's pod has only the wait this replaces), each holding the
+    version's lease (pods/versions.py: the build also collects superseded versions) and each under a deadline of its
+    own (review M2: a Deployment's pod has no activeDeadlineSeconds, and a hung trtllm-build would hold the pod's
+    GPUs for good): the build's, and for packaging (hard links and small files) the base Job's hour."""
     pipeline_file = f"{base.PIPELINE_DIR}/{base.PIPELINE_KEY}"
 
-    def step(name: str, arguments: list[str]) -> dict:
-        return {"name": name, "image": base.IMAGE, "imagePullPolicy": "IfNotPresent", "command": ["specdeploy"],
-                "args": arguments, "env": base.environment(), "volumeMounts": [*base.mounts(), *mounts],
-                "securityContext": base.container_security(), "resources": step_resources}
+    def step(name: str, prefix: list[str], arguments: list[str]) -> dict:
+        return {"name": name, "image": base.IMAGE, "imagePullPolicy": "IfNotPresent",
+                "command": [*prefix, "specdeploy"], "args": arguments, "env": version.environment(),
+                "volumeMounts": [*base.mounts(), *mounts], "securityContext": base.container_security(),
+                "resources": step_resources}
 
-    return [step("build", ["build", pipeline_file]), step("package", package)]
+    return [step("build", version.building(True, deadline_s), ["build", pipeline_file]),
+            step("package", version.building(False, base.BUILD_DEADLINE_S), package)]
 
 
 def pod_build_patch(containers: list[dict], volumes: list[dict]) -> dict:

@@ -12,6 +12,7 @@ import filecmp
 import json
 import math
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -32,6 +33,7 @@ from helpers.rendered_overlays import (
     container_variables,
     containers,
     expand,
+    held_command,
     kustomize,
     objects,
     one,
@@ -103,7 +105,8 @@ def test_a_users_pipeline_gets_an_overlay_that_renders(tmp_path):
     documents = kustomize(overlay)
     deployment = one(documents, "Deployment")
     assert serving_container(deployment["spec"]["template"])["image"] == "registry.example/team/sd:1.2.3"
-    assert "/var/lib/specdeploy/models/my-ngram" in serving_container(deployment["spec"]["template"])["args"]
+    repository = serving_container(deployment["spec"]["template"])["args"][2]
+    assert re.fullmatch(r"/var/lib/specdeploy/models/my-ngram-[0-9a-f]{10}", repository), repository
 
 
 def test_the_generator_refuses_what_the_cluster_could_not_run(tmp_path):
@@ -138,7 +141,7 @@ def test_the_llm_api_overlay_packages_triton_s_llm_api_model_from_the_image(rend
     assert all("--trtllm-source" not in build_steps(documents)["package"]["args"]
                for name, documents in rendered.items() if name != "gpu-eagle")
     triton = serving_container(server_templates(rendered["gpu-eagle"])[0])
-    assert triton["command"] == ["tritonserver"] and "--disable-auto-complete-config" in triton["args"]
+    assert held_command(triton) == ["tritonserver"] and "--disable-auto-complete-config" in triton["args"]
 
 
 # --- schemas ----------------------------------------------------------------------------------------------------
@@ -728,7 +731,7 @@ def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rend
     group = lws["spec"]["leaderWorkerTemplate"]
     assert lws["spec"]["startupPolicy"] == "LeaderCreated"
     leader, worker = group["leaderTemplate"], group["workerTemplate"]
-    command = serving_container(leader)["command"]
+    command = held_command(serving_container(leader))
     assert command[:4] == ["python3", "-m", "specdeploy.pods.launch", "run"]
     assert command[command.index("--group-size") + 1] == str(group["size"])
     assert command[command.index("--group-selector") + 1] == "leaderworkerset.sigs.k8s.io/group-key=$(GROUP_KEY)"
@@ -737,8 +740,9 @@ def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rend
     assert env["GROUP_KEY"]["valueFrom"]["fieldRef"]["fieldPath"] == \
         "metadata.labels['leaderworkerset.sigs.k8s.io/group-key']"
     held = serving_container(worker)
-    assert held["command"] + held["args"][:2] == ["python3", "-m", "specdeploy.pods.launch", "hold",
-                                                  "--drain-timeout"]
+    assert held_command(held) + held["args"][:2] == ["python3", "-m", "specdeploy.pods.launch", "hold",
+                                                     "--drain-timeout"]
+    assert "--wait" in held["command"]  # it starts before the build Job has made the version's lease
     grace = worker["spec"]["terminationGracePeriodSeconds"]
     assert grace == leader["spec"]["terminationGracePeriodSeconds"]
     assert held["lifecycle"] == serving_container(leader)["lifecycle"]  # the same pause before SIGTERM
@@ -748,7 +752,7 @@ def test_multinode_group_starts_with_the_leader_and_the_leader_waits_for_it(rend
     for documents in rendered.values():  # orchestrator mode runs under the launcher too, single-node mpirun alike
         triton = serving_container(server_templates(documents)[0])
         if "mpirun" in triton["command"]:
-            assert triton["command"][:4] == ["python3", "-m", "specdeploy.pods.launch", "run"]
+            assert held_command(triton)[:4] == ["python3", "-m", "specdeploy.pods.launch", "run"]
 
 
 def test_the_leader_alone_may_exec_and_only_into_its_sets_workers(rendered):

@@ -82,6 +82,13 @@ def serving_container(template: dict) -> dict:
     return next(c for c in template["spec"]["containers"] if c["name"] == "triton")
 
 
+def held_command(container: dict) -> list[str]:
+    """The command a container runs under its version's lease (pods/versions.py), the lease's wrapper checked."""
+    command = container["command"]
+    assert command[:4] == ["python3", "-m", "specdeploy.pods.versions", "hold"], command
+    return command[command.index("--") + 1:]
+
+
 def container_variables(container: dict) -> dict[str, str]:
     """The container's env as the kubelet sets it (literal values and the downward API's fields)."""
     return {item["name"]: item["value"] if "value" in item else FIELD_VALUES[item["valueFrom"]["fieldRef"]["fieldPath"]]
