@@ -481,7 +481,7 @@ def k8s(pipeline_path: str, output: Path, name: str | None, image: str | None, n
     """Write a kustomize overlay for the pipeline (and the shared base): the pipeline ConfigMap, the engine-build
     Job, the Triton Deployment (a LeaderWorkerSet across nodes), Service, PDB, NetworkPolicy, HPA, PodMonitor and
     PrometheusRule, sized from the model."""
-    from specdeploy.deploy.k8s import write_overlay
+    from specdeploy.deploy.k8s import checked_overlay, write_checked
 
     options = OverlayOptions(name=name, image=image, namespace=namespace, weights_gib=weights_gib,
                              gpus_per_node=gpus_per_node, longest_generation_s=longest_generation,
@@ -490,8 +490,11 @@ def k8s(pipeline_path: str, output: Path, name: str | None, image: str | None, n
                              volume_read_gibps=volume_read_gibps, access_mode=access_mode,
                              monitoring=monitoring, prometheus_release=prometheus_release,
                              prometheus_namespace=prometheus_namespace)
-    overlay = write_overlay(Path(pipeline_path), output, options)
+    checked = checked_overlay(Path(pipeline_path), options)
+    overlay = write_checked(checked, output)
     click.echo(f"wrote {overlay}: kubectl apply -k {overlay}")
+    for note in checked.notes:
+        click.echo(f"note: {note}", err=True)
 
 
 def main() -> None:

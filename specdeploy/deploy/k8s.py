@@ -246,14 +246,14 @@ def server_pod_patch(pipeline: PipelineSpec, version: Version, size: PodSize, op
                      **placement_spec}}
 
 
-def deployment_patch(pod: dict, rollout: pod_build.Rollout | None = None, progress_deadline_s: int = 0) -> dict:
-    """The base's Deployment with the pod; with a build in the pod, the rollout that fits the node and a progress
-    deadline that covers the build (the default 600 s would report every GPU rollout as failed)."""
-    spec: dict = {"template": pod}
+def deployment_patch(pod: dict, progress_deadline_s: int, rollout: pod_build.Rollout | None = None) -> dict:
+    """The base's Deployment with the pod, a progress deadline that covers the build (the default 600 s would report
+    every rollout that builds as failed: review N11, and M6 for the build Job's overlays) and, with a build in the pod,
+    the rollout that fits the node."""
+    spec: dict = {"template": pod, "progressDeadlineSeconds": progress_deadline_s}
     if rollout is not None:
         spec["strategy"] = {"rollingUpdate": {"maxSurge": rollout.max_surge,
                                               "maxUnavailable": rollout.max_unavailable}}
-        spec["progressDeadlineSeconds"] = progress_deadline_s
     return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": base.SERVER}, "spec": spec}
 
 
@@ -380,6 +380,22 @@ class Overlay:
         return pod_build.builds_in_pod(self.size, self.access_mode)
 
     @property
+    def progress_deadline_s(self) -> int:
+        """How long a rollout may take: the build's deadline (and the wait's margin past a build Job's), then
+        loading the engines (the startup probe's allowance)."""
+        margin = 0 if self.builds_in_pod else base.WAIT_MARGIN_S
+        return build_deadline_s(self.pipeline, self.size) + margin + engine_load_seconds(
+            self.size, self.options.volume_read_gibps)
+
+    @property
+    def notes(self) -> list[str]:
+        """What `specdeploy k8s` says about the overlay beside writing it (and its kustomization's comment)."""
+        if not self.builds_in_pod:
+            return []
+        note = pod_build.in_place_note(self.size, self.options.gpus_per_node, self.progress_deadline_s)
+        return [note] if note else []
+
+    @property
     def rollout(self) -> pod_build.Rollout:
         return pod_build.rollout(self.size, self.options.gpus_per_node)
 
@@ -413,12 +429,10 @@ def server_files(overlay: Overlay) -> dict[str, Manifest]:
     pod = server_pod_patch(overlay.pipeline, overlay.version, overlay.size, overlay.options, overlay.pipeline_hash,
                            overlay.placement, overlay.prefix + overlay.build_job_name)
     if overlay.builds_in_pod:
-        # The build's deadline, then loading the engines (the startup probe's allowance)
-        deadline = build_deadline_s(overlay.pipeline, overlay.size) + engine_load_seconds(
-            overlay.size, overlay.options.volume_read_gibps)
-        return {"deployment.yaml": Manifest(deployment_patch(with_pod_build(overlay, pod), overlay.rollout, deadline))}
+        return {"deployment.yaml": Manifest(deployment_patch(with_pod_build(overlay, pod), overlay.progress_deadline_s,
+                                                             overlay.rollout))}
     if overlay.size.nodes == 1:
-        return {"deployment.yaml": Manifest(deployment_patch(pod))}
+        return {"deployment.yaml": Manifest(deployment_patch(pod, overlay.progress_deadline_s))}
     group = leader_worker_set(pod, overlay.size, image_text(overlay.image), overlay.prefix, overlay.instance,
                               overlay.version)
     return {"leaderworkerset.yaml": Manifest(group),
@@ -494,13 +508,18 @@ def kustomization(overlay: Overlay) -> Manifest:
     roots = checkpoint_roots(overlay.pipeline)
     memory_of = "build memory" if overlay.builds_in_pod else "build Job memory"
     builder = "The serving pods' build steps mount" if overlay.builds_in_pod else "The build Job mounts"
+    # review M3: a pod mounts its volumes for its life, so in-pod builds keep the claim mounted while they serve
+    held = (" for their life (a pod's volumes are mounted for the pod's life): with ReadWriteOnce every pod of every "
+            "pipeline that mounts it must share one node, so give it ReadOnlyMany or ReadWriteMany"
+            if overlay.builds_in_pod else " while it builds")
     needs = (f"\n{builder} the PersistentVolumeClaim {CHECKPOINTS_CLAIM} (yours, holding the checkpoints) "
-             f"at {', '.join(roots)}." if roots else "")
+             f"at {', '.join(roots)}{held}." if roots else "")
     volume = f"the data volume {overlay.access_mode}" + (
         f" on class {options.storage_class}" if options.storage_class else " on the default storage class")
+    notes = "".join(f"\nNote: {note}." for note in overlay.notes)
     return Manifest(document, f"specdeploy k8s {overlay.path.name}: {size.comment()}; {memory_of} "
-                              f"{overlay.build_memory_gib} GiB; {volume}.{needs}\nRender: kubectl kustomize <this "
-                              f"folder>; apply: kubectl apply -k <this folder>")
+                              f"{overlay.build_memory_gib} GiB; {volume}.{needs}{notes}\nRender: kubectl kustomize "
+                              f"<this folder>; apply: kubectl apply -k <this folder>")
 
 
 def overlay_files(overlay: Overlay) -> dict[str, Manifest]:
@@ -524,10 +543,14 @@ def overlay_files(overlay: Overlay) -> dict[str, Manifest]:
 
 
 def write_overlay(pipeline_path: Path, output: Path, options: OverlayOptions = OverlayOptions()) -> Path:
-    """Write DIR/base, DIR/monitoring and DIR/overlays/<name> for the pipeline, the overlay's folder replaced whole
-    (no file of an earlier run lingers) with a copy of the pipeline file beside its manifests. Returns the overlay
+    """Write DIR/base, DIR/monitoring and DIR/overlays/<name> for the pipeline (write_checked). Returns the overlay
     directory."""
-    output, overlay = Path(output), checked_overlay(Path(pipeline_path), options)
+    return write_checked(checked_overlay(Path(pipeline_path), options), Path(output))
+
+
+def write_checked(overlay: Overlay, output: Path) -> Path:
+    """Write the overlay, its folder replaced whole (no file of an earlier run lingers), with a copy of the pipeline
+    file beside its manifests. Returns the overlay directory."""
     folder = output / overlay.folder
     if folder.exists():
         shutil.rmtree(folder)

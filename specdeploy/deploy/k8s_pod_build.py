@@ -5,9 +5,10 @@ Why not a Job: on a ReadWriteOnce volume the Job and every serving pod share one
 while it waited for the Job, the Deployment was applied first, and a rollout surges one pod more, so whenever the
 old pod, the surge pod and the Job together asked for more GPUs than the node has (12 of 8 for a tp4 pipeline) the
 Job stayed Pending for good and the new pods waited for it for good. A build that runs inside the pod it serves
-waits for nothing but that pod's own GPUs. Triton's autoscaling tutorial does the same (triton-inference-server/
-tutorials@0665326c Deployment/Kubernetes/TensorRT-LLM_Autoscaling_and_Load_Balancing/chart/templates/deployment.yaml:
-its init container runs `server.py init` with the pod's GPUs).
+waits for nothing but that pod's own GPUs. Triton's autoscaling tutorial once did the same: at triton-inference-server/
+tutorials@d459ddd (Deployment/Kubernetes/TensorRT-LLM_Autoscaling_and_Load_Balancing/chart/templates/deployment.yaml)
+its init container ran `server.py init` with all of the pod's GPUs onto per-node hostPath engines; since 9d016f2 its
+README builds the engines by hand onto shared storage, and `server.py init` no longer builds (review M8).
 
 The build asks for build_workers GPUs, the number trtllm-build's --workers is given (plan.build_workers): with one
 worker it builds every rank on GPU `rank % workers`, so one GPU is what it uses. The pod's GPUs are the larger of an
@@ -16,8 +17,9 @@ concurrent pods (a surge pod, a scaled-out replica) take the per-output lock (sp
 is built, so the second waits for the first and then reuses its engines.
 
 The rollout then needs only room for the pods themselves on the volume's node: `rollout` gives maxSurge 1 where the
-node holds one pod more than the autoscaler's maximum, else replaces the pod in place (maxSurge 0, maxUnavailable 1:
-a single replica is briefly down while the new one builds and loads, which is better than a rollout that never ends).
+node holds one pod more than the autoscaler's maximum, else replaces the pod in place (maxSurge 0, maxUnavailable 1).
+In place, every rollout that rebuilds (a changed pipeline, image or GPU product) takes the only replica down for the
+whole build and load, hours for a 70B model (review M1): `in_place_note` says so when the overlay is written.
 """
 
 from __future__ import annotations
@@ -56,6 +58,19 @@ def rollout(size: PodSize, gpus_per_node: int) -> Rollout:
     if slots >= 2:
         return Rollout(max_surge=1, max_unavailable=0, max_replicas=min(base.MAX_REPLICAS, slots - 1))
     return Rollout(max_surge=0, max_unavailable=1, max_replicas=1)
+
+
+def in_place_note(size: PodSize, gpus_per_node: int, outage_s: int) -> str | None:
+    """What the overlay's user must know where one pod fills the node (maxSurge 0), else None. `outage_s`: the
+    build's deadline and the engines' load, the longest the only replica is down."""
+    if rollout(size, gpus_per_node).max_surge:
+        return None
+    return (f"one serving pod ({size.gpus} GPUs) fills a {gpus_per_node}-GPU node, so the pod is replaced in place: "
+            f"every rollout that rebuilds (a changed pipeline, image or GPU product) takes the only replica down for "
+            f"its build and load, up to {outage_s} s ({outage_s / 3600:.1f} h) here. To stay up: nodes with room "
+            f"for two pods (--gpus-per-node), or a ReadWriteMany volume (--access-mode ReadWriteMany "
+            f"--storage-class ...), where a build Job builds beside the serving replica and the rollout surges onto "
+            f"a spare node (docs/kubernetes.md)")
 
 
 def init_containers(pipeline: PipelineSpec, package: list[str], step_resources: dict, mounts: list[dict],

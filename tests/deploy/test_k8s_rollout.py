@@ -1,6 +1,8 @@
-"""Versions on one data volume during a rollout (issue 63, review W2): a simulation of the pods of two rendered
-versions of a single-node GPU overlay, their init steps and servers run against a temporary data volume with the real
-lease and collection (pods/versions.py) and stand-ins for `specdeploy build`, `specdeploy package` and the server.
+"""Rollouts that rebuild (issue 63: M1, M3, M6 at the end).
+
+Versions on one data volume during a rollout (review W2): a simulation of the pods of two rendered versions of a
+single-node GPU overlay, their init steps and servers run against a temporary data volume with the real lease and
+collection (pods/versions.py) and stand-ins for `specdeploy build`, `specdeploy package` and the server.
 
 The stand-ins do what the real steps do with their folders: the build rebuilds the engine under its
 SPECDEPLOY_ENGINES unless it holds this version's build; the package step repackages its --output from that engine;
@@ -19,10 +21,13 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import pytest
+from click.testing import CliRunner
 from helpers.rendered_overlays import OVERLAYS, REPO, containers, kustomize, one, serving_container
 
+from specdeploy.cli import cli
 from specdeploy.deploy import k8s_base as base
-from specdeploy.deploy.k8s import write_overlay
+from specdeploy.deploy.k8s import Overlay, checked_overlay, write_overlay
 from specdeploy.deploy.overlay_options import OverlayOptions
 from specdeploy.pods import versions
 
@@ -145,3 +150,50 @@ def test_a_rollout_scaled_mid_way_and_rolled_back_never_loads_another_versions_f
     assert all(pod == loaded for pod, loaded in volume.loads), volume.loads
     assert volume.builds == [a.version, b.version], "the revert did not find its earlier build ready"
     assert not b.repository.exists() and not b.engines.exists() and a.repository.is_dir()
+
+
+# --- rollouts that rebuild (review M1, M6) and the checkpoints claim (M3) -------------------------------------------
+
+def overlay_of(name: str, **changes) -> Overlay:
+    pipeline, options = OVERLAYS[name]
+    return checked_overlay(REPO / pipeline, OverlayOptions(**{**options, **changes}))
+
+
+def test_where_one_pod_fills_the_node_the_generator_says_the_only_replica_goes_down(tmp_path):
+    """Review M1: 70B tp4 on 4-GPU nodes is replaced in place, so a rollout that rebuilds is an outage of the build
+    and the load. The generator says so, with the figure and the alternatives, on stderr and in the kustomization."""
+    assert overlay_of("gpu-draft-target").notes == []  # 8-GPU nodes: room for a surge pod
+    overlay = overlay_of("gpu-draft-target", gpus_per_node=4)
+    [note] = overlay.notes
+    assert "only replica down" in note and f"{overlay.progress_deadline_s} s" in note and "ReadWriteMany" in note
+    pipeline, options = OVERLAYS["gpu-draft-target"]
+    arguments = ["k8s", str(REPO / pipeline), "--output", str(tmp_path), "--gpus-per-node", "4", "--weights-gib",
+                 str(options["weights_gib"]), "--gpu-product", options["gpu_product"], "--image", options["image"]]
+    result = CliRunner().invoke(cli, arguments)
+    assert result.exit_code == 0, result.output
+    assert "note: one serving pod (4 GPUs) fills a 4-GPU node" in result.stderr
+    comment = (tmp_path / "overlays" / "llama70b-draft-target" / "kustomization.yaml").read_text()
+    assert "# Note: one serving pod (4 GPUs) fills a 4-GPU node" in comment
+
+
+@pytest.mark.parametrize("name, changes", [(name, {}) for name in OVERLAYS if name != "multinode"]
+                         + [("gpu-medusa", {"access_mode": "ReadWriteMany", "storage_class": "nfs-client"})])
+def test_every_deployment_has_a_progress_deadline_past_its_build_and_load(tmp_path, name, changes):
+    """Review M6 (and N11): the default 600 s reports every rollout that builds as failed. In-pod builds and build
+    Job overlays alike (a ReadWriteMany single-node GPU overlay has a Job) allow the build, the wait and the load."""
+    pipeline, options = OVERLAYS[name]
+    documents = kustomize(write_overlay(REPO / pipeline, tmp_path, OverlayOptions(**{**options, **changes})))
+    deployment = one(documents, "Deployment")
+    jobs = [job["spec"]["activeDeadlineSeconds"] for job in documents if job["kind"] == "Job"]
+    build_s = jobs[0] + base.WAIT_MARGIN_S if jobs else int(option(
+        containers(deployment["spec"]["template"])[0]["command"], "--deadline"))
+    assert deployment["spec"]["progressDeadlineSeconds"] > build_s + 600, name
+
+
+def test_the_kustomization_says_which_access_mode_the_checkpoints_claim_needs(tmp_path):
+    """Review M3: in-pod builds mount specdeploy-checkpoints for the pod's life (a pod's volumes are the pod's), so a
+    ReadWriteOnce claim would pin every pipeline that mounts it to one node; a build Job holds it only while it
+    builds."""
+    in_pod = (REPO / "k8s" / "overlays" / "gpu-medusa" / "kustomization.yaml").read_text()
+    assert "specdeploy-checkpoints" in in_pod and "ReadOnlyMany or ReadWriteMany" in in_pod
+    assert "while it builds" in (REPO / "k8s" / "overlays" / "multinode" / "kustomization.yaml").read_text()
