@@ -39,9 +39,10 @@ def distillation_options(defaults):
 @distillation_options(EagleTrainingOptions)
 @click.option("--draft-vocab", type=click.IntRange(min=16), default=EagleTrainingOptions.draft_vocab,
               show_default=True, help="Rows of the head's own LM head: the target's most frequent answer tokens.")
-@click.option("--prompt-source", type=click.Choice(["scaled", "written"]), default=EagleTrainingOptions.prompt_source,
-              show_default=True, help="scaled: the standard library's documentation, Python's reference and the "
-                                      "target's own requests besides the written prompts.")
+@click.option("--prompt-source", type=click.Choice(["scaled", "written", "answered"]),
+              default=EagleTrainingOptions.prompt_source, show_default=True,
+              help="scaled: the standard library's documentation, Python's reference and the target's own requests "
+                   "besides the written prompts; answered: the prompts the work folder's answers.jsonl holds.")
 @click.option("--answer-batch", type=click.IntRange(min=1), default=EagleTrainingOptions.answer_batch,
               show_default=True, help="The target's answers decoded together.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=EagleTrainingOptions.batch_size, show_default=True,

@@ -119,10 +119,7 @@ def documented_objects() -> list[tuple[str, str, str, bool]]:
                 doc = first_sentences(inspect.getdoc(item) or "", 240)
                 if len(doc) < 30:
                     continue
-                try:
-                    signature = str(inspect.signature(item)) if not inspect.isclass(item) else ""
-                except (TypeError, ValueError):
-                    signature = ""
+                signature = "" if inspect.isclass(item) else printed_signature(item)
                 found.append((f"{module_name}.{name}", signature if len(signature) <= 80 else "", doc,
                               inspect.isclass(item)))
                 if inspect.isclass(item):
@@ -139,12 +136,19 @@ def documented_methods(qualified: str, cls: type) -> list[tuple[str, str, str, b
         doc = first_sentences(inspect.getdoc(member) or "", 240)
         if len(doc) < 30:
             continue
-        try:
-            signature = str(inspect.signature(member))
-        except (TypeError, ValueError):
-            signature = ""
+        signature = printed_signature(member)
         methods.append((f"{qualified}.{name}", signature if len(signature) <= 80 else "", doc, False))
     return methods
+
+
+def printed_signature(item) -> str:
+    """The signature as written, or "" where it has none or prints a default by its memory address (`<function
+    copy2 at 0x7f…>`): that text differs in every process, and so would the prompt."""
+    try:
+        signature = str(inspect.signature(item))
+    except (TypeError, ValueError):
+        return ""
+    return "" if re.search(r" at 0x[0-9a-f]+", signature) else signature
 
 
 def library_prompts(chooser: random.Random) -> list[str]:

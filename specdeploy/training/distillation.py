@@ -1,10 +1,12 @@
 """What every train-* command starts from: the target's own engine and its greedy answers to the training prompts
 (self-distillation), split into training and held-out prompts, none of them the bench's.
 
-Two prompt sources: "written" (training/prompts.py: HumanEval and the written families, about 1,800 prompts; what the
-shipped Medusa heads were trained on) and "scaled" (training/distill_prompts.py: those, the standard library's
-documented functions and classes, Python's reference topics and the target's own requests, about 7,500), whose
-held-out part is SCALED_HELD_OUT prompts."""
+Three prompt sources: "written" (training/prompts.py: HumanEval and the written families, about 1,800 prompts; what
+the shipped Medusa heads were trained on), "scaled" (training/distill_prompts.py: those, the standard library's
+documented functions and classes, Python's reference topics and the target's own requests, about 6,800), and
+"answered" (every prompt the work folder's answers.jsonl already answers, in the file's order: a distillation made
+earlier, or elsewhere, trained on as it is, nothing decoded). The held-out part of the last two is SCALED_HELD_OUT
+prompts."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from typing import NamedTuple
 
 from specdeploy.build.torch_engine import build
 from specdeploy.decoding.light_tokenizer import load_tokenizer_files
+from specdeploy.errors import SpecdeployError
 from specdeploy.spec.pipeline import PipelineSpec, load_pipeline
 from specdeploy.spec.prompt_sets import load_prompts
 from specdeploy.spec.speculation import SpeculationSpec
@@ -67,6 +70,10 @@ def distillation_answers(pipeline_path: str | Path, engines_dir: Path, work_dir:
         own = [clean_request(tokenizer.decode(written[r], skip_special_tokens=True)) for r in requests]
         chosen = distillation_prompts([p for p in own if p], exclude=bench)[:prompts]
         train_prompts, held_out = split_held_out(chosen, min(SCALED_HELD_OUT, len(chosen) // 10))
+    elif source == "answered":
+        excluded = set(bench)
+        chosen = [p for p in answered_prompts(work_dir / "answers.jsonl") if p not in excluded][:prompts]
+        train_prompts, held_out = split_held_out(chosen, min(SCALED_HELD_OUT, len(chosen) // 10))
     else:
         train_prompts, held_out = training_prompts(prompts, exclude=bench)
     answers = generate_answers(engine_dir, train_prompts + held_out, max_tokens, work_dir / "answers.jsonl", batch,
@@ -82,3 +89,13 @@ def run_facts(train_prompts: list[str], held_out: list[str], options, answers_se
             "lr": options.lr, "batch_size": options.batch_size, "seed": options.seed,
             "python": platform.python_version(),
             "seconds": {"answers": round(answers_seconds), "total": round(time.perf_counter() - started)}}
+
+
+def answered_prompts(path: Path) -> list[str]:
+    """The prompts an answers file (generate_answers' JSON Lines) holds, each once, in the file's order."""
+    import json
+
+    if not path.is_file():
+        raise SpecdeployError(f"{path}: no answers to train on (--prompt-source answered reuses a work folder's "
+                              f"answers.jsonl; make them with --prompt-source scaled or written first)")
+    return list(dict.fromkeys(json.loads(line)["prompt"] for line in path.read_text().splitlines() if line.strip()))

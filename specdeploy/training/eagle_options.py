@@ -13,7 +13,7 @@ class EagleTrainingOptions:
     prompts: int = 7000  # prompts to distil on (training/distillation.py says how many are held out)
     max_tokens: int = 320  # length of the target's answers
     epochs: int = 2
-    prompt_source: str = "scaled"  # training/distillation.py: "scaled" or "written"
+    prompt_source: str = "scaled"  # training/distillation.py: "scaled", "written" or "answered"
     answer_batch: int = 32  # the target's answers decoded together
     own_requests: int | None = None  # requests the target writes for itself (None: every seed kind and topic)
     autocast: bool = True  # the head's matmuls in bf16 (fp32 weights and losses)
