@@ -73,3 +73,36 @@ def test_train_eagle_distils_at_scale_and_a_rerun_resumes(pipeline_path, tmp_pat
     assert {path: path.stat().st_mtime_ns for path in written} == written  # nothing answered or computed again
     assert again["epoch_losses"] == []  # both epochs resumed from their checkpoints
     torch.testing.assert_close(again["held_out"][0]["top1"], report["held_out"][0]["top1"])
+
+
+def test_the_answered_source_trains_on_the_work_folders_answers_and_decodes_nothing(pipeline_path, tmp_path):
+    """--prompt-source answered: every prompt answers.jsonl holds (no bench prompt), held out as the scaled source
+    is, and not one answer decoded again; without answers it says what to run first."""
+    import dataclasses
+
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.training.distillation import answered_prompts
+
+    options = EagleTrainingOptions(work_dir=tmp_path / "work", prompts=30, max_tokens=12, epochs=1, answer_batch=8,
+                                   own_requests=20, batch_size=4, draft_vocab=64, intermediate_size=32)
+    train_eagle(pipeline_path, tmp_path / "engines", tmp_path / "scaled", options)
+    answers = tmp_path / "work" / "answers.jsonl"
+    answered = answered_prompts(answers)
+    written = answers.stat().st_mtime_ns
+    reused = dataclasses.replace(options, prompt_source="answered", prompts=1000)
+    report = train_eagle(pipeline_path, tmp_path / "engines", tmp_path / "answered", reused)
+    assert answers.stat().st_mtime_ns == written  # nothing decoded
+    assert report["prompts"]["train"] + report["prompts"]["held_out"] == len(answered) == 30
+    assert report["prompts"]["held_out"] == 3 and report["prompt_source"] == "answered"
+    with pytest.raises(SpecdeployError, match="no answers to train on"):
+        answered_prompts(tmp_path / "elsewhere" / "answers.jsonl")
+
+
+def test_library_prompts_are_the_same_in_every_process():
+    """A default printed by its memory address (`<function copy2 at 0x…>`) made three prompts differ per process."""
+    import shutil
+
+    from specdeploy.training.distill_prompts import printed_signature
+
+    assert printed_signature(shutil.move) == ""
+    assert printed_signature(json.dumps).startswith("(obj, *, skipkeys=False")
