@@ -8,7 +8,7 @@ AIPERF := $(VENV)/tools/aiperf/bin/aiperf
 PIPELINE ?= pipelines/smollm2-draft-target.yaml
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv peers demo test bench openai-load report lint k8s clean-engines image image-gpu-layer image-test
+.PHONY: venv peers demo test fuzz bench openai-load report lint k8s clean-engines image image-gpu-layer image-test
 
 venv: $(STAMP)
 
@@ -41,6 +41,10 @@ demo: venv
 TEST_WORKERS ?= 2
 test: venv
 	$(VENV)/bin/pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+
+# The row-lifecycle fuzz with a longer budget than the suite's (one seed, 30 requests per method): 20 seeds of 200.
+fuzz: venv
+	ROW_FUZZ_SEEDS=$$(seq -s, 1 20) ROW_FUZZ_REQUESTS=200 $(VENV)/bin/pytest -q tests/runtime/test_row_lifecycle_fuzz.py -k every_row
 
 bench: venv
 	# the six methods side by side in one run, early exit twice (plain, and through its trained adapter: both

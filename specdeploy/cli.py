@@ -361,7 +361,8 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
           http_port: int, metrics_port: int, openai_port: int, openai_max_requests: int, address: str,
           drain_timeout: float | None, device: str | None) -> None:
     """Run tritonserver on the pipeline's model repository, and the OpenAI-compatible endpoints beside it, until
-    SIGTERM or Ctrl-C, then drain both and exit."""
+    SIGTERM or Ctrl-C, then drain both and exit; exit non-zero when the model's scheduler failed (so that a
+    supervisor restarts the server)."""
     import signal
 
     from specdeploy.serve.openai_api.front import OpenAIFront
@@ -397,10 +398,14 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
         click.echo(f"admin endpoints (logging, shared memory, model repository, trace) need the header "
                    f"specdeploy-admin-key: {server.admin_key} (set SPECDEPLOY_ADMIN_KEY to choose it)", err=True)
     status = server.process.wait()
+    failure = server.failure()  # the model's scheduler failed and had tritonserver stop: exit non-zero to be restarted
     if front is not None:
         front.stop()
     server.cleanup()
     click.echo(f"tritonserver exited with status {status}", err=True)
+    if failure is not None:
+        click.echo(f"the speculative model failed: {failure}", err=True)
+        raise SystemExit(status or 1)
     raise SystemExit(status)
 
 

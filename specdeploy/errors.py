@@ -20,3 +20,8 @@ class RequestError(SpecdeployError):
 class ShuttingDown(SpecdeployError):
     """The server is draining: it takes no new requests (Triton's UNAVAILABLE), and ends what is still running at
     the drain's deadline."""
+
+
+class SchedulerFailed(ShuttingDown):
+    """The serving loop stopped on an unexpected exception: it failed every request it held and takes no new ones
+    (UNAVAILABLE: another replica, or this one once restarted, can serve them). The message names the failure."""

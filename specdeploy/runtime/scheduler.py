@@ -6,6 +6,21 @@ next free row and join; finished or cancelled ones leave at once and the last ac
 so the active rows are always 0..B-1 and one batched step covers exactly them. Before each step the policy picks
 the proposal cap for the current batch size (speculation is a scheduling decision: full gamma at low load,
 less as the batch fills, none above a threshold, in which case drafting is skipped entirely).
+
+A failure fails the server, not one row. Any exception in the loop (a step, a prefill, a row move, a proposer hook,
+a callback) ends every running and queued request with an error naming it, refuses new ones (SchedulerFailed), and
+calls `on_failure`, with which the served model has the server stop and `specdeploy serve` exit non-zero, so that
+the supervisor or Kubernetes restarts it on a clean state. Why not drop the row and go on:
+- a failure is rarely confined to one row: propose, verify and commit run over every row at once, and the target's
+  cache, the proposer's per-row state (a draft's cache, EAGLE's pending pairs, lookahead's windows) and the active
+  list are changed in place across several calls; an exception between two of them leaves state that belongs to
+  one request filed under another's row, which would go on to emit wrong tokens without a word, the one outcome
+  worse than an error for an engine whose output must equal the target's;
+- the failures this guards against are defects (soak 5: a KeyError in lookahead's row move) that the same request
+  pattern triggers again; a restart is loud (restarts are counted, a crash loop is visible) where a limping server
+  that fails some requests is not, and it reloads the weights with their checksums checked, which is also what
+  non-finite logits (corrupted weights, an overflow) call for;
+- what it costs is the running requests, which a failed batched step loses anyway, and a reload.
 """
 
 from __future__ import annotations
@@ -19,7 +34,7 @@ from collections.abc import Callable
 
 from specdeploy.decoding.finish import Finish
 from specdeploy.decoding.serving_request import ServingCounters, ServingRequest, TokenCallback
-from specdeploy.errors import ShuttingDown
+from specdeploy.errors import SchedulerFailed, ShuttingDown
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.pipeline import ServingSpec
 from specdeploy.spec.request import GenerationRequest
@@ -27,15 +42,20 @@ from specdeploy.spec.request import GenerationRequest
 
 class Scheduler:
     def __init__(self, engine: Engine | Callable[[], Engine], serving: ServingSpec | None = None,
-                 on_step: Callable[[Scheduler], None] | None = None) -> None:
+                 on_step: Callable[[Scheduler], None] | None = None,
+                 on_failure: Callable[[str], None] | None = None) -> None:
         """engine: loaded with batch_size = the most sequences stepped together, or a function that loads it.
         Given a function, the engine is loaded on the scheduler's own thread, which then runs every forward: with
         torch's OpenMP, a thread other than the one whose parallel regions came first runs them much slower
         (measured: docs/benchmarks.md, "Figures behind the code"), so a server whose main thread loads the weights must
         not decode on another thread. serving: the speculation policy and KV budget, when not the engine pipeline's
         own. on_step: called after each step and whenever requests join, queue or leave (metrics: the gauges
-        follow the batch as it changes, not a step behind); a request queued calls it on the submitting thread."""
+        follow the batch as it changes, not a step behind); a request queued calls it on the submitting thread.
+        on_failure: called once, on the scheduler's thread, with the failure's description after the loop failed
+        and ended every request (see the module docstring)."""
         self.on_step = on_step
+        self.on_failure = on_failure
+        self.failure: str | None = None  # set when the loop failed: what failed
         self.waiting: deque[ServingRequest] = deque()
         self.active: list[ServingRequest] = []
         self.counters = ServingCounters()
@@ -78,6 +98,8 @@ class Scheduler:
         queued = ServingRequest(sequence, on_tokens, is_cancelled, kind=request.kind_label,
                                 reserved=request.kv_slots(self.engine.pipeline))
         with self._lock:
+            if self.failure is not None:  # checked under the lock: a request never lands in a dead loop's queue
+                raise SchedulerFailed(self.failure)
             self.waiting.append(queued)
             self._lock.notify()
         if self.on_step is not None:
@@ -112,36 +134,66 @@ class Scheduler:
 
     # ---- the loop ---------------------------------------------------------------------------------------------
     def _loop(self) -> None:
-        while True:
-            with self._lock:
-                while not self._stopped and not self.waiting and not self.active:
-                    self._lock.wait()
-                if self._stopped:
-                    break
-                if self._drain_deadline is not None:
-                    self._end_for_shutdown()
-                joining = self._admit()
-            if joining and self.on_step is not None:
-                self.on_step(self)  # the batch and queue gauges, before the joining requests' prefills
-            try:
-                self._drop_cancelled()
-                for request in joining:
-                    if request not in self.active:
-                        continue  # cancelled between admission and prefill
-                    row = self.active.index(request)
-                    self._deliver(request, self.engine.decoder.prefill(request.sequence, row))
-                if self.active:
-                    self._step()
-            except Exception as exc:  # a failed step fails its requests, never the server
-                traceback.print_exc()
-                for request in list(self.active):
-                    request.sequence.end(Finish.ERROR, f"{type(exc).__name__}: {exc}")
-                    self._finish(request)
-            if self.on_step is not None:
-                self.on_step(self)
+        try:
+            while self._iteration():
+                pass
+        except Exception as exc:  # anything at all: see the module docstring
+            self._fail(exc)
+            return
         for request in list(self.active) + list(self.waiting):
             request.sequence.end(Finish.CANCELLED)
             request.on_tokens([], Finish.CANCELLED, request.sequence.stats)
+
+    def _iteration(self) -> bool:
+        """Admit, drop the cancelled, prefill the joining, step. Returns False once stopped."""
+        with self._lock:
+            while not self._stopped and not self.waiting and not self.active:
+                self._lock.wait()
+            if self._stopped:
+                return False
+            if self._drain_deadline is not None:
+                self._end_for_shutdown()
+            joining = self._admit()
+        if joining and self.on_step is not None:
+            self.on_step(self)  # the batch and queue gauges, before the joining requests' prefills
+        self._drop_cancelled()
+        for request in joining:
+            if request not in self.active:
+                continue  # cancelled between admission and prefill
+            row = self.active.index(request)
+            self._deliver(request, self.engine.decoder.prefill(request.sequence, row))
+        if self.active:
+            self._step()
+        if self.on_step is not None:
+            self.on_step(self)
+        return True
+
+    def _fail(self, exc: Exception) -> None:
+        """The loop failed: refuse new requests, end every running and queued one with an error naming the failure
+        (touching neither the engine nor its rows, whose state is not to be trusted now), then call on_failure.
+        One callback failing does not keep the others from their error."""
+        traceback.print_exc()
+        failure = (f"the scheduler failed ({type(exc).__name__}: {exc}); the server stops so that it is restarted "
+                   "on a clean state")
+        with self._lock:
+            self.failure = failure
+            ended = list(self.active) + list(self.waiting)
+            self.active.clear()
+            self.waiting.clear()
+        for request in ended:
+            try:
+                request.sequence.end(Finish.ERROR, failure)
+                self.counters.count_outcome(Finish.ERROR)
+                request.on_tokens([], Finish.ERROR, request.sequence.stats)
+            except Exception:
+                traceback.print_exc()
+        try:
+            if self.on_step is not None:
+                self.on_step(self)  # the gauges at empty, the errors counted
+        except Exception:
+            traceback.print_exc()
+        if self.on_failure is not None:
+            self.on_failure(failure)
 
     def _end_for_shutdown(self) -> None:
         """While draining: queued requests end now, running ones once the deadline has passed."""

@@ -17,6 +17,9 @@ from specdeploy.decoding.light_tokenizer import load_tokenizer_files
 # The Triton Python models' code, which `specdeploy package` copies into each repository it writes.
 MODEL_CODE = Path(__file__).resolve().parent / "model_repo"
 DRAIN_FILE_VARIABLE = "SPECDEPLOY_DRAIN_FILE"  # set by the launcher: where a shutdown's deadline is written
+# set by the launcher: where the model writes why its scheduler failed, before it has the server stop (the launcher
+# then exits non-zero with that text)
+FAILURE_FILE_VARIABLE = "SPECDEPLOY_FAILURE_FILE"
 ENGINE_PARAMETER = "engine_dir"
 TOKENIZER_PARAMETER = "tokenizer_dir"
 WEIGHTS = "model.safetensors"

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import specdeploy
 from specdeploy.errors import SpecdeployError
-from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE
+from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE, FAILURE_FILE_VARIABLE
 
 DRAIN_TIMEOUT = 30.0  # seconds running requests get to finish after a shutdown begins
 EXIT_MARGIN = 10  # seconds Triton's exit timeout exceeds the drain: enough to unload the models after it
@@ -122,6 +122,10 @@ class TritonServer:
     and turns not ready; the model ends queued requests and lets running ones finish until the deadline, then ends
     the rest with an error saying the server is shutting down; Triton then unloads the models and exits.
 
+    A failed scheduler (runtime/scheduler.py) ends every request with an error, writes why to the file named by
+    SPECDEPLOY_FAILURE_FILE and sends tritonserver SIGTERM; `failure()` reads that file, and `specdeploy serve`
+    exits non-zero with it, so that whatever supervises it restarts the server.
+
     The admin endpoints (logging, shared memory, model repository, trace) need the header or gRPC metadata
     `specdeploy-admin-key` (`triton-grpc-protocol-specdeploy-admin-key` over gRPC) set to `admin_key`: the one given,
     else $SPECDEPLOY_ADMIN_KEY, else a random key made for this server. Inference, health, metadata, model config
@@ -164,6 +168,16 @@ class TritonServer:
     def drain_file(self) -> Path:
         return Path(self._workdir.name) / "drain"
 
+    @property
+    def failure_file(self) -> Path:
+        return Path(self._workdir.name) / "failure"
+
+    def failure(self) -> str | None:
+        """Why the served model's scheduler failed, when it did (read before stop() or cleanup() removes the file)."""
+        if self._workdir is None or not self.failure_file.is_file():
+            return None
+        return self.failure_file.read_text().strip()
+
     def command(self) -> list[str]:
         binary = self.binary or str(pytriton_dist() / "bin" / "tritonserver")
         restricted = f"{','.join(ADMIN_APIS)}:{ADMIN_KEY_NAME}={self.admin_key}"
@@ -182,7 +196,8 @@ class TritonServer:
         self._workdir = tempfile.TemporaryDirectory(prefix="specdeploy-triton-")
         if self.backend_directory is None:
             self.backend_directory = str(prepare_backends(Path(self._workdir.name)))
-        environment = {**server_environment(), DRAIN_FILE_VARIABLE: str(self.drain_file)}
+        environment = {**server_environment(), DRAIN_FILE_VARIABLE: str(self.drain_file),
+                       FAILURE_FILE_VARIABLE: str(self.failure_file)}
         # Without a log file the server's log goes to this process's terminal (what `specdeploy serve` wants).
         output = open(self.log_file, "ab") if self.log_file else None
         self.process = subprocess.Popen(self.command(), env=environment, stdout=output,

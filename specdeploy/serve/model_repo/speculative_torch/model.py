@@ -11,10 +11,11 @@ import triton_python_backend_utils as pb_utils
 
 from specdeploy.serve.model_files import ENGINE_PARAMETER, parameter_path
 from specdeploy.serve.served_model import ServedModel
-from specdeploy.serve.torch.server import TorchServer, instance_device
+from specdeploy.serve.torch.server import TorchServer, instance_device, stop_parent_tritonserver
 
 
 class TritonPythonModel(ServedModel):
     def initialize(self, args):
         name = json.loads(args["model_config"])["name"]
-        self.server = TorchServer(parameter_path(args, ENGINE_PARAMETER), name, pb_utils, instance_device(args))
+        self.server = TorchServer(parameter_path(args, ENGINE_PARAMETER), name, pb_utils, instance_device(args),
+                                  stop_parent_tritonserver)
