@@ -8,7 +8,7 @@ AIPERF := $(VENV)/tools/aiperf/bin/aiperf
 PIPELINE ?= pipelines/smollm2-draft-target.yaml
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv peers demo test fuzz bench openai-load report lint k8s clean-engines image image-gpu-layer image-test
+.PHONY: venv peers demo test fuzz bench openai-load report lint k8s clean-engines image image-gpu-layer image-test quota-threads
 
 venv: $(STAMP)
 
@@ -108,6 +108,13 @@ image-test: venv
 	 && python3 scripts/podman_image.py cpu && python3 scripts/podman_image.py gpu-layer \
 	 && SPECDEPLOY_IMAGE_TEST=1 $(VENV)/bin/pytest -q tests/deploy/test_image_runs.py \
 	 && echo "$$digest" > build/podman/image-test.sha256
+
+# Tokens/s of the CPU image under `podman run --cpus 1`, with torch's own thread count and with the one the engine
+# derives from the quota, alternating in one run (scripts/measure_quota_threads.py; needs `make image`, a quiet
+# machine). QUOTA_CPUS=4 measures the CPU overlay's limit.
+QUOTA_CPUS ?= 1
+quota-threads:
+	python3 scripts/measure_quota_threads.py --cpus $(QUOTA_CPUS)
 
 clean-engines:
 	rm -rf engines/*/ engines/.*.partial-* engines/.*.old-* engines/.*.lock engines/.checkpoints

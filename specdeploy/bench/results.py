@@ -33,6 +33,7 @@ class Machine:
     cores: int | None = None
     torch: str | None = None
     weight_only_kernels: str | None = None  # the int4/int8 kernels' code path (None in a report that predates it)
+    cpu_threads: dict | None = None  # how `threads` was chosen (models/cpu_threads.py; None: a report before it)
 
     @classmethod
     def from_json(cls, data: dict) -> Machine:

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from specdeploy.models.cpu_threads import applied
+
 # the flags (as /proc/cpuinfo spells them) that decide which bf16 and fp32 kernels a CPU gets
 MATMUL_FLAGS = ("amx_bf16", "avx512_bf16", "avx512bw", "avx_ne_convert", "avx2", "fma")
 
@@ -45,7 +47,7 @@ def describe() -> dict:
     info = cpu_info()
     flags = set(info.get("flags", "").split())
     return {"cpu": info.get("model name") or platform.processor() or platform.machine(),
-            "cores": os.cpu_count(), "threads": torch.get_num_threads(),
+            "cores": os.cpu_count(), "threads": torch.get_num_threads(), "cpu_threads": applied().as_record(),
             "matmul_flags": [flag for flag in MATMUL_FLAGS if flag in flags],
             "bf16_matmul": "oneDNN" if onednn_bf16() else "generic (time grows with rows)",
             "weight_only_kernels": weight_only_kernels(), "torch": torch.__version__}

@@ -22,6 +22,7 @@ from specdeploy.decoding.sequence import Sequence
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.batch_invariant import make_batch_invariant
+from specdeploy.models.cpu_threads import apply_once
 from specdeploy.models.registry import load_component
 from specdeploy.runtime.batch import BatchDecoder
 from specdeploy.runtime.step_programs import usable_programs, use_program
@@ -124,6 +125,9 @@ class Engine:
         check_outputs(self.dir, components(self.speculation))
         self.device = device or self.pipeline.backend.device
         check_device(self.device)
+        # torch's intra-op threads from the CPU time this process may use (models/cpu_threads.py), set by the
+        # process's first engine, on the thread that runs its steps (a served model's scheduler thread)
+        self.cpu_threads = apply_once()
         if torch.device(self.device).type == "cuda":
             # the thread that loads the engine runs its steps (a Triton instance's scheduler thread): its current
             # GPU must be the engine's, or streams, events and contexts land on GPU 0

@@ -70,6 +70,7 @@ class Metrics:
 
     def __init__(self, pb_utils, labels: dict[str, str]) -> None:
         family = pb_utils.MetricFamily
+        self.pb = pb_utils
         self.labels = labels
         # The backend deletes a metric when its family object goes away: keep every family referenced.
         self.families = {key: family(name=name, description=text, kind=family.COUNTER)
@@ -133,6 +134,14 @@ class Metrics:
             self._set("batch_size", batch_size)
             self._set("free_kv", free_kv)
             self._set("waiting", waiting)
+
+    def report_cpu_threads(self, threads: int, source: str) -> None:
+        """The torch flavour's intra-op threads, and where the count came from (models/cpu_threads.py): set once, at
+        load. `source` is one of four values, so the label set stays bounded."""
+        family = self.pb.MetricFamily
+        self.families["cpu_threads"] = family(name="specdeploy_cpu_threads", description="torch intra-op threads "
+                                              "the engine runs (source: how the count was chosen)", kind=family.GAUGE)
+        self.families["cpu_threads"].Metric(labels={**self.labels, "source": source}).set(threads)
 
     def _set(self, gauge: str, value: int) -> None:
         """Set a gauge when its value changed: each set is a round trip to the backend process, and the scheduler

@@ -29,6 +29,7 @@ from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 from safetensors import safe_open
 
 from specdeploy.errors import BuildError
+from specdeploy.models.cpu_threads import apply_once
 from specdeploy.models.llama import LlamaModel
 from specdeploy.models.registry import load_component
 from specdeploy.models.step_program import VARIANTS, export_step_program
@@ -137,7 +138,8 @@ def chosen(compiles: dict[str, dict], timed: dict) -> dict:
     return {"variant": fastest, "compile_seconds": round(sum(v["compile_seconds"] for v in variants.values()), 1),
             "from_store": all(v["from_store"] for v in variants.values()), "load_seconds": best["load_seconds"],
             "package_bytes": best["package_bytes"], "compiled_ms": best["compiled_ms"], "eager_ms": timed["eager_ms"],
-            "ratio": round(best["compiled_ms"] / timed["eager_ms"], 3), "variants": variants}
+            "ratio": round(best["compiled_ms"] / timed["eager_ms"], 3), "variants": variants,
+            "cpu_threads": timed.get("cpu_threads")}
 
 
 def program_path(directory: Path, component: str, variant: str) -> Path:
@@ -230,6 +232,7 @@ def main(directory: str, component: str, phase: str, *variants: str) -> None:
             program_store.keep(key, path)
         print(json.dumps({"compile_seconds": round(compile_seconds, 1), "from_store": from_store}))
         return
+    threads = apply_once()  # this process times the steps: with the threads an engine here would run
     models, loaded = {}, {}
     for variant in variants:
         models[variant], path = load_component(folder, "cpu", prepack=False), program_path(Path(directory),
@@ -239,7 +242,8 @@ def main(directory: str, component: str, phase: str, *variants: str) -> None:
     models[EAGER] = load_component(folder, "cpu")
     milliseconds = time_steps(models, capture=capture)
     print(json.dumps({"variants": {variant: loaded[variant] | {"compiled_ms": round(milliseconds[variant], 2)}
-                                   for variant in variants}, "eager_ms": round(milliseconds[EAGER], 2)}))
+                                   for variant in variants}, "eager_ms": round(milliseconds[EAGER], 2),
+                      "cpu_threads": threads.as_record()}))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ import torch
 from helpers.made_reports import made_report
 
 from specdeploy.bench.printing import why_it_loses
+from specdeploy.bench.results import Machine
 from specdeploy.bench.run import run_benches
 from specdeploy.models import machine
 
@@ -55,6 +56,8 @@ def test_the_machine_is_described_from_cpuinfo_and_torch():
     if flags and "avx2" not in flags:
         assert capability not in ("AVX512", "AVX2")
     assert described["threads"] == torch.get_num_threads() and described["cpu"]
+    assert described["cpu_threads"]["threads"] == described["threads"]  # and how the count was chosen
+    assert Machine.from_json(described).cpu_threads == described["cpu_threads"]
     # oneDNN's bf16 kernels need AVX-512 (BW) or AMX or AVX-NE-CONVERT: a CPU with none of them gets the generic one
     if flags and not flags & {"avx512bw", "amx_bf16", "avx_ne_convert"}:
         assert not machine.onednn_bf16()

@@ -57,12 +57,11 @@ class TorchServer:
         self.encoder = load_tokenizer_files(Path(engine_dir) / "target")
         self.metrics = Metrics(pb_utils, {"model": model_name, "method": self.engine.method})
         self._on_step(self.scheduler)  # the gauges start at their idle values, not at 0
+        self.metrics.report_cpu_threads(self.engine.cpu_threads.threads, self.engine.cpu_threads.source)
         self.watcher = DrainWatcher(self.scheduler)
-        import torch
-
         pb_utils.Logger.log_info(f"specdeploy: {engine_dir} ({self.engine.method}, gamma "
                                  f"{self.engine.num_draft_tokens}), {self.scheduler.max_batch_size} rows, on "
-                                 f"{device}, {torch.get_num_threads()} torch threads")
+                                 f"{device}, {self.engine.cpu_threads.sentence()}")
 
     def _on_step(self, scheduler: Scheduler) -> None:
         if hasattr(self, "metrics"):  # steps only run once requests arrive, after __init__ has finished
