@@ -49,11 +49,25 @@ def section_cell(value) -> str:
     return str(value)
 
 
+def divergences_text(divergences: list[dict]) -> str:
+    """Where each prompt parted from plain decode: '#3 at token 17: gap 0.375 ≤ 0.5 near_tie'."""
+    def one(entry: dict) -> str:
+        if "gap" not in entry:
+            return f"#{entry['prompt']} at token {entry['token']}: {entry.get('why', entry['verdict'])}"
+        sign = "≤" if entry["gap"] <= entry["tolerance"] else ">"
+        return (f"#{entry['prompt']} at token {entry['token']}: gap {entry['gap']:.4g} {sign} "
+                f"{entry['tolerance']:.3g} {entry['verdict']}")
+    return "; ".join(one(entry) for entry in divergences)
+
+
 def figure_rows(report: BenchReport) -> list[tuple[str, str]]:
     """(name, value) of every measured figure, named as in the JSON."""
     summary = asdict(report.summary)
     del summary["by_kind"]
-    parts = [summary, asdict(report.greedy) if report.greedy else {}, asdict(report.ceiling),
+    greedy = asdict(report.greedy) if report.greedy else {}
+    if greedy:
+        greedy["greedy_divergences"] = divergences_text(greedy["greedy_divergences"]) or None
+    parts = [summary, greedy, asdict(report.ceiling),
              {"verify_costs": report.verify_costs}, asdict(report.transformers) if report.transformers else {},
              {"max_tokens": report.setup.max_tokens, "threads": report.setup.threads},
              {"gamma_sweep": report.gamma_sweep}]

@@ -96,6 +96,9 @@ class GreedyCheck:
     greedy_exact_prompts: int
     greedy_near_tie_prompts: int
     greedy_mismatch_prompts: int
+    # each prompt that parted: its index, the token it parted at, the top-two gap there, the tolerance at those
+    # logits and the verdict (bench/greedy_check.py; empty in a report before it)
+    greedy_divergences: list[dict] = field(default_factory=list)
 
 
 @dataclass
@@ -271,6 +274,8 @@ class BenchReport:
         """The flat JSON object (see the module docstring)."""
         data: dict[str, Any] = asdict(self.summary)
         data.update(asdict(self.greedy) if self.greedy else {"greedy_match": None})
+        if not data.get("greedy_divergences", True):  # no prompt parted: written as reports before it were
+            del data["greedy_divergences"]
         data.update(asdict(self.ceiling))
         if self.verify_costs is not None:
             data["verify_costs"] = self.verify_costs
