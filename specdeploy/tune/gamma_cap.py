@@ -16,17 +16,21 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import torch
+
 from specdeploy.errors import SpecdeployError
 from specdeploy.models import machine
 from specdeploy.runtime.engine import Engine
 from specdeploy.spec.engine_paths import MEASURED_POLICY_FILE, PIPELINE_FILE, write_json
 from specdeploy.spec.pipeline import load_pipeline
+from specdeploy.tune import contention
 from specdeploy.tune.calibration import CALIBRATION_TOKENS, calibrate, calibration_prompts
 
 SWEEP = (1, 2, 3, 4, 6, 8, 12, 16)  # the gammas tried below the pipeline's own
 # A smaller gamma than the pipeline's is picked only when it beats it by more than this: side by side in one run,
 # gammas whose speedups differ by less swap places from run to run on this project's shared machines.
 MARGIN = 1.03
+CONTENDED_RULE = "every calibration was contended, so the rule: the pipeline's own gamma"
 
 
 def sweep_gammas(gamma: int) -> tuple[int, ...]:
@@ -64,6 +68,8 @@ def write_gamma_cap(engine_dir: Path, record: dict) -> str:
     sweep = ", ".join(f"{g}: {v:.2f}x" for g, v in by_gamma.items())
     picked = ("gamma cap 0: no gamma beat plain decode here, so the engine decodes plain" if cap == 0 else
               f"gamma cap {cap}: {by_gamma[str(cap)]:.2f}x plain decode")
+    if record.get("decided_by", "timing") != "timing":
+        picked = f"gamma cap {cap} by rule ({record['decided_by']}; `specdeploy tune` measures again)"
     text = (f"{picked} (realized by gamma: {sweep}; {record['prompts']} prompts, {record['seconds']:.0f} s); "
             f"written to {path}")
     declared = load_pipeline(Path(engine_dir) / PIPELINE_FILE).serving.policy.gamma_cap
@@ -80,8 +86,25 @@ def measure_gamma_cap(engine_dir: Path, quiet: bool = False) -> str:
     engine = Engine(engine_dir)
     lift_gamma_cap(engine)
     prompts, full = calibration_prompts(engine), engine.num_draft_tokens
-    run, = calibrate([engine], prompts, CALIBRATION_TOKENS, sweep_gammas(full), quiet)
-    record = gamma_cap_record({**{g: run.speedup(g) for g in sweep_gammas(full)}, full: run.speedup()}, full)
+
+    def measure() -> dict:
+        with contention.Watch() as watch:
+            run, = calibrate([engine], prompts, CALIBRATION_TOKENS, sweep_gammas(full), quiet)
+        conditions = contention.judge(watch.wall_seconds, watch.cpu_seconds, torch.get_num_threads(), {})
+        return {"by_gamma": {**{g: run.speedup(g) for g in sweep_gammas(full)}, full: run.speedup()},
+                "conditions": conditions.as_record()}
+
+    measured, attempts = contention.until_quiet(measure, pause=contention.PAUSE_SECONDS)
+    record = decided_gamma_cap(measured["by_gamma"], full, attempts)
     record |= {"prompts": len(prompts), "max_tokens": CALIBRATION_TOKENS,
                "seconds": round(time.perf_counter() - started, 1)}
     return write_gamma_cap(engine_dir, record)
+
+
+def decided_gamma_cap(by_gamma: dict[int, float], full: int, attempts: list[dict]) -> dict:
+    """gamma_cap_record, with the conditions of every attempt beside it; when every one was contended the speedups
+    are noise and the stated rule decides: the pipeline's own gamma (its author's choice), no cap below it."""
+    record = gamma_cap_record(by_gamma, full) | {"conditions": attempts, "decided_by": "timing"}
+    if attempts and all(conditions["contended"] for conditions in attempts):
+        record |= {"gamma_cap": full, "decided_by": f"{CONTENDED_RULE}; last: {attempts[-1]['contended']}"}
+    return record

@@ -44,8 +44,12 @@ def test_the_build_records_each_programs_timing_and_keeps_it(engines):
     for entry in record["components"].values():
         assert entry["kept"] and entry["compiled_ms"] > 0 and entry["eager_ms"] > 0
         assert entry["compile_seconds"] > 0 and not entry["from_store"]
-        # the fastest variant is kept, and the others are not left beside it
-        assert entry["compiled_ms"] == min(variant["compiled_ms"] for variant in entry["variants"].values())
+        # the fastest variant is kept, and the others are not left beside it; on a machine busy with other work every
+        # timing is contended and the rule keeps the aten variant instead (tune/contention.py), and says so
+        assert entry["conditions"] and entry["cpu_threads"]["threads"] >= 1
+        by_rule = all(conditions["contended"] for conditions in entry["conditions"])
+        fastest = min(variant["compiled_ms"] for variant in entry["variants"].values())
+        assert entry["compiled_ms"] == (entry["variants"]["aten"]["compiled_ms"] if by_rule else fastest)
         assert entry["variants"][entry["variant"]]["compiled_ms"] == entry["compiled_ms"]
     # the int4 draft's matmuls compiled both ways (torch's int4 kernel, inductor's template), the dense target's once
     assert set(record["components"]["draft"]["variants"]) == {"aten", "gemm_template"}
