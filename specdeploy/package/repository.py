@@ -1,7 +1,8 @@
 """`specdeploy package`: a self-contained, relocatable Triton model repository for a pipeline's engine.
 
 ensemble (tensorrtllm_backend's request/response names) = preprocessing → speculative (decoupled, Python backend,
-owns draft + target, detokenises). Each model carries its files in its version directory, named by paths relative
+owns draft + target, detokenises), and drain_hold, which keeps the models loaded while `specdeploy serve` drains
+(serve/drain_hold.py). Each model carries its files in its version directory, named by paths relative
 to it (serve/model_files.py): the engine in `speculative/1/engine/` (its weights hard-linked to the built engine's
 where the file system allows, everything else copied), the tokenizer in `preprocessing/1/tokenizer/`. The
 repository therefore serves from wherever it is copied or mounted. Every config.pbtxt is built as Triton's
@@ -23,6 +24,7 @@ from specdeploy.build.trtllm.plan import hf_dirs
 from specdeploy.errors import SpecdeployError
 from specdeploy.package.llmapi_repository import MODEL_YAML, write_llmapi_repository
 from specdeploy.package.trtllm_models import tensorrtllm_model
+from specdeploy.serve.drain_hold import HOLD_MODEL, SEQUENCE_IDLE_S
 from specdeploy.serve.model_files import (
     DRAFT_MODEL_PARAMETER,
     ENGINE_PARAMETER,
@@ -98,6 +100,17 @@ def speculative_model(pipeline: PipelineSpec, on_gpu: bool = False, **parameters
     return speculative
 
 
+def drain_hold_model() -> pb.ModelConfig:
+    """`drain_hold` (serve/drain_hold.py): a sequence the launcher holds open on it keeps Triton from unloading the
+    models while `specdeploy serve` drains, so that new requests get UNAVAILABLE and not NOT_FOUND."""
+    config = pb.ModelConfig(name=HOLD_MODEL, backend="python", max_batch_size=1)
+    config.instance_group.add(count=1, kind=pb.ModelInstanceGroup.KIND_CPU)
+    config.sequence_batching.max_sequence_idle_microseconds = SEQUENCE_IDLE_S * 1_000_000
+    add_tensor(config.input, "hold", "TYPE_BOOL", [1])
+    add_tensor(config.output, "held", "TYPE_BOOL", [1])
+    return config
+
+
 def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict[str, pb.ModelConfig]:
     """Every model's config. The torch flavour: preprocessing → speculative (our engine inside). The trtllm flavour:
     the same two and the same ensemble, the speculative model orchestrating the `tensorrtllm` backend's
@@ -129,7 +142,8 @@ def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict
     if pipeline.backend.kind == "torch":
         # a torch engine on cuda: the engine's model runs on the instance's GPU (the tokenizer stays on the CPU)
         on_gpu = pipeline.backend.device == "cuda"
-        configs = [preprocessing, speculative_model(pipeline, on_gpu, **{ENGINE_PARAMETER: ENGINE_FOLDER}), ensemble]
+        configs = [preprocessing, speculative_model(pipeline, on_gpu, **{ENGINE_PARAMETER: ENGINE_FOLDER}), ensemble,
+                   drain_hold_model()]
     else:
         served_at = Path(served_at or ".")
         engines = {name: str(served_at / name / VERSION / ENGINE_FOLDER) for name in trtllm_engines(pipeline)}
@@ -138,7 +152,7 @@ def model_configs(pipeline: PipelineSpec, served_at: Path | None = None) -> dict
                                                      TARGET_MODEL_PARAMETER: TARGET_MODEL,
                                                      DRAFT_MODEL_PARAMETER: DRAFT_MODEL if DRAFT_MODEL in engines
                                                      else ""})
-        configs = [preprocessing, speculative, ensemble,
+        configs = [preprocessing, speculative, ensemble, drain_hold_model(),
                    *(tensorrtllm_model(name, pipeline, path, draft=name == DRAFT_MODEL) for name, path in
                      engines.items())]
     return {config.name: config for config in configs}

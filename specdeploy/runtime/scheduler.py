@@ -119,6 +119,11 @@ class Scheduler:
             self._lock.notify()
 
     @property
+    def idle(self) -> bool:
+        """No request running or queued (a drain is over once it is)."""
+        return not self.active and not self.waiting
+
+    @property
     def reserved_kv(self) -> int:
         return sum(r.reserved for r in self.active)
 

@@ -18,6 +18,26 @@ from specdeploy.serve.requests import SCALAR_INPUTS, STATISTICS, UPSTREAM_INPUTS
 ENTRY_MODEL = "speculative"
 
 
+# Triton's messages for a request it refuses because it is stopping (a stopped model scheduler's, the model's own
+# while draining). Triton 2.51 puts a refused stream request's status code only in its unary reply: on a stream the
+# error carries just the message (the `triton_grpc_error` stream header adds codes only for errors a model sends,
+# not for refusals, and later Triton versions fixed a use-after-free in that mode), so these name the code there.
+STOPPING_MESSAGES = ("Server is stopping", "shutting down")
+UNAVAILABLE = "StatusCode.UNAVAILABLE"
+
+
+class ServerRefusal(RequestError):
+    """The server ended a request with an error. `code` is its gRPC status code where known: UNAVAILABLE means the
+    server is draining or stopping and another replica can serve the request (a stream's refusal carries no code,
+    so it is read from Triton's message)."""
+
+    def __init__(self, message: str, code: str | None) -> None:
+        super().__init__(message)
+        if code is None and any(text in message for text in STOPPING_MESSAGES):
+            code = UNAVAILABLE
+        self.code = code
+
+
 @dataclass
 class Chunk:
     text: str
@@ -63,7 +83,8 @@ def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) ->
 
 def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True, model: str = ENTRY_MODEL,
              timeout: float = 600.0, **fields) -> Iterator[Chunk]:
-    """Yield the text as the server sends it. RequestError carries the server's message for a bad request."""
+    """Yield the text as the server sends it. ServerRefusal (a RequestError) carries the server's message and code
+    for a request it ended with an error."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -78,8 +99,9 @@ def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True,
             result, error = responses.get(timeout=timeout)
             if error is not None:
                 finished = True  # the server ends a request with its error
-                message = error.message() if isinstance(error, InferenceServerException) else str(error)
-                raise RequestError(message)
+                if isinstance(error, InferenceServerException):
+                    raise ServerRefusal(error.message(), error.status())
+                raise ServerRefusal(str(error), None)
             response = result.get_response()
             final = response.parameters["triton_final_response"].bool_param
             if response.outputs:

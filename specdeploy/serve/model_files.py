@@ -29,6 +29,11 @@ PIPELINE_PARAMETER = "pipeline_file"
 TARGET_MODEL_PARAMETER, DRAFT_MODEL_PARAMETER = "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name"
 
 
+def drained_file(drain_file: str | Path) -> Path:
+    """Where the `speculative` model says, once draining, that it has no request left (serve/drain_hold.py)."""
+    return Path(f"{drain_file}.done")
+
+
 def parameter_path(args: dict, name: str) -> Path:
     """The path parameter `name` of the model whose initialize() received `args`. Triton passes the model's
     directory as `model_repository` and its version as `model_version`."""

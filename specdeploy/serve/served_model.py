@@ -18,7 +18,7 @@ from specdeploy.decoding.serving_request import ServingCounters
 from specdeploy.decoding.stats import RequestStats
 from specdeploy.errors import RequestError
 from specdeploy.serve.latency import ITL_BUCKETS, TOKENS_PER_RESPONSE_BUCKETS, TTFT_BUCKETS, RequestTiming
-from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE
+from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE, drained_file
 from specdeploy.serve.requests import (
     SCALAR_INPUTS,
     STATISTICS,
@@ -35,6 +35,9 @@ INPUTS = ("input_ids", "stop_words_ids", "text_input", "stop_words", *SCALAR_INP
 
 class Drainable(Protocol):
     def drain(self, deadline: float) -> None: ...
+
+    @property
+    def idle(self) -> bool: ...
 
 
 class RequestQueue(Protocol):
@@ -153,8 +156,8 @@ class Metrics:
 
 class DrainWatcher:
     """Watches for the drain file `specdeploy serve` writes when a shutdown begins (its path is in the environment,
-    its content the deadline) and tells the scheduler. Triton gives a model no notice of its own: it unloads a
-    decoupled model only once its streams have ended, and aborts at its exit timeout while they have not."""
+    its content the deadline) and tells the scheduler; once the scheduler is idle, writes the drained file, on which
+    the launcher lets Triton unload the models (serve/drain_hold.py). Triton gives a model no notice of its own."""
 
     INTERVAL = 0.2  # seconds between looks
 
@@ -173,7 +176,11 @@ class DrainWatcher:
             except (OSError, ValueError):
                 continue  # not there (yet)
             self.scheduler.drain(deadline)
-            return
+            break
+        while not self.stopped.wait(self.INTERVAL):
+            if self.scheduler.idle:
+                drained_file(self.path).write_text("")
+                return
 
     def stop(self) -> None:
         self.stopped.set()

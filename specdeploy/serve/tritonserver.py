@@ -28,7 +28,8 @@ from pathlib import Path
 
 import specdeploy
 from specdeploy.errors import SpecdeployError
-from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE, FAILURE_FILE_VARIABLE
+from specdeploy.serve.drain_hold import HOLD_MODEL, DrainHold
+from specdeploy.serve.model_files import DRAIN_FILE_VARIABLE, FAILURE_FILE_VARIABLE, drained_file
 
 DRAIN_TIMEOUT = 30.0  # seconds running requests get to finish after a shutdown begins
 EXIT_MARGIN = 10  # seconds Triton's exit timeout exceeds the drain: enough to unload the models after it
@@ -118,9 +119,11 @@ class TritonServer:
     """A tritonserver process. Use as a context manager, or call start() / stop().
 
     Shutdown drains: `drain()` writes a deadline to a file the `speculative` model watches (its path is in the
-    server's environment as SPECDEPLOY_DRAIN_FILE) and sends tritonserver SIGTERM. Triton stops accepting requests
-    and turns not ready; the model ends queued requests and lets running ones finish until the deadline, then ends
-    the rest with an error saying the server is shutting down; Triton then unloads the models and exits.
+    server's environment as SPECDEPLOY_DRAIN_FILE), opens a sequence on the `drain_hold` model that keeps Triton
+    from unloading the models (serve/drain_hold.py) and sends tritonserver SIGTERM. Triton turns not ready and
+    answers new requests UNAVAILABLE; the model ends queued requests and lets running ones finish until the
+    deadline, then ends the rest with an error saying the server is shutting down. Once it has no request left,
+    the sequence ends, and Triton unloads the models and exits.
 
     A failed scheduler (runtime/scheduler.py) ends every request with an error, writes why to the file named by
     SPECDEPLOY_FAILURE_FILE and sends tritonserver SIGTERM; `failure()` reads that file, and `specdeploy serve`
@@ -235,9 +238,13 @@ class TritonServer:
             return
         self.draining = True
         self.shared_memory = backend_shared_memory(self.process.pid)
+        deadline = time.time() + self.drain_timeout
         partial = self.drain_file.with_suffix(".partial")
-        partial.write_text(str(time.time() + self.drain_timeout))
+        partial.write_text(str(deadline))
         partial.replace(self.drain_file)
+        if (self.model_repository / HOLD_MODEL).is_dir():  # keep the models loaded until the drain is over
+            drained = drained_file(self.drain_file)
+            DrainHold(self.grpc_url, deadline, drained.exists).begin()
         self.process.send_signal(signal.SIGTERM)
 
     def stop(self) -> int | None:

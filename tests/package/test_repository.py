@@ -14,7 +14,7 @@ def test_a_rewrite_replaces_the_whole_repository(tiny_engines, tmp_path):
     output = write_repository(tiny_engines["ngram"].dir, tmp_path / "repo")
     (output / "postprocessing" / "1").mkdir(parents=True)  # a model an older layout had
     write_repository(tiny_engines["ngram"].dir, output)
-    assert sorted(p.name for p in output.iterdir()) == ["ensemble", "preprocessing", "speculative"]
+    assert sorted(p.name for p in output.iterdir()) == ["drain_hold", "ensemble", "preprocessing", "speculative"]
     for name in ("ensemble", "preprocessing", "speculative"):
         config = text_format.Parse((output / name / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
         assert config.name == name and config.max_batch_size == 8

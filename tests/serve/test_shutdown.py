@@ -4,6 +4,8 @@ complete or with an error saying the server is shutting down, and a killed super
 from __future__ import annotations
 
 import glob
+import http.client
+import json
 import os
 import shutil
 import signal
@@ -13,12 +15,13 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from helpers.repo import REPO
 
 from specdeploy.errors import RequestError
 from specdeploy.package.repository import write_repository
-from specdeploy.serve.client import generate
+from specdeploy.serve.client import ServerRefusal, generate
 from specdeploy.serve.tritonserver import TritonServer, backend_shared_memory, free_port, is_ready
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
@@ -160,12 +163,76 @@ def test_sigterm_drains_live_streams(serve, smollm2_fp32_engines):
     assert leftovers(serve.files) == set()
 
 
+def post_json(port: int, path: str, body: dict) -> tuple[int, bytes]:
+    """An HTTP POST to the server on this port: the status and the body."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def test_a_draining_server_answers_new_work_unavailable(serve):
+    """Issue 65: with only `speculative` streams live (nothing that Triton counts as in flight), a drain used to
+    unload the models at once and new requests got NOT_FOUND "unknown model", which clients take as permanent.
+    One second after SIGTERM: readiness is false; a stream to `speculative` or to the ensemble is refused as
+    UNAVAILABLE (on a stream Triton gives the message only, which the client reads); Triton's HTTP port and the
+    idle OpenAI front's are closed (connection refused); the live streams still finish."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    outcomes: dict[int, tuple[str, str | None]] = {}
+    started = [threading.Event() for _ in range(3)]
+
+    def client(index: int) -> None:
+        text, error = "", None
+        try:
+            for chunk in generate(serve.url, "Tell me a story.", 6 if index else 1500, end_id=-1, timeout=60):
+                text += chunk.text
+                started[index].set()
+        except RequestError as exc:
+            error = str(exc)
+        outcomes[index] = (text, error)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    assert all(event.wait(120) for event in started)  # all three running, none queued
+    serve.process.send_signal(signal.SIGTERM)
+    time.sleep(1.0)
+    assert not serve.ready()
+    for model in ("speculative", "ensemble"):
+        with pytest.raises(ServerRefusal) as refused:
+            list(generate(serve.url, "Hello", 4, timeout=30, model=model))
+        assert refused.value.code == "StatusCode.UNAVAILABLE", (model, refused.value.code, str(refused.value))
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"Hello"]], dtype=object))
+    with pytest.raises(InferenceServerException) as unary:
+        grpcclient.InferenceServerClient(serve.url).infer("ensemble", [text], client_timeout=30)
+    # a decoupled model takes no unary request, drain or not; before, the model was not even found
+    assert unary.value.status() == "StatusCode.UNIMPLEMENTED", (unary.value.status(), unary.value.message())
+    with pytest.raises(ConnectionRefusedError):  # Triton closes its HTTP port when the drain begins
+        post_json(serve.ports[1], "/v2/models/ensemble/generate_stream", {"text_input": "Hello", "max_tokens": 2})
+    # the front, with no stream of its own to finish, has already exited; with some it answers 503 meanwhile
+    with pytest.raises(ConnectionRefusedError):
+        post_json(serve.ports[3], "/v1/completions", {"prompt": "Hello", "max_tokens": 2})
+    for thread in threads:
+        thread.join(DRAIN + 30)
+    assert outcomes[1][1] is None or outcomes[2][1] is None, outcomes  # live streams went on and finished
+    assert all(error is None or "shutting down" in error for _, error in outcomes.values()), outcomes
+    assert "shutting down" in outcomes[0][1]  # the long one was cut at the drain timeout
+    assert serve.process.wait(DRAIN + 20) == 0
+    assert leftovers(serve.files) == set()
+
+
 def test_an_unclean_exit_still_leaves_no_shared_memory(repository):
     """When Triton cannot unload its models (killed here; in the wild, its exit timeout expiring), the Python
     backends' shared memory is not removed by Triton: stop() removes the regions it noted at the drain."""
     server = TritonServer(repository, drain_timeout=DRAIN).start()
     regions = backend_shared_memory(server.process.pid)
-    assert len(regions) == 2 and all(Path("/dev/shm", region).exists() for region in regions)  # two Python models
+    assert len(regions) == 3 and all(Path("/dev/shm", region).exists() for region in regions)  # three Python models
     files = server_files(server.process.pid)
     server.drain()
     server.drain()  # the second kills it at once

@@ -295,6 +295,11 @@ class Orchestrator:
         self.workers.shutdown(wait=True, cancel_futures=False)
 
     @property
+    def idle(self) -> bool:
+        """No request running or queued (a drain is over once it is)."""
+        return not self.active and not self.waiting
+
+    @property
     def free_kv_slots(self) -> int:
         return self.kv_capacity - sum(job.reserved for job in self.active)
 

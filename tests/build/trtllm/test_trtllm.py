@@ -259,7 +259,7 @@ def test_a_lookahead_plan_builds_the_target_alone_for_its_own_sizes(tmp_path, ti
     assert build["--speculative_decoding_mode"] == "lookahead_decoding" and build["--max_draft_len"] == "7"
     assert pipeline.limits.max_draft_tokens == 8 and "--gather_generation_logits" not in build
     configs = model_configs(pipeline, served_at=Path("/models/la"))
-    assert set(configs) == {"preprocessing", "speculative", "ensemble", "tensorrt_llm"}
+    assert set(configs) == {"preprocessing", "speculative", "ensemble", "drain_hold", "tensorrt_llm"}
     values = {key: value.string_value for key, value in configs["tensorrt_llm"].parameters.items()}
     assert {key: values[key] for key in ("decoding_mode", *LOOKAHEAD_PARAMETERS)} == {
         "decoding_mode": "lookahead", "lookahead_window_size": "2", "lookahead_ngram_size": "3",
