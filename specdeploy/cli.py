@@ -390,8 +390,14 @@ def serve(pipeline_path: str | None, engines_dir: Path, model_repository: Path |
         signal.signal(signum, drain)
     server.start()
     if openai_port and not server.draining:
-        front = OpenAIFront(model_repository, server.grpc_url, openai_port, address, timeout,
-                            openai_max_requests).start()
+        try:
+            front = OpenAIFront(model_repository, server.grpc_url, openai_port, address, timeout,
+                                openai_max_requests).start()
+        except SpecdeployError:
+            if not server.draining:
+                raise
+            # a SIGTERM to the process group while the front started (a pod stopped early): it stopped the front
+            # too, and the drain goes on without it
     click.echo(f"tritonserver ready: gRPC {server.grpc_url}, metrics {server.metrics_url}"
                + (f", OpenAI API {front.url}" if front else "") + "; SIGTERM or Ctrl-C drains and stops it", err=True)
     if not os.environ.get("SPECDEPLOY_ADMIN_KEY"):

@@ -236,7 +236,9 @@ class Orchestrator:
         self.pipeline, self.calls, self.vocab_size, self.end_ids = pipeline, calls, vocab_size, end_ids
         mode = pipeline.speculation.traits.trtllm.engine_mode
         self.engine_mode = ENGINE_MODES.get(mode)
-        if mode == "medusa" and unchecked_medusa_sampling:
+        # only the engine mode whose check has the setting honours it (Medusa's)
+        self.unchecked_sampling = unchecked_medusa_sampling and self.engine_mode is ENGINE_MODES.get("medusa")
+        if self.unchecked_sampling:
             self.engine_mode = self.engine_mode._replace(
                 check=functools.partial(check_medusa_request, unchecked_sampling=True))
         self.tokenizer = tokenizer

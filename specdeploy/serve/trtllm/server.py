@@ -37,7 +37,7 @@ class TrtllmServer:
         self.watcher = DrainWatcher(self.orchestrator)
         pb_utils.Logger.log_info(f"specdeploy: orchestrating {target_model}" + (f" and {draft_model}" if draft_model
                                  else "") + f" ({method}, gamma {self.pipeline.speculation.num_draft_tokens})")
-        if unchecked and method == "medusa":
+        if self.orchestrator.unchecked_sampling:
             pb_utils.Logger.log_warn(f"specdeploy: {UNCHECKED_MEDUSA_SAMPLING}=1: sampled Medusa requests reach the "
                                      f"engine, whose sampling is not exact (a check's setting, not a server's)")
 

@@ -127,7 +127,7 @@ def test_medusa_heads_are_written_as_the_medusa_converter_reads_them(double, tmp
                      "--served-at", "/models/medusa")
     assert result.returncode == 0, result.stderr
     models = sorted(p.name for p in repository.iterdir() if p.is_dir())  # beside them: the package stamp
-    assert models == ["ensemble", "preprocessing", "speculative", "tensorrt_llm"]
+    assert models == ["drain_hold", "ensemble", "preprocessing", "speculative", "tensorrt_llm"]
     config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
     parameters = {key: value.string_value for key, value in config.parameters.items()}
     assert parameters["decoding_mode"] == "medusa" and parameters["medusa_choices"] == "{0}, {0, 0}"
@@ -173,7 +173,7 @@ def test_a_lookahead_pipeline_builds_and_packages_an_engine_its_backend_loads(do
     repository = tmp_path / "repository"
     result = run_cli("package", str(path), "--engines-dir", str(engines), "--output", str(repository))
     assert result.returncode == 0, result.stderr
-    assert sorted(p.name for p in repository.iterdir() if p.is_dir()) == ["ensemble", "preprocessing",
+    assert sorted(p.name for p in repository.iterdir() if p.is_dir()) == ["drain_hold", "ensemble", "preprocessing",
                                                                          "speculative", "tensorrt_llm"]
     config = text_format.Parse((repository / "tensorrt_llm" / "config.pbtxt").read_text(), pb.ModelConfig())
     parameters = {key: value.string_value for key, value in config.parameters.items()}
