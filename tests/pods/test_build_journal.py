@@ -174,18 +174,24 @@ FAILED_JOB = {"kind": "Job", "status": {"failed": 1, "conditions": [
      "message": "Job was active longer than specified deadline"}]}}
 
 
-def test_the_wait_gives_up_when_the_jobs_own_status_says_it_failed(volume, tmp_path, capsys):
-    """Review N3: a Job past its activeDeadlineSeconds (its pods deleted; also where its pod was never scheduled or
-    its image never pulled) leaves the journal silent. The wait reads the Job's Failed condition and gives up at
-    once, naming the reason, rather than at its own deadline."""
-    api = StandInApi(200, FAILED_JOB)
+def wait_with_job(volume, api, tmp_path) -> tuple[int, float]:
+    """The wait (2 s poll budget, 60 s deadline) reading the Job through the stand-in API: its status and seconds."""
     try:
         started = time.monotonic()
         status = build_journal.wait(volume["journal"], volume["pipeline"], volume["stamp"], 2, 0.1,
                                     give_up_after_s=60, job=api.reader(tmp_path / "credentials"))
     finally:
         api.close()
-    assert status == 1 and time.monotonic() - started < 10
+    return status, time.monotonic() - started
+
+
+def test_the_wait_gives_up_when_the_jobs_own_status_says_it_failed(volume, tmp_path, capsys):
+    """Review N3: a Job past its activeDeadlineSeconds (its pods deleted; also where its pod was never scheduled or
+    its image never pulled) leaves the journal silent. The wait reads the Job's Failed condition and gives up at
+    once, naming the reason, rather than at its own deadline."""
+    api = StandInApi(200, FAILED_JOB)
+    status, seconds = wait_with_job(volume, api, tmp_path)
+    assert status == 1 and seconds < 10
     error = capsys.readouterr().err
     assert "p-engine-build-0123456789 has failed (DeadlineExceeded: Job was active longer" in error
     assert api.requests[0] == ("/apis/batch/v1/namespaces/specdeploy/jobs/p-engine-build-0123456789", "Bearer token-1")
@@ -201,13 +207,8 @@ def test_a_complete_job_with_another_versions_stamp_ends_the_wait_at_once(volume
     volume["stamp"].parent.mkdir(parents=True)
     volume["stamp"].write_text(json.dumps({"specdeploy": "0.0.0", "files": {"pipeline_file": "another"}}))
     api = StandInApi(200, COMPLETE_JOB)
-    try:
-        started = time.monotonic()
-        status = build_journal.wait(volume["journal"], volume["pipeline"], volume["stamp"], 2, 0.1,
-                                    give_up_after_s=60, job=api.reader(tmp_path / "credentials"))
-    finally:
-        api.close()
-    assert status == 1 and time.monotonic() - started < 10
+    status, seconds = wait_with_job(volume, api, tmp_path)
+    assert status == 1 and seconds < 10
     error = capsys.readouterr().err
     assert "has completed" in error and "kubectl delete job/p-engine-build-0123456789" in error
 

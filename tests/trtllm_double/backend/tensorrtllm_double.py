@@ -35,7 +35,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -518,8 +518,8 @@ class TensorrtllmDouble:
                 raise DoubleError(f"Encountered an error in forward function: {failed}")
         pool = NgramPool(config.ngram, config.verification_set)
         pool.insert_text(tokens)
-        pooled, produced = len(tokens), 0
-        while produced < count:
+
+        def next_step() -> list[int]:
             best = [int(self.logits(tokens, 1)[0].argmax())]
             for guess in pool.guesses(tokens[-1], min(config.window, config.verification_set)):
                 if guess[0] != best[0]:
@@ -528,37 +528,24 @@ class TensorrtllmDouble:
                 confirmed = targets[:common_prefix_length(list(guess), targets) + 1]
                 if len(confirmed) > len(best):
                     best = confirmed
-            step = best[:count - produced]
-            if end_id in step:  # not returned, and nothing after it
-                step = step[:step.index(end_id)]
-                if echo or step:
-                    yield Step(echo + step, None)
-                return
-            tokens.extend(step)
-            produced += len(step)
+            return best
+
+        pooled = len(tokens)
+
+        def committed() -> None:
+            nonlocal pooled
             pool.insert_text(tokens, pooled)
             pooled = len(tokens)
-            yield Step(echo + step, None)
-            echo = []
+
+        yield from engine_steps(tokens, count, end_id, echo, next_step, committed)
 
     def medusa_steps(self, tokens: list[int], count: int, end_id: int, sampling: Sampling,
                      generator: torch.Generator, echo: list[int]) -> Iterator[Step]:
         """A Medusa engine's steps: each the accepted path of the tree plus the target's token after it. A top-k of 0
         (sent, not absent) makes the top-k kernel write nothing (samplingTopKKernels.cu @ 03961722): every token
         is whatever the buffer held, here 0, one a step."""
-        produced = 0
-        while produced < count:
-            step = [0] if sampling.top_k == 0 else self.medusa_step(tokens, medusa_sampling(sampling), generator)
-            step = step[:count - produced]
-            if end_id in step:  # not returned, and nothing after it
-                step = step[:step.index(end_id)]
-                if echo or step:
-                    yield Step(echo + step, None)
-                return
-            tokens.extend(step)
-            produced += len(step)
-            yield Step(echo + step, None)
-            echo = []
+        yield from engine_steps(tokens, count, end_id, echo, lambda: [0] if sampling.top_k == 0 else
+                                self.medusa_step(tokens, medusa_sampling(sampling), generator))
 
     def medusa_step(self, tokens: list[int], sampling: Sampling, generator: torch.Generator) -> list[int]:
         """One step over the tree (settings.medusa_choices, top-k index paths): the target's token at the root and
@@ -624,3 +611,23 @@ class TensorrtllmDouble:
             emitted.append(drafted)
         p = sampling.selected(sampling.probabilities(logits[k], self.seen(tokens + drafts)))
         return Step(emitted + [multinomial(p, generator)], None)
+
+
+def engine_steps(tokens: list[int], count: int, end_id: int, echo: list[int], next_step: Callable[[], list[int]],
+                 committed: Callable[[], None] = lambda: None) -> Iterator[Step]:
+    """Steps of an engine that commits several tokens a step (next_step() proposes them, after `tokens`), up to
+    `count` tokens: an end_id is not returned and ends the request with nothing after it; committed() runs after
+    each step's tokens join `tokens`. The echoed prompt rides on the first step."""
+    produced = 0
+    while produced < count:
+        step = next_step()[:count - produced]
+        if end_id in step:
+            step = step[:step.index(end_id)]
+            if echo or step:
+                yield Step(echo + step, None)
+            return
+        tokens.extend(step)
+        produced += len(step)
+        committed()
+        yield Step(echo + step, None)
+        echo = []
