@@ -1,7 +1,7 @@
 """Test only: an exception injected into one proposer hook, to show what a failed scheduler does (issue 64).
 
 SPECDEPLOY_TEST_FAULT=HOOK:N makes the Nth call of the served engine's proposer hook HOOK (prefill, propose,
-observe, on_commit or move_row) raise InjectedFault; tests/serve/test_scheduler_failure.py sets it
+observe, on_commit or move_row) raise InjectedFault; tests/serve/test_served_scheduler_failure.py sets it
 on a tiny engine's server. Never set it on a server that serves anyone: it exists to break the server.
 """
 
