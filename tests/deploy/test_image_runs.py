@@ -384,6 +384,12 @@ def gpu_containers() -> list[tuple[dict, dict]]:
             for container in containers(template)]
 
 
+def python_modules(command: list[str]) -> list[str]:
+    """Every `python3 -m MODULE` in a command line, wrapped ones too (the version lease's hold runs the launcher
+    after its `--`)."""
+    return [command[at + 2] for at in range(len(command) - 2) if command[at:at + 2] == ["python3", "-m"]]
+
+
 def test_the_gpu_images_own_layer_on_a_stand_in_base():
     """build/Dockerfile.gpu on the stand-in base: it installs nothing over the base's torch, transformers and numpy
     (TensorRT-LLM pins them); under the GPU pods' security settings, every `python3 -m` module the GPU overlays'
@@ -393,8 +399,9 @@ def test_the_gpu_images_own_layer_on_a_stand_in_base():
     assert podman_image.image_exists(layer), "build it first: make image-gpu-layer"
     containers = gpu_containers()
     assert {c["image"] for _, c in containers} == {GPU_IMAGE}  # the GPU layer is this image, as pushed
-    modules = sorted({c["command"][2] for _, c in containers if c["command"][:2] == ["python3", "-m"]})
-    assert {"specdeploy.pods.build_journal", "specdeploy.pods.launch"} <= set(modules), modules
+    modules = sorted({module for _, c in containers for module in python_modules(c["command"])})
+    assert {"specdeploy.pods.build_journal", "specdeploy.pods.launch", "specdeploy.pods.versions"} <= set(modules), \
+        modules
     hardened = {tuple(security_options(pod["securityContext"], c)) for pod, c in containers}
     assert len(hardened) == 1, "the GPU containers' security settings differ: run each as its own"
 
