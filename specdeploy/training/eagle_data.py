@@ -87,9 +87,9 @@ def write_shards(target, sequences: list[tuple[list[int], int]], feature_layers:
 
 class ShardedSamples:
     """The samples of a folder of shards, as a sequence: len(), [i] (a Sample, its tensors read from the mapped
-    file), tokens(i) (the ids alone)."""
+    file), tokens(i) (the ids alone); limit: the first `limit` samples alone (None: all)."""
 
-    def __init__(self, folder: Path) -> None:
+    def __init__(self, folder: Path, limit: int | None = None) -> None:
         self.paths = sorted(Path(folder).glob("shard-*.safetensors"))
         self.files = [safe_open(str(path), framework="pt") for path in self.paths]
         self.places: list[tuple[int, int]] = []  # sample → (shard, index in it)
@@ -99,6 +99,7 @@ class ShardedSamples:
             self.offsets.append(offsets)
             self.firsts.append(firsts)
             self.places += [(number, index) for index in range(len(firsts))]
+        self.places = self.places[:limit]
 
     def __len__(self) -> int:
         return len(self.places)
@@ -121,7 +122,7 @@ class ShardedSamples:
         return (self[i] for i in range(len(self)))
 
     def token_count(self) -> int:
-        return sum(offsets[-1] for offsets in self.offsets)
+        return sum(self.lengths())
 
     def lengths(self) -> list[int]:
         """Each sample's token count, read from the index alone."""

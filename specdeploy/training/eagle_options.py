@@ -21,6 +21,9 @@ class EagleTrainingOptions:
     # fifth of its weights; a draft step over it would cost more than the rest of the head)
     draft_vocab: int = 3072
     intermediate_size: int = 768  # the head's MLP width (the asset stays near 10 MB in bf16)
+    # train on the first N of the run's training prompts alone (None: all of them); the held-out prompts and the
+    # features on disk stay those of `prompts`, so runs differing only here give the agreement-by-data curve
+    train_prompts: int | None = None
     batch_size: int = 16
     lr: float = 1e-3
     seed: int = 0

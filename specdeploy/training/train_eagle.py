@@ -2,8 +2,8 @@
 
 The work folder holds everything a rerun resumes from: the target's own requests and its answers (shared by every
 run in the folder), and per prompt count the target's features in shards (training/eagle_data.py) and a checkpoint
-after each epoch (`runs/<prompts>/`), so a smaller run of the same recipe, for the agreement-by-data curve, reuses
-the answers.
+after each epoch (`runs/<prompts>/`). The agreement-by-data curve trains on prefixes of one run's training prompts
+(--train-prompts): the same held-out prompts and features, checkpoints of their own (`runs/<prompts>/train-<n>/`).
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import json
 import time
 from pathlib import Path
 
+from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
 from specdeploy.training.distillation import distillation_answers, run_facts
 from specdeploy.training.eagle_options import EagleTrainingOptions
@@ -41,11 +42,15 @@ def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
         options.answer_batch, options.own_requests)
     train_prompts = [p for p in train_prompts if p in answers]  # a prompt over the input limit has no answer
     held_out = [p for p in held_out if p in answers]
+    if options.train_prompts is not None and options.train_prompts > len(train_prompts):
+        raise SpecdeployError(f"--train-prompts {options.train_prompts}: the run of --prompts {options.prompts} has "
+                              f"{len(train_prompts)} training prompts; choose at most that many")
     steps = pipeline.speculation.num_draft_tokens
     engine = Engine(engine_dir, method="none")
     target, config = engine.target, engine.target.config
     layers = default_feature_layers(config.num_layers)
     run_dir = work_dir / "runs" / str(options.prompts)
+    checkpoints = run_dir if options.train_prompts is None else run_dir / f"train-{options.train_prompts}"
 
     def sequences(prompts: list[str]) -> list[tuple[list[int], int]]:
         encoded = [engine.encode_prompt(p) for p in prompts]
@@ -57,9 +62,11 @@ def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
         task = progress.add_task("target features (tokens)",
                                  total=sum(len(tokens) for tokens, _ in train_sequences + held_sequences))
         advance = lambda tokens: progress.advance(task, tokens)  # noqa: E731
-        train_samples = ShardedSamples(write_shards(target, train_sequences, layers, run_dir / "train", advance))
+        train_samples = ShardedSamples(write_shards(target, train_sequences, layers, run_dir / "train", advance),
+                                       limit=options.train_prompts)
         held_samples = ShardedSamples(write_shards(target, held_sequences, layers, run_dir / "held_out", advance))
     features_seconds = time.perf_counter() - features_started
+    train_sequences = train_sequences[:options.train_prompts]  # the shards' order: the first n are those trained on
     answer_tokens = [tokens[first + 1:] for tokens, first in train_sequences]
     ids = torch.tensor(most_frequent_tokens(answer_tokens, options.draft_vocab, config.vocab_size))
     head_config = EagleConfig(hidden_size=config.hidden_size, intermediate_size=options.intermediate_size,
@@ -82,7 +89,7 @@ def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
         def on_step(done: int, total: int, loss: float) -> None:
             progress.update(task, completed=done, total=total, description=f"training the head (loss {loss:.3f})")
 
-        head, losses = training.train(head, train_samples, embed, draft_rows, steps, options.epochs, run_dir,
+        head, losses = training.train(head, train_samples, embed, draft_rows, steps, options.epochs, checkpoints,
                                       options.batch_size, options.lr, options.seed, on_step, options.autocast)
     training_seconds = time.perf_counter() - training_started
     held = training.chain_acceptance(head, held_samples, embed, draft_rows, steps, autocast=options.autocast)
@@ -99,7 +106,7 @@ def train_eagle(pipeline_path: str | Path, engines_dir: Path, output: Path,
               "autocast": options.autocast,
               "token_epochs_per_second": round(train_samples.token_count() * trained_epochs
                                                / max(training_seconds, 1e-9), 1) if trained_epochs else None,
-              **run_facts(train_prompts, held_out, options, answers_seconds, started)}
+              **run_facts(train_prompts[:options.train_prompts], held_out, options, answers_seconds, started)}
     report["seconds"] |= {"features": round(features_seconds), "training": round(training_seconds)}
     (output / REPORT_FILE).write_text(json.dumps(report, indent=2) + "\n")
     training.write_plot(report, output / "training.png")

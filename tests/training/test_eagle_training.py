@@ -4,6 +4,7 @@ norm, and a rerun resumes from the answers, the shards and the checkpoints inste
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
@@ -12,6 +13,7 @@ import yaml
 from helpers.pipelines import tiny_pipeline
 from helpers.tiny_models import save_tiny_checkpoint
 
+from specdeploy.errors import SpecdeployError
 from specdeploy.training.eagle import padded_batch
 from specdeploy.training.eagle_data import ShardedSamples, write_shards
 from specdeploy.training.eagle_options import EagleTrainingOptions
@@ -74,13 +76,24 @@ def test_train_eagle_distils_at_scale_and_a_rerun_resumes(pipeline_path, tmp_pat
     assert again["epoch_losses"] == []  # both epochs resumed from their checkpoints
     torch.testing.assert_close(again["held_out"][0]["top1"], report["held_out"][0]["top1"])
 
+    # a point of the agreement-by-data curve: the first 5 training prompts, the same held-out ones and shards
+    run = tmp_path / "work" / "runs" / "40"
+    fewer = train_eagle(pipeline_path, tmp_path / "engines", tmp_path / "fewer",
+                        dataclasses.replace(options, train_prompts=5))
+    assert {path: path.stat().st_mtime_ns for path in written} == written
+    assert fewer["prompts"] == {"train": 5, "held_out": report["prompts"]["held_out"]}
+    assert fewer["train_tokens"] == sum(ShardedSamples(run / "train").lengths()[:5]) < report["train_tokens"]
+    assert [d["positions"] for d in fewer["held_out"]] == [d["positions"] for d in report["held_out"]]
+    assert len(fewer["epoch_losses"]) == 2 and sorted(p.name for p in (run / "train-5").iterdir()) == [
+        "head.epoch1.safetensors", "head.epoch2.safetensors"]
+    with pytest.raises(SpecdeployError, match="--train-prompts 999: .* training prompts"):
+        train_eagle(pipeline_path, tmp_path / "engines", tmp_path / "more",
+                    dataclasses.replace(options, train_prompts=999))
+
 
 def test_the_answered_source_trains_on_the_work_folders_answers_and_decodes_nothing(pipeline_path, tmp_path):
     """--prompt-source answered: every prompt answers.jsonl holds (no bench prompt), held out as the scaled source
     is, and not one answer decoded again; without answers it says what to run first."""
-    import dataclasses
-
-    from specdeploy.errors import SpecdeployError
     from specdeploy.training.distillation import answered_prompts
 
     options = EagleTrainingOptions(work_dir=tmp_path / "work", prompts=30, max_tokens=12, epochs=1, answer_batch=8,
