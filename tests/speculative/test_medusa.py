@@ -1,5 +1,7 @@
 """Medusa heads: the heads file under TensorRT-LLM's keys (both ways), the build's checks, and the proposer in the
-engine: greedy Medusa equals plain greedy token for token, alone and in a continuous batch (fp32)."""
+engine: greedy Medusa equals plain greedy token for token, alone and in a continuous batch (fp32), and sampled
+Medusa emits each token as the target's (helpers/tree_calibration.py), a penalty without the tree's ancestry failing
+the same check."""
 
 from __future__ import annotations
 
@@ -7,7 +9,9 @@ import pytest
 import torch
 from helpers.batch import assert_continuous_batch_equals_alone, assert_greedy_equals_plain_alone
 from helpers.pipelines import write_pipeline
+from helpers.planted_bugs import PENALTY_BUGS, plant_penalty_bug
 from helpers.prompts import PROMPTS
+from helpers.tree_calibration import calibration
 from safetensors.torch import load_file
 
 from specdeploy.build.torch_engine import build
@@ -115,6 +119,31 @@ def test_sampled_medusa_is_seeded(medusa_engine):
     params = SamplingParams(temperature=0.9, top_p=0.9, repetition_penalty=1.1, seed=3)
     first, second = (engine.start(GenerationRequest(PROMPTS[0], 30, params, None)).run() for _ in range(2))
     assert first == second
+
+
+# Token by token (helpers/tree_calibration.py): every emitted token against its exact conditional distribution,
+# with the sibling and penalty calibrations (its setting: T 1, top-k 4, penalty 1.5; 300 generations of 30 steps);
+# the repeated trigram (PROMPTS[1]) has trees accepted past the root.
+
+
+def test_sampled_medusa_is_calibrated_token_by_token(medusa_engine):
+    """The exact rule: no impossible token and every z within ±4 (~10,800 tokens decided at nodes with two or more
+    children, ~3,300 below the root)."""
+    result = calibration(medusa_engine, PROMPTS[1])
+    assert result.at_siblings > 8000 and result.below_root > 2000, result
+    assert result.ok, result
+
+
+@pytest.mark.parametrize("bug", list(PENALTY_BUGS))
+def test_a_penalty_without_tree_ancestry_is_caught(medusa_engine, bug, monkeypatch):
+    """Negative controls: the verify's repetition penalty without the tree's ancestry, each node seeing every node
+    before it as in a chain (penalty_as_a_chain), or none of its path's drafts (penalty_without_drafts). At penalty
+    1.5 with top-k 4 the wrong penalty moves tokens in and out of the top 4: in our runs 35 and 60 emitted tokens
+    had exact probability 0 (the exact rule: none; P(no such token) is below e^-35 at that rate), and z_elsewhere
+    -2.6 and z_seen +3.97."""
+    plant_penalty_bug(monkeypatch, bug)
+    result = calibration(medusa_engine, PROMPTS[1])
+    assert result.impossible > 0, result
 
 
 def test_build_checks_the_heads_against_the_spec_and_the_target(tiny_checkpoints, tmp_path):

@@ -6,8 +6,9 @@ the path to that node) and runs `accept_tree` over N independent trials in one b
 token must follow the root's distribution in every trial; among the trials whose accepted path went through node i,
 the next emitted token must follow node i's distribution. Each is checked with test_acceptance_distribution's
 goodness-of-fit test (tests/helpers/goodness_of_fit.py: chi-square, total-variation bound, zero-probability check).
-The same harness must reject three broken rules: trying siblings against p instead of p with the rejected ones
-removed, sampling the fallback from p instead of p', and Medusa's typical acceptance (lossy by design).
+The same harness must reject four broken rules: trying siblings against p instead of p with the rejected ones
+removed, siblings sharing one uniform (both helpers/planted_bugs.py), sampling the fallback from p instead of p',
+and Medusa's typical acceptance (lossy by design).
 """
 
 from __future__ import annotations
@@ -15,17 +16,15 @@ from __future__ import annotations
 import pytest
 import torch
 from helpers.goodness_of_fit import MIN_SAMPLES, PositionCheck, goodness_of_fit_counts
+from helpers.planted_bugs import planted_tree_rule
 
-from specdeploy.decoding.sampling import SamplingParams, sample, sampling_distribution, uniform
+from specdeploy.decoding.sampling import SamplingParams, sample, sampling_distribution
 from specdeploy.spec.token_tree import TokenTree
 from specdeploy.speculative.tree import (
-    _earlier_siblings,
     _result,
-    _walk,
     accept_tree,
     accept_tree_greedy,
     accept_tree_typical,
-    tree_tensors,
 )
 
 N_TRIALS = 100_000
@@ -216,20 +215,6 @@ def test_choices_are_validated_and_ordered():
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def siblings_against_p(tree, node_tokens, target_probs, counts, generator):
-    """Broken: each child is accepted with p(c), not renormalised after its rejected siblings."""
-    batch, width = node_tokens.shape
-    shape = tree_tensors(tree, batch, width, "cpu")
-    p_of_x = target_probs[torch.arange(batch)[:, None], shape.parents].gather(-1, node_tokens[..., None]).squeeze(-1)
-    _, repeated = _earlier_siblings(shape.parents, node_tokens)
-    acceptable = ~repeated & (uniform((batch, width), generator, "cpu") <= p_of_x)
-    path, final_node = _walk(shape, acceptable)
-    final_p = target_probs[torch.arange(batch), final_node]
-    children = shape.parents == final_node[:, None]
-    residual = final_p.masked_fill(torch.zeros_like(final_p).scatter_add_(-1, node_tokens, children.float()) > 0, 0)
-    return _result(node_tokens, path, sample(residual / residual.sum(-1, keepdim=True), generator))
-
-
 def fallback_from_p(tree, node_tokens, target_probs, counts, generator):
     """Broken: the exact walk, but the token after rejecting every child is sampled from p, not p'."""
     exact = accept_tree(tree, node_tokens, target_probs, counts, generator)
@@ -238,8 +223,10 @@ def fallback_from_p(tree, node_tokens, target_probs, counts, generator):
     return _result(node_tokens, exact.path, final)
 
 
-@pytest.mark.parametrize("broken", [siblings_against_p, fallback_from_p, accept_tree_typical],
-                         ids=["siblings_against_p", "fallback_from_p", "typical_acceptance"])
+@pytest.mark.parametrize("broken", [planted_tree_rule(renormalise=False), planted_tree_rule(one_uniform=True),
+                                    fallback_from_p, accept_tree_typical],
+                         ids=["siblings_against_p", "siblings_share_one_uniform", "fallback_from_p",
+                              "typical_acceptance"])
 def test_broken_rules_are_detected(broken):
     tree = TokenTree.from_choices(MIXED)
     p = target_distributions(tree, vocab=8, seed=len(MIXED))
