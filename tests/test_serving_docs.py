@@ -1,11 +1,16 @@
-"""What docs/serving.md promises, against the code's names: which counter sees each kind of refused request
-(tests/serve/test_refusal_metrics.py)."""
+"""What docs/serving.md promises, against the code's names: what a seed and each serving.determinism keep (the
+behaviour behind each cell: tests/runtime/test_what_a_seed_guarantees.py), what changes greedy text, and which
+counter sees each kind of refused request (tests/serve/test_refusal_metrics.py)."""
 
 from __future__ import annotations
 
 import re
+from typing import get_args
 
 from helpers.repo import REPO
+
+from specdeploy.spec.pipeline import Determinism, ServingSpec
+from specdeploy.spec.speculation import METHODS
 
 SERVING = REPO / "docs" / "serving.md"
 HEADING = re.compile(r"^(#+) (.*)$")
@@ -39,6 +44,46 @@ def paragraph(text: str, lead: str) -> str:
     found = [block for block in blocks if block.strip().removeprefix("- ").startswith(lead)]
     assert found, f"nothing starts with {lead!r}"
     return " ".join(found[0].split())
+
+
+def test_the_seed_section_says_what_each_determinism_mode_keeps():
+    """A column per serving.determinism, the code's default marked; batch_dependent keeps nothing beyond the same
+    request served alone again (soak 5: seeded plain text differed under load in 107 of 107), batch_invariant keeps
+    plain decode's text in any batch; the chain and tree methods named are the code's."""
+    text = section("What a seed guarantees")
+    header, *rows = first_table(text)
+    columns = {CODE.search(cell)[1]: cell for cell in header[1:]}
+    assert set(columns) == set(get_args(Determinism))
+    assert [mode for mode, cell in columns.items() if "(default)" in cell] == [ServingSpec().determinism]
+    table = {row[0]: dict(zip(columns, row[1:])) for row in rows}
+    assert table["served alone again"] == {mode: "same text" for mode in columns}
+    for claim, cells in table.items():
+        if claim != "served alone again":
+            assert cells["batch_dependent"].startswith("may differ"), claim
+    plain = next(cells for claim, cells in table.items() if claim.startswith("plain"))
+    assert plain == {"batch_dependent": "may differ from alone", "batch_invariant": "same as alone"}
+    greedy_alone = table["greedy, speculative, served alone"]["batch_invariant"]
+    chain, tree = re.match(r"chain methods \(([^)]*)\): same as plain; tree methods \(([^)]*)\): may differ",
+                           greedy_alone).groups()
+    assert set(CODE.findall(chain)) == {name for name, traits in METHODS.items()
+                                        if traits.shape == "chain" and name != "none"}
+    assert set(CODE.findall(tree)) == {name for name, traits in METHODS.items() if traits.shape == "tree"}
+    assert "`tests/runtime/test_what_a_seed_guarantees.py`" in text
+
+
+def test_the_seed_section_names_each_cause_of_changed_greedy_text_and_what_avoids_it():
+    """Speculation alone (a near tie, a request served alone) and the batch, where under load the policy turns
+    drafting off, so greedy requests get plain decode's text in a batch; and, for who needs identical text, the
+    batch-invariant mode and fp32."""
+    text = section("What a seed guarantees")
+    speculation = paragraph(text, "**Speculation.**")
+    assert "near tie" in speculation and "served alone" in speculation
+    batch = paragraph(text, "**The batch.**")
+    assert "`serving.determinism: batch_dependent`" in batch and "Plain decode is no exception" in batch
+    assert "turns drafting off" in batch and "plain decode's text *in a batch*" in batch
+    assert paragraph(text, "**The step program.**")
+    remedy = paragraph(text, "**Who needs identical text**")
+    assert "`serving.determinism: batch_invariant`" in remedy and "fp32" in remedy
 
 
 def test_the_metrics_table_names_the_counter_of_each_refusal():
