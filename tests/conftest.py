@@ -123,6 +123,23 @@ def smollm2_fp32_engines(shared_root) -> dict[str, object]:
     return {"draft-target": Engine(engine_dir), "ngram": Engine(engine_dir, method="ngram")}
 
 
+@pytest.fixture(scope="session")
+def smollm2_bf16_engine_dir(shared_root) -> Path:
+    """The shipped n-gram pipeline with a dense bf16 target (its matmuls are oneDNN's bf16 kernels, where the batch
+    and speculation change a row's last bits) built for batch-invariant serving, gamma capped at 8 instead of
+    measured at build; a test loads it in either serving.determinism (Engine's `determinism`)."""
+    from specdeploy.build.torch_engine import build
+    from specdeploy.spec.pipeline import load_pipeline
+
+    root = shared_root / "smollm2-bf16"
+    root.mkdir(exist_ok=True)
+    spec = yaml.safe_load((REPO / "pipelines" / "smollm2-ngram.yaml").read_text())
+    spec["name"] = "smollm2-bf16-invariant"
+    spec["target"].pop("weight_only")
+    spec["serving"] = {"policy": {"gamma_cap": 8}, "determinism": "batch_invariant"}
+    return build(load_pipeline(write_pipeline(root / "bf16.yaml", **spec)), root / "engines", quiet=True).directory
+
+
 @pytest.fixture(scope="module")
 def single_thread():
     """Ops on ~1e5-element tensors gain nothing from intra-op threads; on a loaded 2-core box threads cost ~3x."""

@@ -6,7 +6,9 @@ row differently depending on its company:
   attention kernel reduces a row differently when the key length changes, masked keys or not (bf16, torch 2.13:
   a query over 300 keys with 5 masked ones appended differs in its last bits). The fix is structural: attend each
   query over exactly the keys it sees (`attend_rows`), the call a lone plain decode step makes. That also makes a
-  speculative verify compute each position as plain decoding does, so greedy text does not depend on speculation.
+  chain's verify compute each position as plain decoding does, so greedy text does not depend on speculation; a
+  token tree is attended in one masked call over its row's own keys (independent of the other rows, not of the
+  tree), so a tree method's greedy text can still part from plain at a near tie.
 - matmuls: a kernel may be chosen by the number of rows M (oneDNN picks its blocking, its K-parallel reduction and
   on AMX CPUs even the instruction set by shape; cuBLAS splits K by shape). Whether this machine's kernels keep a
   row's result whatever M is, is measured, not assumed: `invariant_rows` runs each distinct linear layer on rows

@@ -1,17 +1,17 @@
-"""Reading a server's Prometheus metrics (the specdeploy_* series), for load reports and tests."""
+"""Reading a server's Prometheus metrics (the specdeploy_* series, or Triton's own), for load reports and tests."""
 
 from __future__ import annotations
 
 import urllib.request
 
 
-def scrape(metrics_url: str) -> dict[str, float]:
-    """Every specdeploy_* sample: 'name{labels}' → value."""
+def scrape(metrics_url: str, prefix: str = "specdeploy_") -> dict[str, float]:
+    """Every sample whose name starts with `prefix` (Triton's own: "nv_"): 'name{labels}' → value."""
     with urllib.request.urlopen(metrics_url, timeout=10) as reply:
         text = reply.read().decode()
     values = {}
     for line in text.splitlines():
-        if line.startswith("specdeploy_"):
+        if line.startswith(prefix):
             key, value = line.rsplit(" ", 1)
             values[key] = float(value)
     return values

@@ -21,8 +21,8 @@ from specdeploy.spec.sampling_params import SamplingParams, sampling_problems
 from specdeploy.spec.speculation import DraftSpec, SpeculationSpec
 from specdeploy.spec.strict_yaml import NOT_IN_FILE, Problem, Section, build, plain_data, quoted, read_yaml
 
-# batch_invariant: each request's positions computed as a lone plain decode step would; batch_dependent: each step's
-# rows through the kernels together (ServingSpec.determinism)
+# batch_invariant: each row computed as it would be alone (a chain's positions as lone plain decode steps);
+# batch_dependent: each step's rows through the kernels together (ServingSpec.determinism)
 Determinism = Literal["batch_invariant", "batch_dependent"]
 
 _NEUTRAL = SamplingParams()
@@ -187,9 +187,11 @@ class ServingSpec(Section):
     limits.max_batch_size × limits.max_sequence_length, see PipelineSpec.kv_capacity_tokens). request_kinds: the
     values a request's `request_kind` input may take, each a label of the acceptance counters so that acceptance
     shows per kind of traffic; at most MAX_REQUEST_KINDS short labels, so the series stay few (requests without a
-    kind count as UNSPECIFIED_KIND). determinism: "batch_invariant" computes each request's positions as a lone
-    plain decode step would (models/row_invariance.py), so its greedy text depends neither on the batch nor on
-    speculation; "batch_dependent" runs each step's rows through the kernels together, which is faster."""
+    kind count as UNSPECIFIED_KIND). determinism: "batch_invariant" computes each row as it would be alone
+    (models/row_invariance.py), so the batch changes a request's text only through the gamma the policy gives it,
+    and a chain method's verify computes each position as a plain decode step would, so its greedy text depends on
+    neither (a tree method's can part from plain at near ties); "batch_dependent" runs each step's rows through the
+    kernels together, which is faster. What each keeps: docs/serving.md, "What a seed guarantees"."""
 
     policy: PolicySpec = field(default_factory=PolicySpec)
     kv_capacity_tokens: int | None = None

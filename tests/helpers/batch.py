@@ -1,6 +1,9 @@
-"""For the batch decoder's tests: a counter of host reads, and a batch of mixed requests."""
+"""For the batch decoder's tests: a counter of host reads, a batch of mixed requests, and requests run together
+through a scheduler."""
 
 from __future__ import annotations
+
+import threading
 
 import torch
 
@@ -83,3 +86,18 @@ def assert_continuous_batch_equals_alone(engine_dir, max_tokens: int = 30, batch
             assert collector.done.wait(60) and collector.tokens == tokens
     finally:
         scheduler.stop()
+
+
+def run_together(scheduler, requests: list[GenerationRequest]) -> list[list[int]]:
+    """Every request submitted to `scheduler` at once; each one's tokens."""
+    outputs: list[list[int]] = [[] for _ in requests]
+    done = [threading.Event() for _ in requests]
+    for index, request in enumerate(requests):
+        def on_tokens(tokens, finished, stats, index=index):
+            outputs[index].extend(tokens)
+            if finished is not None:
+                done[index].set()
+        scheduler.submit(request, on_tokens)
+    for event in done:
+        assert event.wait(300)
+    return outputs

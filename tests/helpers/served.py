@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 
+import numpy as np
 import pytest
 
 from specdeploy.serve.client import generate
@@ -24,6 +25,35 @@ def read_config(path):
     from tritonclient.grpc import model_config_pb2
 
     return text_format.Parse(path.read_text(), model_config_pb2.ModelConfig())
+
+
+def infer_input(name: str, data_type: str, value: np.ndarray):
+    """A tritonclient gRPC input holding `value` as Triton data type `data_type` ("INT32", "BYTES", ...)."""
+    import tritonclient.grpc as grpcclient
+
+    tensor = grpcclient.InferInput(name, list(value.shape), data_type)
+    tensor.set_data_from_numpy(value)
+    return tensor
+
+
+def first_stream_answer(server, model: str, inputs: list) -> tuple[object, object]:
+    """Sent to `model` on a stream of its own, as tritonclient's raw API sends it (no checks of ours on the way):
+    the first (result, error) the server answers with."""
+    import tritonclient.grpc as grpcclient
+
+    client = grpcclient.InferenceServerClient(server.grpc_url)
+    answers: list = []
+    client.start_stream(callback=lambda result, error: answers.append((result, error)))
+    try:
+        client.async_stream_infer(model, inputs)
+        deadline = time.monotonic() + 30
+        while not answers:
+            assert time.monotonic() < deadline, f"{model}: no answer"
+            time.sleep(0.05)
+    finally:
+        client.stop_stream()
+        client.close()
+    return answers[0]
 
 
 def plain_text(engine, prompt: str, max_tokens: int = MAX_TOKENS) -> str:

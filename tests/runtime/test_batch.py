@@ -110,13 +110,16 @@ def test_end_id_replaces_the_end_of_sequence_tokens(tiny_engines):
     assert generation.run() == plain[:plain.index(plain[4]) + 1] and generation.stats.finish_reason == "stop"
 
 
-def test_a_seed_reproduces_plain_decode_whatever_shares_the_batch(tiny_engines, rows):
-    """What a seed guarantees (docs/serving.md): the same text alone and in any batch whenever the request's proposal
-    lengths are the same, which always holds for plain decode (num_draft_tokens 0)."""
+def test_a_seed_reproduces_plain_decode_whatever_shares_the_batch(tiny_engines):
+    """What a seed guarantees (docs/serving.md): a seed is the request's own random stream, so with batch-invariant
+    serving a seeded plain request (num_draft_tokens 0) gets its text alone beside speculative neighbours that draw
+    their own samples, drafting turned on and off. (batch_dependent keeps no such promise in a batch:
+    tests/runtime/test_what_a_seed_guarantees.py.)"""
     params = SamplingParams(temperature=0.9, top_p=0.95, seed=11)
     request = GenerationRequest(PROMPTS[0], 40, params, 0, end_id=NO_END_ID)
-    alone = tiny_engines["draft_target"].start(request).run()
-    scheduler = Scheduler(rows["draft_target"], ServingSpec(PolicySpec(full_up_to=1, off_above=2)))
+    engine = Engine(tiny_engines["draft_target"].dir, batch_size=5, determinism="batch_invariant")
+    alone = engine.start(request).run()
+    scheduler = Scheduler(engine, ServingSpec(PolicySpec(full_up_to=1, off_above=2)))
     try:
         others = [Collector() for _ in range(3)]
         for prompt, collector in zip(PROMPTS, others):  # speculative neighbours, drafting turned on and off

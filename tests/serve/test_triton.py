@@ -14,6 +14,8 @@ from helpers.served import (
     MAX_TOKENS,
     PROMPTS,
     check_greedy_entry_point,
+    first_stream_answer,
+    infer_input,
     plain_text,
     read_config,
     run_concurrent_streams,
@@ -123,27 +125,15 @@ def test_acceptance_is_counted_per_request_kind(served):
 
 
 def test_wrong_dtype_and_unknown_input_are_rejected_by_name(served):
-    import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
     server, _ = served
-    client = grpcclient.InferenceServerClient(server.grpc_url)
-    wrong = grpcclient.InferInput("max_tokens", [1, 1], "FP32")
-    wrong.set_data_from_numpy(np.array([[3.0]], dtype=np.float32))
-    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
-    text.set_data_from_numpy(np.array([[b"hi"]], dtype=object))
-    unknown = grpcclient.InferInput("beam_width_x", [1, 1], "INT32")
-    unknown.set_data_from_numpy(np.array([[1]], dtype=np.int32))
+    wrong = infer_input("max_tokens", "FP32", np.array([[3.0]], dtype=np.float32))
+    text = infer_input("text_input", "BYTES", np.array([[b"hi"]], dtype=object))
+    unknown = infer_input("beam_width_x", "INT32", np.array([[1]], dtype=np.int32))
     for inputs, name in (([text, wrong], "max_tokens"), ([text, unknown], "beam_width_x")):
-        errors: list = []
-        client.start_stream(callback=lambda result, error, errors=errors: errors.append(error))
-        client.async_stream_infer("ensemble", inputs)
-        deadline = time.monotonic() + 30
-        while not errors:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
-        client.stop_stream()
-        assert isinstance(errors[0], InferenceServerException) and name in errors[0].message()
+        _, error = first_stream_answer(server, "ensemble", inputs)
+        assert isinstance(error, InferenceServerException) and name in error.message()
     assert server.ready()
 
 
@@ -223,40 +213,25 @@ def test_a_disconnected_client_frees_its_row(served, tmp_path):
 def test_missing_or_misshapen_inputs_are_errors_naming_them(served):
     """Each entry point refuses a request without its required input, a batch of prompts in one request, or
     an input of the wrong shape, with INVALID_ARGUMENT naming the input and no traceback."""
-    import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
     server, engine = served
-
-    def tensor(name: str, kind: str, value: np.ndarray):
-        item = grpcclient.InferInput(name, list(value.shape), kind)
-        item.set_data_from_numpy(value)
-        return item
-
     ids = np.array([engine.encode_prompt("Hi")], dtype=np.int32)
     cases = [
-        ("ensemble", [tensor("max_tokens", "INT32", np.array([[4]], dtype=np.int32))], "text_input: required"),
-        ("speculative", [tensor("max_tokens", "INT32", np.array([[4]], dtype=np.int32))], "text_input: required"),
-        ("preprocessing", [tensor("stop_words", "BYTES", np.array([[b"x"]], dtype=object))], "text_input: required"),
-        ("speculative", [tensor("input_ids", "INT32", np.concatenate([ids, ids]))],
+        ("ensemble", [infer_input("max_tokens", "INT32", np.array([[4]], dtype=np.int32))], "text_input: required"),
+        ("speculative", [infer_input("max_tokens", "INT32", np.array([[4]], dtype=np.int32))],
+         "text_input: required"),
+        ("preprocessing", [infer_input("stop_words", "BYTES", np.array([[b"x"]], dtype=object))],
+         "text_input: required"),
+        ("speculative", [infer_input("input_ids", "INT32", np.concatenate([ids, ids]))],
          "input_ids: expected one row per request"),
-        ("speculative", [tensor("input_ids", "INT32", ids), tensor("text_input", "BYTES", np.array([[b"Hi"]],
-                                                                                                    dtype=object))],
-         "not both"),
-        ("preprocessing", [tensor("text_input", "BYTES", np.array([[b"a"], [b"b"]], dtype=object))],
+        ("speculative", [infer_input("input_ids", "INT32", ids),
+                         infer_input("text_input", "BYTES", np.array([[b"Hi"]], dtype=object))], "not both"),
+        ("preprocessing", [infer_input("text_input", "BYTES", np.array([[b"a"], [b"b"]], dtype=object))],
          "text_input: expected one string per request"),
     ]
-    client = grpcclient.InferenceServerClient(server.grpc_url)
     for model, inputs, message in cases:
-        errors: list = []
-        client.start_stream(callback=lambda result, error, errors=errors: errors.append((result, error)))
-        client.async_stream_infer(model, inputs)
-        deadline = time.monotonic() + 30
-        while not errors:
-            assert time.monotonic() < deadline, model
-            time.sleep(0.05)
-        client.stop_stream()
-        result, error = errors[0]
+        result, error = first_stream_answer(server, model, inputs)
         assert isinstance(error, InferenceServerException), (model, message, result)
         assert message in error.message() and "Traceback" not in error.message(), (model, error.message())
     assert server.ready()
