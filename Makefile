@@ -8,7 +8,7 @@ AIPERF := $(VENV)/tools/aiperf/bin/aiperf
 PIPELINE ?= pipelines/smollm2-draft-target.yaml
 export HF_HUB_OFFLINE := 1
 
-.PHONY: venv peers demo test fuzz bench openai-load report lint k8s clean-engines image image-gpu-layer image-test quota-threads
+.PHONY: venv peers demo test fuzz bench openai-load soak report lint k8s clean-engines image image-gpu-layer image-test quota-threads
 
 venv: $(STAMP)
 
@@ -63,6 +63,16 @@ openai-load: venv
 	test -x $(AIPERF) || python3 -m venv $(VENV)/tools/aiperf
 	$(VENV)/tools/aiperf/bin/pip install --quiet aiperf==0.13.0
 	$(PY) scripts/openai_load.py $(PIPELINE) --aiperf $(AIPERF) --out bench-results/openai-load
+
+# Each shipped pipeline (pipelines/*.yaml; not experimental/ or gpu/) built, served by `specdeploy serve` on free
+# loopback ports and soaked over gRPC for SOAK_SECONDS by SOAK_CLIENTS client threads of mixed traffic (streams,
+# cancels, dropped channels, requests ending at prefill, malformed ones), then checked and drained with SIGTERM
+# (scripts/soak.py; docs/serving.md#soak). About 80 minutes at the defaults, builds aside: run it on a quiet machine.
+SOAK_SECONDS ?= 600
+SOAK_CLIENTS ?= 8
+SOAK_PIPELINES ?= $(wildcard pipelines/*.yaml)
+soak: venv
+	$(PY) scripts/soak.py $(SOAK_PIPELINES) --seconds $(SOAK_SECONDS) --clients $(SOAK_CLIENTS) --json bench-results/soak.json
 
 # One pipeline's report with its peers: reports/<pipeline>/report.md and PNG plots (llama.cpp after make peers).
 # transformers' plain generate is measured among the peers, so the older single-prompt baseline is left out.

@@ -19,7 +19,7 @@ import numpy as np
 from specdeploy.bench.server_results import Percentiles, RequestLatencies
 from specdeploy.errors import RequestError
 from specdeploy.serve import openai_client
-from specdeploy.serve.client import Chunk, generate
+from specdeploy.serve.client import Chunk, NoResponse, generate
 from specdeploy.serve.latency import RequestTiming
 
 
@@ -32,6 +32,7 @@ class RequestResult:
     accepted: int = 0
     seconds: float = 0.0
     error: str | None = None
+    hung: bool = False  # no response within the client's timeout (error says so)
     cancelled: bool = False
     finished: bool = False
     timing: RequestTiming | None = None  # each streamed response's arrival and tokens (serve/latency.py)
@@ -84,14 +85,15 @@ def generate_at(url: str, prompt: str, max_tokens: int | None, stream: bool = Tr
 
 
 def one_request(url: str, prompt: str, index: int, max_tokens: int, num_draft_tokens: int | None,
-                cancel_after: int | None) -> RequestResult:
-    """Stream one request; with cancel_after, drop the stream after that many responses."""
+                cancel_after: int | None, **fields) -> RequestResult:
+    """Stream one request; with cancel_after, drop the stream after that many responses. `fields`: more of
+    generate_at's (model, timeout, request inputs)."""
     result = RequestResult(index)
     started = time.perf_counter()
     result.timing = RequestTiming(started)
     try:
         for count, chunk in enumerate(generate_at(url, prompt, max_tokens, stream=True,
-                                               num_draft_tokens=num_draft_tokens), 1):
+                                               num_draft_tokens=num_draft_tokens, **fields), 1):
             result.text += chunk.text
             if chunk.statistics:
                 generated = int(chunk.statistics["generated_tokens"])  # cumulative: this response's tokens
@@ -106,6 +108,7 @@ def one_request(url: str, prompt: str, index: int, max_tokens: int, num_draft_to
                 break  # closing the generator cancels the stream
     except RequestError as exc:
         result.error = str(exc)
+        result.hung = isinstance(exc, NoResponse)
     result.seconds = time.perf_counter() - started
     return result
 

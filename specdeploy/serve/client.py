@@ -38,6 +38,10 @@ class ServerRefusal(RequestError):
         self.code = code
 
 
+class NoResponse(RequestError):
+    """No response came within the client's timeout: the request hung (the client then cancels it)."""
+
+
 @dataclass
 class Chunk:
     text: str
@@ -45,21 +49,24 @@ class Chunk:
     final: bool
 
 
+def infer_input(name: str, kind: str, array: np.ndarray):
+    """One InferInput of Triton data type `kind` ("BYTES", "INT32", ...) holding `array`."""
+    import tritonclient.grpc as grpcclient
+
+    item = grpcclient.InferInput(name, list(array.shape), kind)
+    item.set_data_from_numpy(array)
+    return item
+
+
 def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) -> list:
     """InferInputs with tensorrtllm_backend names, typed as the ensemble declares them; None fields are not sent
     (the server's pipeline supplies them)."""
-    import tritonclient.grpc as grpcclient
     from tritonclient.utils import triton_to_np_dtype
 
-    def make(name: str, kind: str, array: np.ndarray):
-        item = grpcclient.InferInput(name, list(array.shape), kind)
-        item.set_data_from_numpy(array)
-        return item
-
-    inputs = [make("text_input", "BYTES", np.array([[prompt.encode("utf-8")]], dtype=object))]
+    inputs = [infer_input("text_input", "BYTES", np.array([[prompt.encode("utf-8")]], dtype=object))]
     if fields.get("stop_words") is not None:
         words = fields.pop("stop_words")
-        inputs.append(make("stop_words", "BYTES", np.array([[w.encode("utf-8") for w in words]], dtype=object)))
+        inputs.append(infer_input("stop_words", "BYTES", np.array([[w.encode("utf-8") for w in words]], dtype=object)))
     for name, value in {**fields, "max_tokens": max_tokens, "stream": stream}.items():
         if value is None:
             continue
@@ -70,21 +77,27 @@ def build_inputs(prompt: str, max_tokens: int | None, stream: bool, **fields) ->
             raise RequestError(f"{name}: not an input of the ensemble{upstream} (allowed: {allowed})")
         kind = SCALAR_INPUTS[name].removeprefix("TYPE_")
         if kind == "STRING":
-            inputs.append(make(name, "BYTES", np.array([[str(value).encode("utf-8")]], dtype=object)))
+            inputs.append(infer_input(name, "BYTES", np.array([[str(value).encode("utf-8")]], dtype=object)))
             continue
         dtype = np.dtype(triton_to_np_dtype(kind))
         if dtype.kind in "iu" and not np.iinfo(dtype).min <= value <= np.iinfo(dtype).max:
             # numpy would wrap it silently into another, valid-looking value
             raise RequestError(f"{name}: {value} does not fit the input's type {kind} "
                                f"([{np.iinfo(dtype).min}, {np.iinfo(dtype).max}])")
-        inputs.append(make(name, kind, np.array([[value]], dtype=dtype)))
+        inputs.append(infer_input(name, kind, np.array([[value]], dtype=dtype)))
     return inputs
 
 
 def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True, model: str = ENTRY_MODEL,
              timeout: float = 600.0, **fields) -> Iterator[Chunk]:
     """Yield the text as the server sends it. ServerRefusal (a RequestError) carries the server's message and code
-    for a request it ended with an error."""
+    for a request it ended with an error; NoResponse, when none came within `timeout` seconds."""
+    yield from stream_inputs(url, build_inputs(prompt, max_tokens, stream, **fields), model, timeout)
+
+
+def stream_inputs(url: str, inputs: list, model: str = ENTRY_MODEL, timeout: float = 600.0) -> Iterator[Chunk]:
+    """generate() with the InferInputs given as they are: what a client that builds its own sends, malformed ones
+    included (scripts/soak.py)."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
@@ -93,10 +106,12 @@ def generate(url: str, prompt: str, max_tokens: int | None, stream: bool = True,
     client.start_stream(callback=lambda result, error: responses.put((result, error)))
     finished = False
     try:
-        client.async_stream_infer(model, build_inputs(prompt, max_tokens, stream, **fields),
-                                  enable_empty_final_response=True)
+        client.async_stream_infer(model, inputs, enable_empty_final_response=True)
         while True:
-            result, error = responses.get(timeout=timeout)
+            try:
+                result, error = responses.get(timeout=timeout)
+            except queue.Empty:
+                raise NoResponse(f"no response from {model} within {timeout:g} s") from None
             if error is not None:
                 finished = True  # the server ends a request with its error
                 if isinstance(error, InferenceServerException):

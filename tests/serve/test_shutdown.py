@@ -3,26 +3,23 @@ complete or with an error saying the server is shutting down, and a killed super
 
 from __future__ import annotations
 
-import glob
 import http.client
 import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
-from helpers.repo import REPO
 
 from specdeploy.errors import RequestError
 from specdeploy.package.repository import write_repository
 from specdeploy.serve.client import ServerRefusal, generate
-from specdeploy.serve.tritonserver import TritonServer, backend_shared_memory, free_port, is_ready
+from specdeploy.serve.serve_process import ServeProcess, alive
+from specdeploy.serve.tritonserver import TritonServer, backend_shared_memory
 
 pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 DRAIN = 4.0  # seconds: the drain timeout the tests give serve
@@ -47,59 +44,12 @@ def leftovers(files: set[str]) -> set[str]:
     return {path for path in files if os.path.exists(path)}
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            fields = Path(stat).read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[1]) == pid:
-            found.append(int(stat.split("/")[2]))
-    return found
-
-
-def alive(pid: int) -> bool:
-    """Running, and not a zombie waiting to be reaped."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-class Serve:
-    """`specdeploy serve --model-repository …` in its own process, on free ports."""
+class Serve(ServeProcess):
+    """`specdeploy serve` with the tests' drain timeout, and the files its tritonserver may leave."""
 
     def __init__(self, repository: Path, log: Path) -> None:
-        self.ports = [free_port() for _ in range(4)]
-        command = [sys.executable, "-m", "specdeploy.cli", "serve", "--model-repository", str(repository),
-                   "--grpc-port", str(self.ports[0]), "--http-port", str(self.ports[1]),
-                   "--metrics-port", str(self.ports[2]), "--openai-port", str(self.ports[3]),
-                   "--drain-timeout", str(DRAIN)]
-        self.log = log.open("wb")
-        self.process = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 240
-        while not self.ready() or len(children(self.process.pid)) < 2:
-            assert self.process.poll() is None and time.monotonic() < deadline, log.read_text()[-2000:]
-            time.sleep(0.5)
-        (self.triton,) = [pid for pid in children(self.process.pid)
-                          if Path(f"/proc/{pid}/comm").read_text().strip() == "tritonserver"]
-        (self.front,) = [pid for pid in children(self.process.pid) if pid != self.triton]  # the OpenAI front
+        super().__init__(repository, log, drain_timeout=DRAIN)
         self.files = server_files(self.triton)
-
-    @property
-    def url(self) -> str:
-        return f"127.0.0.1:{self.ports[0]}"
-
-    def ready(self) -> bool:
-        return is_ready("127.0.0.1", self.ports[1])
-
-    def close(self) -> None:
-        for pid in (self.process.pid, getattr(self, "triton", None), getattr(self, "front", None)):
-            if pid is not None and alive(pid):
-                os.kill(pid, signal.SIGKILL)
-        self.process.wait()
-        self.log.close()
 
 
 @pytest.fixture
