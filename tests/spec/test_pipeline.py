@@ -39,7 +39,7 @@ EXPECTED = {
     "smollm2-draft-target": ("draft_target", 5, "bfloat16"),
     "smollm2-ngram": ("ngram", 12, "bfloat16"),
     "smollm2-medusa": ("medusa", 4, "bfloat16"),
-    "smollm2-eagle": ("eagle", 5, "bfloat16"),
+    "smollm2-eagle": ("eagle", 3, "bfloat16"),
     "smollm2-early-exit": ("early_exit", 3, "bfloat16"),
     "smollm2-exit-adapter": ("early_exit", 3, "bfloat16"),
     "smollm2-lookahead": ("lookahead", 4, "bfloat16"),
