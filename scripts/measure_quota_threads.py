@@ -62,7 +62,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("bench-results/quota-threads.json"))
     args = parser.parse_args()
     volume = f"specdeploy-quota-threads-{args.cpus}"
-    podman_image.podman("volume", "create", "--ignore", volume)
+    if podman_image.podman("volume", "exists", volume, check=False).returncode != 0:  # Debian's podman 4.3: no --ignore
+        podman_image.podman("volume", "create", volume)
     run_in_image(volume, args.cpus, {}, "build", PIPELINE)  # untimed: both arms read this engine
     before = torch_default_threads(args.cpus)
     arms = {"before": {"SPECDEPLOY_CPU_THREADS": str(before)}, "derived": {}}
