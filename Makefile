@@ -6,6 +6,8 @@ STAMP := $(VENV)/.installed
 CHECKOV := $(VENV)/tools/checkov/bin/checkov
 AIPERF := $(VENV)/tools/aiperf/bin/aiperf
 PIPELINE ?= pipelines/smollm2-draft-target.yaml
+# the shipped pipelines: not experimental/ or gpu/
+SHIPPED_PIPELINES := $(wildcard pipelines/*.yaml)
 export HF_HUB_OFFLINE := 1
 
 .PHONY: venv peers demo test fuzz bench openai-load soak report lint k8s clean-engines image image-gpu-layer image-test quota-threads
@@ -70,15 +72,24 @@ openai-load: venv
 # (scripts/soak.py; docs/serving.md#soak). About 80 minutes at the defaults, builds aside: run it on a quiet machine.
 SOAK_SECONDS ?= 600
 SOAK_CLIENTS ?= 8
-SOAK_PIPELINES ?= $(wildcard pipelines/*.yaml)
+SOAK_PIPELINES ?= $(SHIPPED_PIPELINES)
 soak: venv
 	$(PY) scripts/soak.py $(SOAK_PIPELINES) --seconds $(SOAK_SECONDS) --clients $(SOAK_CLIENTS) --json bench-results/soak.json
 
-# One pipeline's report with its peers: reports/<pipeline>/report.md and PNG plots (llama.cpp after make peers).
-# transformers' plain generate is measured among the peers, so the older single-prompt baseline is left out.
+# Every shipped pipeline measured in one run with its peers: reports/shipped/report.md, whose figures table gives
+# each pipeline against llama.cpp's plain decode of the same GGUF (after make peers) and names the CPU, with PNG
+# plots. `make report PIPELINE=pipelines/X.yaml` reports one pipeline in reports/X/. transformers' plain generate
+# is measured among the peers, so the older single-prompt baseline is left out.
 REPORT_FLAGS ?= --max-tokens 48 --gammas 1,2,4 --peers --no-transformers
+ifeq ($(origin PIPELINE),command line)
+REPORT_PIPELINES ?= $(PIPELINE)
+REPORT_NAME ?= $(basename $(notdir $(PIPELINE)))
+endif
+REPORT_PIPELINES ?= $(SHIPPED_PIPELINES)
+REPORT_NAME ?= shipped
 report: venv
-	$(VENV)/bin/specdeploy bench $(PIPELINE) --report reports/$(basename $(notdir $(PIPELINE))) $(REPORT_FLAGS)
+	$(VENV)/bin/specdeploy bench $(REPORT_PIPELINES) --report reports/$(REPORT_NAME) $(REPORT_FLAGS) \
+		--json reports/$(REPORT_NAME)/bench.json
 
 lint: venv
 	$(VENV)/bin/ruff check specdeploy tests

@@ -12,10 +12,11 @@ from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
-from specdeploy.bench.peers import LLAMA_CPP, peer_ratios
+from specdeploy.bench.peers import LLAMA_CPP, llama_cpp_ratio, peer_ratios
 from specdeploy.bench.plots import plot_acceptance, plot_kinds, plot_moe, plot_speedup, pyplot
 from specdeploy.bench.printing import phases_text
 from specdeploy.bench.results import BenchReport
+from specdeploy.spec.prompt_sets import OPEN_ENDED
 
 
 def versions() -> dict[str, str]:
@@ -54,7 +55,21 @@ def figures_table(reports: list[BenchReport]) -> list[str]:
             figure_row("prompts", "{}", [s.prompts for s in setups]),
             figure_row("greedy output equal to plain", "{}", [r.greedy and r.greedy.greedy_match for r in reports]),
             figure_row("transformers generate tokens/s", "{:.1f}",
-                [r.transformers and r.transformers.transformers_tokens_per_s for r in reports])] + cost_rows(reports)
+                [r.transformers and r.transformers.transformers_tokens_per_s for r in reports]),
+            *llama_cpp_rows(reports)] + cost_rows(reports)
+
+
+def llama_cpp_rows(reports: list[BenchReport]) -> list[str]:
+    """Every pipeline against llama.cpp's plain decode of its GGUF (bench --peers), on every prompt and on the
+    open-ended ones; none where no report measured llama.cpp."""
+    if all(llama_cpp_ratio(r) is None for r in reports):
+        return []
+    every = [llama_cpp_ratio(r) for r in reports]
+    open_ended = [llama_cpp_ratio(r, OPEN_ENDED) for r in reports]
+    return [figure_row("plain ÷ llama.cpp plain", "{:.2f}×", [x and x.ours_plain for x in every]),
+            figure_row("speculative ÷ llama.cpp plain", "{:.2f}×", [x and x.ours_speculative for x in every]),
+            figure_row("speculative ÷ llama.cpp plain, open-ended prompts", "{:.2f}×",
+                       [x and x.ours_speculative for x in open_ended])]
 
 
 def cost_rows(reports: list[BenchReport]) -> list[str]:
@@ -98,17 +113,18 @@ def peer_lines(reports: list[BenchReport]) -> list[str]:
 def llama_cpp_lines(report: BenchReport) -> list[str]:
     """Ours against llama.cpp's plain decode by prompt kind, in the same run (none without that peer)."""
     peer = (report.peers or {}).get(LLAMA_CPP)
-    if peer is None or not peer.tokens_per_s:
+    if llama_cpp_ratio(report) is None:
         return []
     summary = report.summary
-    rows = [(kind, v.plain_tokens_per_s, v.speculative_tokens_per_s, (peer.by_kind or {}).get(kind))
-            for kind, v in summary.by_kind.items()]
-    rows.append(("all", summary.baseline_tokens_per_s, summary.speculative_tokens_per_s, peer.tokens_per_s))
+    rows = [(kind, v.plain_tokens_per_s, v.speculative_tokens_per_s, (peer.by_kind or {}).get(kind),
+             llama_cpp_ratio(report, kind)) for kind, v in summary.by_kind.items()]
+    rows.append(("all", summary.baseline_tokens_per_s, summary.speculative_tokens_per_s, peer.tokens_per_s,
+                 llama_cpp_ratio(report)))
     lines = [f"## Against llama.cpp's plain decode: {report.label}", "",
              "| prompt kind | ours plain | ours speculative | llama.cpp plain | plain ÷ llama.cpp | speculative ÷ "
              "llama.cpp | speculative ÷ our plain |", "|---|---|---|---|---|---|---|"]
-    for kind, plain, speculative, theirs in rows:
-        against = ("–", "–") if not theirs else (f"{plain / theirs:.2f}×", f"{speculative / theirs:.2f}×")
+    for kind, plain, speculative, theirs, ratio in rows:
+        against = ("–", "–") if ratio is None else (f"{ratio.ours_plain:.2f}×", f"{ratio.ours_speculative:.2f}×")
         lines.append(f"| {kind} | {plain:.1f} | {speculative:.1f} | {'–' if not theirs else f'{theirs:.1f}'} | "
                      f"{against[0]} | {against[1]} | {speculative / plain:.2f}× |")
     return lines + [""]

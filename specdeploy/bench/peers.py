@@ -107,6 +107,21 @@ def peer_ratios(report: BenchReport) -> dict[str, PeerRatio]:
             for name, peer in (report.peers or {}).items() if peer.tokens_per_s}
 
 
+def llama_cpp_ratio(report: BenchReport, kind: str | None = None) -> PeerRatio | None:
+    """Our plain and speculative tokens/s over llama.cpp's plain decode, on every prompt or on one prompt kind's;
+    None where llama.cpp was not measured (or not on that kind)."""
+    peer = (report.peers or {}).get(LLAMA_CPP)
+    if peer is None or not peer.tokens_per_s:
+        return None
+    if kind is None:
+        return PeerRatio(report.summary.baseline_tokens_per_s / peer.tokens_per_s,
+                         report.summary.speculative_tokens_per_s / peer.tokens_per_s)
+    theirs, ours = (peer.by_kind or {}).get(kind), report.summary.by_kind.get(kind)
+    if not theirs or ours is None:
+        return None
+    return PeerRatio(ours.plain_tokens_per_s / theirs, ours.speculative_tokens_per_s / theirs)
+
+
 def target_gguf(engine: Engine) -> tuple[Path | None, str]:
     """(the GGUF file the engine's target was built from, "") or (None, why there is none)."""
     from specdeploy.build.checkpoints import locate

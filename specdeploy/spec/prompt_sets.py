@@ -9,6 +9,8 @@ from pathlib import Path
 
 from specdeploy.errors import SpecdeployError
 
+OPEN_ENDED = "open"  # the shipped set's kind of open-ended prompts (no text to copy), where speculation pays least
+
 
 def load_prompts(path: str | Path | None = None) -> list[dict]:
     """[{"prompt", "kind"}] from JSON Lines of {"prompt": ..., "kind": optional}; the shipped mixed set when path

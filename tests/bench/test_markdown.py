@@ -10,7 +10,7 @@ from helpers.made_reports import made_report
 from PIL import Image
 
 from specdeploy.bench.markdown import write_report
-from specdeploy.bench.results import BenchReport, Footprint, MoeCurve, Peer
+from specdeploy.bench.results import BenchReport, Footprint, KindSpeeds, MoeCurve, Peer
 from specdeploy.bench.run import run_benches
 from specdeploy.errors import SpecdeployError
 
@@ -130,3 +130,36 @@ def test_ours_against_llama_cpp_by_prompt_kind_and_the_footprint_are_tabled(tmp_
     assert "| 300 MiB | 12.0 s | – | 61.5 s | 2.5 s | 0.1 s | 1.2 s | 600 MiB | 200 MiB | 3.00× |" in text
 
 
+
+
+def test_every_pipeline_against_llama_cpp_in_one_table_and_in_the_comparison(tmp_path):
+    """Several pipelines in one run: the figures table and the printed comparison give each one's plain and
+    speculative tokens/s over llama.cpp's plain decode, overall and on open-ended prompts; – where a pipeline has
+    no llama.cpp figure (an MoE target has no GGUF)."""
+    from rich.console import Console
+
+    from specdeploy.bench.comparison import compare, print_comparison
+
+    open_kind = {"open": KindSpeeds(speedup=1.1, prompts=3, plain_tokens_per_s=90.0, speculative_tokens_per_s=99.0)}
+    measured = made_report(setup={"pipeline": "with-gguf"},
+                           summary={"by_kind": {**made_report().summary.by_kind, **open_kind}},
+                           peers={"llama.cpp": Peer(tokens_per_s=80.0, by_kind={"copy": 50.0, "open": 60.0})})
+    without = made_report(setup={"pipeline": "moe"}, peers={"llama.cpp": Peer(skipped="an MoE has no GGUF")})
+    text = write_report([measured, without], tmp_path, ["a.yaml", "b.yaml"]).read_text()
+    # all prompts: ours 100 plain, 150 speculative against 80; open-ended: ours 99 speculative against 60
+    assert "| plain ÷ llama.cpp plain | 1.25× | – |" in text
+    assert "| speculative ÷ llama.cpp plain | 1.88× | – |" in text
+    assert "| speculative ÷ llama.cpp plain, open-ended prompts | 1.65× | – |" in text
+    comparison = compare([measured, without])
+    assert comparison["figures"]["open_speculative_vs_llama_cpp"] == {"with-gguf": pytest.approx(1.65),
+                                                                       "moe": None}
+    assert comparison["machine"] == "test cpu, 2 threads"
+    console = Console(record=True, width=200)
+    print_comparison(comparison, console)
+    printed = console.export_text()
+    assert "test cpu, 2 threads" in printed and "speculative ÷ llama.cpp plain (open-ended)" in printed
+    # without the peer the rows are left out, not printed empty
+    alone = Console(record=True, width=200)
+    print_comparison(compare([without, made_report(setup={"pipeline": "other"})]), alone)
+    assert "llama.cpp" not in alone.export_text()
+    assert "÷ llama.cpp plain" not in write_report([without], tmp_path / "none", ["b.yaml"]).read_text()

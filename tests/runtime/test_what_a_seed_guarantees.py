@@ -56,7 +56,7 @@ def test_batch_invariant_keeps_each_request_its_text_beside_companions(smollm2_b
                     determinism="batch_invariant")
     scheduler = Scheduler(engine, KEEP_GAMMA)
     try:
-        for prompt in PROMPTS[1:3]:
+        for prompt in PROMPTS[1:2]:  # one prompt, three kinds of request: about 15 s a prompt and method
             for kind, fields in REQUESTS.items():
                 alone, again, beside = alone_again_and_beside_companions(scheduler, engine, prompt, fields)
                 assert again == alone and beside == alone, (prompt, kind)
