@@ -425,11 +425,17 @@ def demo(pipeline_path: str, prompt: str, engines_dir: Path, max_tokens: int | N
     """The main job end to end: build, package, serve on free local ports, stream a generation over gRPC with the
     acceptance statistics and a plain-vs-speculative comparison, show the OpenAI endpoint answering the same, then
     stop the server."""
+    from specdeploy.runtime.step_programs import eager_first_run
     from specdeploy.serve.openai_api.front import OpenAIFront, served_name
     from specdeploy.serve.tritonserver import TritonServer
-    from specdeploy.workflows import RequestOptions, generate_over_grpc, openai_curl
+    from specdeploy.spec.engine_paths import engine_path
+    from specdeploy.workflows import RequestOptions, generate_over_grpc, load_spec, openai_curl
     from specdeploy.workflows import package as package_pipeline
 
+    pipeline = load_spec(pipeline_path, device)
+    deferred = eager_first_run(pipeline, engine_path(engines_dir, pipeline))
+    if deferred:
+        click.echo(deferred)
     repository = package_pipeline(pipeline_path, engines_dir, device=device).directory
     click.echo(f"model repository: {repository}; starting tritonserver ...")
     with TritonServer(repository, log_file=repository.with_name(repository.name + ".tritonserver.log")) as server:

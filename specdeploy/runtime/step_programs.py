@@ -55,6 +55,20 @@ def not_built_reason(pipeline: PipelineSpec) -> str | None:
     return None
 
 
+def eager_first_run(pipeline: PipelineSpec, directory: Path) -> str | None:
+    """For `specdeploy demo`: when the engine at `directory` holds no compiled programs yet and its build would
+    compile them (minutes: about 4 for a draft-target pipeline on 2 cores), build and serve it eagerly instead, by
+    setting $SPECDEPLOY_STEPS to eager for this process and the server it starts, so that a newcomer sees tokens
+    within the first minute and no request waits for a compiler. A later `specdeploy build` of the same pipeline
+    compiles and keeps the programs (the build measures what the engine lacks). Returns the sentence that says so,
+    None where nothing changes (programs already built, not asked for, or $SPECDEPLOY_STEPS set)."""
+    if os.environ.get(STEPS_VARIABLE) or not_built_reason(pipeline) is not None or read_record(directory) is not None:
+        return None
+    os.environ[STEPS_VARIABLE] = "eager"
+    return (f"{pipeline.name}: built and served without compiled step programs, to answer sooner; `specdeploy "
+            f"build` of this pipeline compiles them (minutes), and the next demo or server runs them")
+
+
 def machine() -> str:
     """The CPU a program was compiled for (its kernels use that CPU's vector instructions)."""
     model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()

@@ -5,6 +5,7 @@ plain and speculative, is the eager engine's; where a program cannot run the eng
 from __future__ import annotations
 
 import json
+import os
 import shutil
 
 import pytest
@@ -14,8 +15,8 @@ from rich.progress import Progress
 
 from specdeploy.errors import BuildError, PipelineError
 from specdeploy.runtime.engine import Engine
-from specdeploy.runtime.step_programs import STEPS_DIR, STEPS_VARIABLE, programs_compile_seconds
-from specdeploy.spec.engine_paths import engine_pipeline
+from specdeploy.runtime.step_programs import STEPS_DIR, STEPS_VARIABLE, eager_first_run, programs_compile_seconds
+from specdeploy.spec.engine_paths import engine_path, engine_pipeline
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.tune.program_store import STORE_VARIABLE
@@ -120,6 +121,28 @@ def test_a_build_without_a_compiler_takes_the_stored_program_of_the_same_model(e
     assert ours.step_programs == {"target": "compiled"}
     assert ours.generate(PROMPTS[1], SamplingParams(), 16, num_draft_tokens=3).run() == \
         Engine(engines["eager"], method="ngram").generate(PROMPTS[1], SamplingParams(), 16, num_draft_tokens=3).run()
+
+
+def test_a_first_demo_runs_eagerly_and_a_later_build_adds_the_programs(engines, tiny_checkpoints, tmp_path,
+                                                                      monkeypatch):
+    """`specdeploy demo` of a pipeline whose engine has no programs yet builds and serves it eagerly, so that no
+    request waits for a compiler (issue 60); a later `specdeploy build` of the same pipeline adds the programs, and
+    the demo after it runs them."""
+    monkeypatch.delenv(STEPS_VARIABLE)
+    monkeypatch.setenv("CXX", "no-such-compiler")  # the later build takes the store's programs: nothing compiles here
+    pipeline = load_pipeline(tiny_pipeline(tmp_path, "first-demo", tiny_checkpoints["target"], method="ngram",
+                                           max_batch_size=2, backend={"kind": "torch", "torch": {"steps": "compiled"}}))
+    root = tmp_path / "engines"
+    said = eager_first_run(pipeline, engine_path(root, pipeline))
+    assert "first-demo: built and served without compiled step programs" in said
+    assert os.environ[STEPS_VARIABLE] == "eager"  # for this process and the server it starts
+    directory = build_torch_engine(pipeline, root, quiet=True).directory
+    assert programs_compile_seconds(directory) is None
+    assert Engine(directory).step_programs["target"].startswith("eager: ")
+    monkeypatch.delenv(STEPS_VARIABLE)  # a later `specdeploy build`, in a process of its own
+    build_torch_engine(pipeline, root, quiet=True)
+    assert eager_first_run(pipeline, directory) is None and STEPS_VARIABLE not in os.environ
+    assert Engine(directory).step_programs == {"target": "compiled"}
 
 
 def test_a_variant_that_failed_to_compile_is_left_out_and_the_others_kept(engines, tmp_path):
