@@ -218,8 +218,11 @@ class TritonServer:
             if self.process.poll() is not None:
                 if self.draining:
                     return  # told to stop while starting: not a failure
-                raise SpecdeployError(f"tritonserver exited with status {self.process.returncode} before it was "
-                                      f"ready{self._log_hint()}")
+                # the model may have started, served and failed between two of these polls (a loaded machine)
+                failure = self.failure()
+                stopped = f"tritonserver exited with status {self.process.returncode}"
+                raise SpecdeployError(f"{stopped}: the speculative model failed: {failure}{self._log_hint()}"
+                                      if failure else f"{stopped} before it was ready{self._log_hint()}")
             if self.ready() or self.draining:
                 return
             time.sleep(0.5)

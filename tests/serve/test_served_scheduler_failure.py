@@ -72,3 +72,28 @@ def test_an_injected_fault_ends_every_stream_with_an_error_and_serve_exits_non_z
         if process.poll() is None:
             process.kill()
             process.wait()
+
+
+def test_a_model_that_failed_before_serve_saw_it_ready_is_named(tmp_path):
+    """On a loaded machine the model can start, serve and fail between two of serve's readiness polls: serve's
+    error names the model's failure, not only that tritonserver exited before it was ready."""
+    import tempfile
+
+    from specdeploy.errors import SpecdeployError
+    from specdeploy.serve.tritonserver import TritonServer
+
+    (tmp_path / "ensemble").mkdir()
+    (tmp_path / "ensemble" / "config.pbtxt").write_text('name: "ensemble"\n')  # only checked to exist
+    server = TritonServer(tmp_path)
+    server._workdir = tempfile.TemporaryDirectory()
+    try:
+        server.process = subprocess.Popen([sys.executable, "-c", "raise SystemExit(3)"])
+        server.process.wait()
+        with pytest.raises(SpecdeployError, match=r"exited with status 3 before it was ready"):
+            server.wait_ready(5)
+        server.failure_file.write_text("the scheduler failed (InjectedFault: on_commit call 30 failed)\n")
+        with pytest.raises(SpecdeployError, match=r"exited with status 3: the speculative model failed: the scheduler "
+                                                  r"failed \(InjectedFault"):
+            server.wait_ready(5)
+    finally:
+        server._workdir.cleanup()
