@@ -12,11 +12,11 @@ from dataclasses import asdict
 from importlib import metadata
 from pathlib import Path
 
+from specdeploy.bench.comparison import headline_figures
 from specdeploy.bench.peers import LLAMA_CPP, llama_cpp_ratio, peer_ratios
 from specdeploy.bench.plots import plot_acceptance, plot_kinds, plot_moe, plot_speedup, pyplot
 from specdeploy.bench.printing import phases_text
 from specdeploy.bench.results import BenchReport
-from specdeploy.spec.prompt_sets import OPEN_ENDED
 
 
 def versions() -> dict[str, str]:
@@ -61,15 +61,14 @@ def figures_table(reports: list[BenchReport]) -> list[str]:
 
 def llama_cpp_rows(reports: list[BenchReport]) -> list[str]:
     """Every pipeline against llama.cpp's plain decode of its GGUF (bench --peers), on every prompt and on the
-    open-ended ones; none where no report measured llama.cpp."""
-    if all(llama_cpp_ratio(r) is None for r in reports):
+    open-ended ones: the comparison's figures (comparison.headline_figures); none where no report measured it."""
+    figures = [headline_figures(r) for r in reports]
+    rows = {"plain_vs_llama_cpp": "plain ÷ llama.cpp plain",
+            "speculative_vs_llama_cpp": "speculative ÷ llama.cpp plain",
+            "open_speculative_vs_llama_cpp": "speculative ÷ llama.cpp plain, open-ended prompts"}
+    if all(f["plain_vs_llama_cpp"] is None for f in figures):
         return []
-    every = [llama_cpp_ratio(r) for r in reports]
-    open_ended = [llama_cpp_ratio(r, OPEN_ENDED) for r in reports]
-    return [figure_row("plain ÷ llama.cpp plain", "{:.2f}×", [x and x.ours_plain for x in every]),
-            figure_row("speculative ÷ llama.cpp plain", "{:.2f}×", [x and x.ours_speculative for x in every]),
-            figure_row("speculative ÷ llama.cpp plain, open-ended prompts", "{:.2f}×",
-                       [x and x.ours_speculative for x in open_ended])]
+    return [figure_row(label, "{:.2f}×", [f[key] for f in figures]) for key, label in rows.items()]
 
 
 def cost_rows(reports: list[BenchReport]) -> list[str]:
@@ -112,14 +111,13 @@ def peer_lines(reports: list[BenchReport]) -> list[str]:
 
 def llama_cpp_lines(report: BenchReport) -> list[str]:
     """Ours against llama.cpp's plain decode by prompt kind, in the same run (none without that peer)."""
-    peer = (report.peers or {}).get(LLAMA_CPP)
-    if llama_cpp_ratio(report) is None:
+    overall = llama_cpp_ratio(report)
+    if overall is None:
         return []
-    summary = report.summary
+    peer, summary = report.peers[LLAMA_CPP], report.summary
     rows = [(kind, v.plain_tokens_per_s, v.speculative_tokens_per_s, (peer.by_kind or {}).get(kind),
              llama_cpp_ratio(report, kind)) for kind, v in summary.by_kind.items()]
-    rows.append(("all", summary.baseline_tokens_per_s, summary.speculative_tokens_per_s, peer.tokens_per_s,
-                 llama_cpp_ratio(report)))
+    rows.append(("all", summary.baseline_tokens_per_s, summary.speculative_tokens_per_s, peer.tokens_per_s, overall))
     lines = [f"## Against llama.cpp's plain decode: {report.label}", "",
              "| prompt kind | ours plain | ours speculative | llama.cpp plain | plain ÷ llama.cpp | speculative ÷ "
              "llama.cpp | speculative ÷ our plain |", "|---|---|---|---|---|---|---|"]
