@@ -80,7 +80,7 @@ soak: venv
 # each pipeline against llama.cpp's plain decode of the same GGUF (after make peers) and names the CPU, with PNG
 # plots. `make report PIPELINE=pipelines/X.yaml` reports one pipeline in reports/X/. transformers' plain generate
 # is measured among the peers, so the older single-prompt baseline is left out.
-REPORT_FLAGS ?= --max-tokens 48 --gammas 1,2,4 --peers --no-transformers
+REPORT_FLAGS ?= --max-tokens 48 --gammas 1,2,4 --measure-gamma-cap --peers --no-transformers
 ifeq ($(origin PIPELINE),command line)
 REPORT_PIPELINES ?= $(PIPELINE)
 REPORT_NAME ?= $(basename $(notdir $(PIPELINE)))

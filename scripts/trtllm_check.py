@@ -137,6 +137,8 @@ def trtllm_variant(shipped: Path, out_dir: Path, plain: bool = False, lookahead:
     medusa = spec["speculation"].get("medusa")
     if medusa and not Path(medusa["heads"]).is_absolute():
         medusa["heads"] = str((shipped.parent / medusa["heads"]).resolve())
+    if medusa:
+        medusa.pop("draft_vocab", None)  # the torch engine's: TensorRT-LLM projects through the whole head
     # The target in bf16 on either line, so that greedy text is compared like with like. The shipped torch target's
     # weight_only: int4 is the GGUF's own Q4_1 groups (lossless against the file); TensorRT-LLM's weight-only int4
     # re-quantizes the dequantized weights per channel (W4A16, build/trtllm/convert.py), a lossier model whose text

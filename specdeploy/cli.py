@@ -220,9 +220,10 @@ def print_generation(report: GenerationReport) -> None:
               help="Also write DIR/report.md with PNG plots, in-process or of --url's concurrency levels (needs the "
                    "report extra: matplotlib).")
 @click.option("--measure-gamma-cap", is_flag=True,
-              help="draft_target and ngram: bench at the pipeline's full gamma (whatever its cap) and at smaller "
-                   "gammas, and write the gamma with the best realized speedup into the engine, where "
-                   "serving.policy.gamma_cap: measured serves with it (build measures it on calibration prompts).")
+              help="Bench at the pipeline's full gamma (whatever its cap) and at smaller gammas (a tree's depth "
+                   "cap: Medusa, EAGLE, lookahead), and write the gamma with the best realized speedup into the "
+                   "engine, where serving.policy.gamma_cap: measured serves with it (build measures it on "
+                   "calibration prompts).")
 @click.option("--price-per-hour", type=click.FloatRange(min=0, min_open=True), default=None, metavar="USD",
               help="The machine's price per hour: adds dollars per million output tokens, plain and speculative "
                    "(in-process, and per concurrency level with --url).")

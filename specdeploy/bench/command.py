@@ -70,7 +70,9 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
                   f"{ratio.ours_speculative:.2f}x the tokens/s of {name}")
     if options.measure_gamma_cap:
         for engine, report in zip(engines, reports):
-            print(gamma_cap.write_gamma_cap(engine.dir, measured_policy(report)))
+            policy = measured_policy(report)
+            print(gamma_cap.write_gamma_cap(engine.dir, policy))
+            report.setup.gamma_cap = policy["gamma_cap"]  # what the engine serves from now on
     if options.report_dir is not None:
         from specdeploy.bench.markdown import write_report
 

@@ -15,7 +15,7 @@ from pathlib import Path
 from specdeploy.bench.comparison import headline_figures
 from specdeploy.bench.peers import LLAMA_CPP, llama_cpp_ratio, peer_ratios
 from specdeploy.bench.plots import plot_acceptance, plot_kinds, plot_moe, plot_speedup, pyplot
-from specdeploy.bench.printing import phases_text
+from specdeploy.bench.printing import phases_text, why_below_target
 from specdeploy.bench.results import BenchReport
 
 
@@ -186,6 +186,9 @@ def write_report(reports: list[BenchReport], directory: Path, pipelines: list[st
                   f"| {v.speedup:.2f}× |" for kind, v in report.summary.by_kind.items()]
         positions = report.summary.per_position_acceptance
         lines += ["", "Acceptance by position: " + ", ".join(f"{p:.2f}" for p in positions), ""]
+        limits = why_below_target(report)
+        if limits:
+            lines += [f"What limits it: {limits}", ""]
     lines += peer_lines(reports)
     for report in reports:
         lines += llama_cpp_lines(report) + footprint_lines(report)

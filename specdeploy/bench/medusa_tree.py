@@ -21,7 +21,7 @@ def measure_medusa_tree(engine: Engine, runs: list[PromptRun], summary: Summary,
     same accuracies and verify costs measured on this machine. The heads run once per step whatever the tree's
     size, so a step costs head cost + v."""
     from specdeploy.models.registry import load_projection
-    from specdeploy.speculative.medusa import ACCURACY_FILE
+    from specdeploy.speculative.medusa import ACCURACY_FILE, engine_vocabulary
     from specdeploy.speculative.medusa_accuracy import accuracies, hidden_features
     from specdeploy.speculative.tree_builder import build_tree, expected_accepted
 
@@ -30,7 +30,8 @@ def measure_medusa_tree(engine: Engine, runs: list[PromptRun], summary: Summary,
     head_cost = summary.proposal_cost_per_step  # the heads are Medusa's proposal
     sequences = [(ids + r.plain_tokens, len(ids) - 1) for ids, r in zip(encoded, runs)]
     data = hidden_features(engine.target, sequences, proposer.heads.num_heads)
-    heads_here = accuracies(proposer.heads, data, load_projection(engine.dir / "target"))
+    heads_here = accuracies(proposer.heads, data, load_projection(engine.dir / "target"),
+                            vocabulary=engine_vocabulary(engine.dir))
     by_rank = [head["by_rank"] for head in heads_here]
     expected = expected_accepted(paths, by_rank)
     costs = measure_verify_costs(engine, encoded[0], engine.pipeline.limits.max_draft_tokens)

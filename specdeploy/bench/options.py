@@ -30,7 +30,7 @@ class BenchOptions:
     gammas: tuple[int, ...] = ()  # in-process: also decode every prompt at these gammas
     peers: bool = False  # in-process
     report_dir: Path | None = None
-    measure_gamma_cap: bool = False  # in-process: draft_target and ngram pipelines
+    measure_gamma_cap: bool = False  # in-process: any speculating pipeline (a tree's depth cap)
     price_per_hour: float | None = None  # USD: dollars per million output tokens beside each rate
     contexts: tuple[int, ...] = ()  # in-process: pad every prompt to each of these lengths (bench/context_sweep.py)
 

@@ -38,7 +38,7 @@ from specdeploy.speculative.eagle_head import Eagle3Head
 from specdeploy.speculative.early_exit import EARLY_EXIT_FILE
 from specdeploy.speculative.exit_adapter import REPORT_FILE as EXIT_ADAPTER_REPORT_FILE
 from specdeploy.speculative.exit_adapter import ExitAdapter, target_name
-from specdeploy.speculative.medusa import ACCURACY_FILE, HEADS_FILE, MedusaHeads, write_heads_config
+from specdeploy.speculative.medusa import ACCURACY_FILE, DRAFT_VOCAB_FILE, HEADS_FILE, MedusaHeads, write_heads_config
 
 ENGINE_FORMAT = 7  # bump whenever what a build writes changes, so existing engines are rebuilt
 LINEAR_SUFFIXES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -111,7 +111,8 @@ def check_quantizable(checkpoint: Checkpoint, key: str, fix: str) -> None:
 
 
 def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) -> None:
-    """The heads file (checked against the spec and the target) and its config.json, in the engine."""
+    """The heads file (checked against the spec and the target), its config.json and the heads' draft vocabulary
+    (every id where draft_vocab is 0), in the engine."""
     spec = pipeline.speculation.medusa
     source = pipeline.resolve(spec.heads)
     try:
@@ -128,9 +129,14 @@ def write_medusa(directory: Path, pipeline: PipelineSpec, target: Checkpoint) ->
     if heads.projections is not None and heads.projections.shape[1] != target.config.vocab_size:
         raise BuildError(f"{source}: projections over {heads.projections.shape[1]} tokens, the target has "
                          f"{target.config.vocab_size}")
+    if spec.draft_vocab and heads.projections is not None:
+        raise BuildError(f"speculation.medusa.draft_vocab takes rows of the target's head, and {source} has heads "
+                         f"with their own projections: set draft_vocab: 0")
     directory.mkdir(parents=True)
     heads.save(directory / HEADS_FILE)
     write_heads_config(directory, heads)
+    ids, counted = corpus_vocabulary(target.tokenizer, spec.draft_vocab, target.config.vocab_size)
+    write_json(directory / DRAFT_VOCAB_FILE, {"draft_vocab": ids, "source": counted})
     report = source.with_suffix(".json")  # what train-medusa measured: bench predicts the speedup from it
     if report.is_file():
         shutil.copyfile(report, directory / ACCURACY_FILE)
@@ -169,13 +175,13 @@ def write_early_exit(directory: Path, pipeline: PipelineSpec, target: Checkpoint
     if spec.exit_layer == "measured" and not any(layer < layers for layer in spec.sweep):
         raise BuildError(f"speculation.early_exit.sweep: {list(spec.sweep)} has no layer count below the target's "
                          f"{layers} layers")
-    ids, source = early_exit_vocabulary(target.tokenizer, spec.draft_vocab, target.config.vocab_size)
+    ids, source = corpus_vocabulary(target.tokenizer, spec.draft_vocab, target.config.vocab_size)
     write_json(directory / EARLY_EXIT_FILE, {"draft_vocab": ids, "source": source})
 
 
-def early_exit_vocabulary(tokenizer, size: int, vocab_size: int) -> tuple[list[int], str]:
-    """The early exit's draft vocabulary (the `size` target ids most frequent in the shipped text corpus) and where
-    it was counted, in words: what the build writes and what train-exit-adapter trains through."""
+def corpus_vocabulary(tokenizer, size: int, vocab_size: int) -> tuple[list[int], str]:
+    """A draft vocabulary (the `size` target ids most frequent in the shipped text corpus) and where it was counted,
+    in words: what the build writes for an early exit or Medusa heads, and what train-exit-adapter trains through."""
     texts = documentation_passages() + stdlib_functions()
     ids = most_frequent_tokens([tokenizer.encode(text) for text in texts], size, vocab_size)
     return ids, f"{len(texts)} texts of build/text_corpus.py"

@@ -208,12 +208,16 @@ DEFAULT_MEDUSA_CHOICES = ((0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (
 class MedusaSpec(Section):
     """Medusa heads on the target's last hidden state. heads: the safetensors file `specdeploy train-medusa` writes
     (relative to the YAML). choices: the tree of their candidates in TensorRT-LLM's medusa_choices format (paths
-    of top-k indices, [0] = the first head's best token, [0, 1] = the second head's second best below it)."""
+    of top-k indices, [0] = the first head's best token, [0, 1] = the second head's second best below it).
+    draft_vocab: the heads propose from the target head's rows of the `draft_vocab` tokens most frequent in the
+    shipped text corpus (speculative/draft_vocabulary.py; 0: the whole head, as TensorRT-LLM's Medusa does, whose
+    engines always read it whole). Over an int4 target the whole head costs the heads a third of a decode step."""
 
     heads: str = ""
     num_heads: int = 4
     num_layers: int = 1
     choices: tuple[tuple[int, ...], ...] = DEFAULT_MEDUSA_CHOICES
+    draft_vocab: int = 0
 
     def check(self) -> None:
         if self.num_heads < 1:
@@ -226,6 +230,8 @@ class MedusaSpec(Section):
             raise Problem("choices", str(exc).removeprefix("medusa_choices: ")) from None
         if tree.depth > self.num_heads:
             raise Problem("choices", f"the tree is {tree.depth} deep but there are {self.num_heads} heads")
+        if self.draft_vocab < 0:
+            raise Problem("draft_vocab", f"must be ≥ 0 (0: the whole head), got {self.draft_vocab}")
 
     def check_depth(self, num_draft_tokens: int) -> None:
         """num_draft_tokens caps the tree's depth, and there is a head per level."""
@@ -236,6 +242,12 @@ class MedusaSpec(Section):
     def verify_nodes(self, num_draft_tokens: int) -> tuple[int, str, str]:
         """A tree's nodes take cache slots past the committed prefix, as many as a chain's drafted tokens."""
         return len(self.choices), "choices", f"{len(self.choices)} nodes"
+
+    def check_trtllm(self) -> None:
+        # TensorRT-LLM's Medusa projects every head through its whole LM head (medusa_lm_head.safetensors)
+        if self.draft_vocab:
+            raise Problem("draft_vocab", f"TensorRT-LLM's Medusa reads every head's whole vocabulary projection: set "
+                                         f"draft_vocab: 0 on backend trtllm, got {self.draft_vocab}")
 
     @property
     def max_accepted(self) -> int:

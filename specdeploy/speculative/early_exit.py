@@ -21,7 +21,6 @@ changes q and never p.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
@@ -30,21 +29,18 @@ from specdeploy.decoding.sequence import Sequence
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.device_transfer import from_host
 from specdeploy.models.kv_cache import KVCache
-from specdeploy.models.llama import WHOLE_MATRIX_LINEARS, DenseLinear, Forward, LayerSpan, LlamaModel
+from specdeploy.models.llama import Forward, LayerSpan, LlamaModel
 from specdeploy.speculative.draft_model import DraftModelProposer
+from specdeploy.speculative.draft_vocabulary import VocabularyHead, read_vocabulary_file
 from specdeploy.speculative.exit_adapter import ADAPTER_DIR, ExitAdapter, target_name
 from specdeploy.speculative.proposer import EngineParts, Proposal
 
 EARLY_EXIT_FILE = "early_exit.json"  # in the engine: {"draft_vocab": [ids], "source": how they were counted}
 
 
-def read_early_exit(engine_dir: Path) -> dict:
-    """The engine's early-exit file; an error saying how to get it when it is missing."""
-    path = Path(engine_dir) / EARLY_EXIT_FILE
-    if not path.is_file():
-        raise SpecdeployError(f"{engine_dir}: no {EARLY_EXIT_FILE}, which an early_exit build writes (run specdeploy "
-                              f"build --force with this pipeline)")
-    return json.loads(path.read_text())
+def read_early_exit(engine_dir: Path) -> list[int]:
+    """The engine's early-exit draft vocabulary; an error saying how to get it when it is missing."""
+    return read_vocabulary_file(Path(engine_dir) / EARLY_EXIT_FILE, "an early_exit build")
 
 
 class EarlyExitDraft:
@@ -62,9 +58,7 @@ class EarlyExitDraft:
                                   f"target's {target.config.num_layers} layers")
         self.target, self.exit_layer = target, exit_layer
         self.config, self.embed = target.config, target.embed
-        self.whole_head = len(draft_ids) == target.config.vocab_size
-        self.draft_ids = draft_ids
-        self.rows = None if self.whole_head else head_rows(target, draft_ids)
+        self.head = VocabularyHead(target, draft_ids, "speculation.early_exit.draft_vocab")
         self.adapter = adapter
         self.states: list[torch.Tensor] = []
 
@@ -82,27 +76,8 @@ class EarlyExitDraft:
         return Forward(self.target.norm(raw if self.adapter is None else self.adapter(raw)))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [B, H] → fp32 logits [B, V], -inf outside the draft vocabulary (so the draft never proposes a
-        token there, and its q is 0 there)."""
-        if self.whole_head:
-            return self.target.logits(hidden)
-        logits = torch.full((*hidden.shape[:-1], self.config.vocab_size), float("-inf"), device=hidden.device)
-        logits[..., self.draft_ids] = self.rows(hidden).float()
-        return logits
-
-
-def head_rows(target: LlamaModel, ids: torch.Tensor) -> DenseLinear:
-    """The target head's rows of `ids` as a linear [H] → [Vd], prepacked like the target's own. Read as the head's
-    output for the unit vectors of its input, which is exact for a head that reads its whole matrix (dense, int4 or
-    int8 weight-only) whatever its packing; a rescored head is not linear, so it is refused."""
-    if not isinstance(target.lm_head, WHOLE_MATRIX_LINEARS):
-        raise SpecdeployError(f"speculation.early_exit.draft_vocab: the target's head ({type(target.lm_head).__name__}"
-                              f") is not one matrix whose rows can be taken; set draft_vocab: 0 (the whole head)")
-    eye = torch.eye(target.config.hidden_size, dtype=target.dtype, device=target.embed.device)
-    with torch.inference_mode():
-        rows = DenseLinear(target.lm_head(eye)[:, ids].T.contiguous())  # [H, V] → [Vd, H]
-    rows.prepack()
-    return rows
+        """hidden: [B, H] → fp32 logits [B, V], -inf outside the draft vocabulary."""
+        return self.head(hidden)
 
 
 def engine_adapter(parts: EngineParts, exit_layer: int) -> ExitAdapter:
@@ -125,7 +100,7 @@ class EarlyExitProposer(DraftModelProposer):
         if exit_layer == "measured":
             raise SpecdeployError(f"{parts.directory}: speculation.early_exit.exit_layer is 'measured' and this "
                                   f"engine has no measurement yet (specdeploy build measures it)")
-        ids = from_host(read_early_exit(parts.directory)["draft_vocab"], parts.device, torch.long)
+        ids = from_host(read_early_exit(parts.directory), parts.device, torch.long)
         adapter = engine_adapter(parts, exit_layer) if parts.pipeline.speculation.early_exit.adapter else None
         return cls(EarlyExitDraft(parts.target, exit_layer, ids, adapter), parts.cache, shared=True,
                    early_stop_threshold=0.0)

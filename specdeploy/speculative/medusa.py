@@ -4,7 +4,8 @@ candidates is verified in one target forward (runtime/batch.py, with the exact r
 Head k (0-based) maps the hidden state h_t, whose logits chose the pending token t+1, to a guess for token t+k+2:
 num_layers residual blocks x + SiLU(W x + b) (W starts at zero, so an untrained head repeats the target's own
 prediction), then a vocabulary projection: the target's LM head, shared (on a CPU a second 49k x 576 projection per
-head would cost almost a target forward), or the head's own.
+head would cost almost a target forward), or the head's own. A shared head may be cut to the rows of a draft
+vocabulary (speculation.medusa.draft_vocab; speculative/draft_vocabulary.py), which only changes what is proposed.
 
 The heads file uses the keys TensorRT-LLM's Medusa converter reads from `medusa_lm_head.safetensors`:
 `{head}.{layer}.linear.weight|bias` for the blocks and `{head}.{num_layers}.weight` for a head's own projection; a
@@ -27,12 +28,14 @@ from specdeploy.models.device_transfer import from_host
 from specdeploy.models.reductions import topk_indices
 from specdeploy.spec.speculation import MEDUSA_HEADS
 from specdeploy.spec.token_tree import TokenTree
+from specdeploy.speculative.draft_vocabulary import VocabularyHead, read_vocabulary_file
 from specdeploy.speculative.proposer import EngineParts, Proposal, Proposer
 from specdeploy.speculative.row_trees import RowTrees
 
 HEADS_FILE = "heads.safetensors"
 CONFIG_FILE = "config.json"
 ACCURACY_FILE = "accuracy.json"  # train-medusa's held-out report, copied by the build
+DRAFT_VOCAB_FILE = "draft_vocab.json"  # the ids the heads may propose (speculation.medusa.draft_vocab)
 
 
 class MedusaHeads(nn.Module):
@@ -149,7 +152,9 @@ class MedusaProposer(Proposer):
         heads = MedusaHeads.load(directory / HEADS_FILE).to(parts.device, torch.float32)
         target = parts.target
         tree = TokenTree.from_choices([list(path) for path in parts.pipeline.speculation.medusa.choices])
-        return cls(heads, tree, lambda x: target.logits(x.to(target.dtype)), parts.cache.batch_size, parts.device)
+        head = VocabularyHead(target, from_host(engine_vocabulary(parts.directory), parts.device, torch.long),
+                              "speculation.medusa.draft_vocab")
+        return cls(heads, tree, lambda x: head(x.to(target.dtype)), parts.cache.batch_size, parts.device)
 
     def prefill(self, row: int, sequence: Sequence, hidden: torch.Tensor) -> None:
         self.last[row] = hidden[-1]
@@ -173,6 +178,11 @@ class MedusaProposer(Proposer):
         if key not in self.shapes:  # a few shapes recur: their masks are built once, not at every step
             self.shapes[key] = RowTrees.of(self.tree, counts)
         return Proposal(tokens, None, counts, self.shapes[key])
+
+
+def engine_vocabulary(engine_dir: Path) -> list[int]:
+    """The ids the engine's heads may propose (every id where the pipeline's draft_vocab is 0)."""
+    return read_vocabulary_file(Path(engine_dir) / MEDUSA_HEADS.folder / DRAFT_VOCAB_FILE, "a medusa build")
 
 
 def write_heads_config(directory: Path, heads: MedusaHeads) -> None:

@@ -41,15 +41,22 @@ def hidden_features(target, sequences: list[tuple[list[int], int]], num_heads: i
     return Features(torch.cat(hidden_rows), torch.cat(target_rows))
 
 
-def accuracies(heads: MedusaHeads, data: Features, lm_head: torch.Tensor, batch_size: int = 512
-               ) -> list[dict]:
+def accuracies(heads: MedusaHeads, data: Features, lm_head: torch.Tensor, batch_size: int = 512,
+               vocabulary: list[int] | None = None) -> list[dict]:
     """Per head, over `data`: top-k accuracy (k in TOP_K) of its guess for the token at t + k + 2, and by_rank[i],
-    how often its i-th most likely token is that token (what the tree builder needs), for i < RANKS."""
+    how often its i-th most likely token is that token (what the tree builder needs), for i < RANKS. vocabulary:
+    the ids the heads may propose (speculation.medusa.draft_vocab), None for every id."""
+    outside = None
+    if vocabulary is not None and len(vocabulary) < lm_head.shape[0]:
+        outside = torch.ones(lm_head.shape[0], dtype=torch.bool)
+        outside[vocabulary] = False
     hits = torch.zeros(heads.num_heads, RANKS)
     counts = torch.zeros(heads.num_heads)
     with torch.inference_mode():
         for batch in torch.arange(len(data.hidden)).split(batch_size):
             logits = F.linear(heads.hidden(data.hidden[batch]), lm_head)  # [n, K, V]
+            if outside is not None:
+                logits[..., outside] = float("-inf")
             top = logits.topk(RANKS, dim=-1).indices  # [n, K, RANKS], best first
             targets = data.targets[batch]
             valid = targets != IGNORE

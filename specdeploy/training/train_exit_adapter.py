@@ -38,7 +38,7 @@ def train_exit_adapter(pipeline_path: str | Path, engines_dir: Path, output: Pat
     from rich.console import Console
 
     from specdeploy.build.checkpoints import target_config
-    from specdeploy.build.torch_engine import early_exit_vocabulary
+    from specdeploy.build.torch_engine import corpus_vocabulary
     from specdeploy.models.registry import load_projection
     from specdeploy.speculative.exit_adapter import REPORT_FILE, ExitAdapter, ExitAdapterConfig, target_name
     from specdeploy.training import exit_adapter as training
@@ -64,7 +64,7 @@ def train_exit_adapter(pipeline_path: str | Path, engines_dir: Path, output: Pat
         task = progress.add_task("target states", total=len(train_prompts) + len(held_out))
         train_data = training.collect(engine.target, sequences(train_prompts), layers, lambda: progress.advance(task))
         held_data = training.collect(engine.target, sequences(held_out), layers, lambda: progress.advance(task))
-    ids, _ = early_exit_vocabulary(engine.tokenizer, pipeline.speculation.early_exit.draft_vocab, config.vocab_size)
+    ids, _ = corpus_vocabulary(engine.tokenizer, pipeline.speculation.early_exit.draft_vocab, config.vocab_size)
     ids = torch.tensor(ids)
     head = training.ExitHead(engine.target.norm.weight.detach().float().cpu(), config.rms_norm_eps,
                              load_projection(engine_dir / "target")[ids], ids, config.vocab_size)

@@ -2,10 +2,12 @@
 
 How many tokens a step should draft depends on the machine: a verify's cost grows with its width where the kernels
 are not bandwidth bound (an int4 target on a CPU), and on an MoE target verifying n tokens reads the union of their
-experts. So the cap is measured where the engine runs: every calibration prompt decoded plain, at the pipeline's
-full gamma and at each smaller gamma of SWEEP, and the gamma whose realized speedup is best becomes the cap (the
-pipeline's own unless a smaller one beats it by MARGIN), or 0 (no drafting) when none beats plain decode. It is
-written into the engine (engine_paths.MEASURED_POLICY_FILE), which serves with it from then on.
+experts. For a tree method (Medusa, EAGLE, lookahead) gamma is the tree's depth cap, so the cap cuts the tree to
+its first levels, or turns drafting off where no depth pays. So the cap is measured where the engine runs: every
+calibration prompt decoded plain, at the pipeline's full gamma and at each smaller gamma of SWEEP, and the gamma
+whose realized speedup is best becomes the cap (the pipeline's own unless a smaller one beats it by MARGIN), or 0
+(no drafting) when none beats plain decode. It is written into the engine (engine_paths.MEASURED_POLICY_FILE),
+which serves with it from then on.
 
 `specdeploy build` (tune/engine.py) measures it on the calibration prompts the bench never uses; `specdeploy bench
 --measure-gamma-cap` measures it again on the bench's prompts, with what else its report saw.
@@ -53,10 +55,11 @@ def gamma_cap_record(by_gamma: dict[int, float], full: int) -> dict:
 
 
 def lift_gamma_cap(engine: Engine) -> None:
-    """Let `engine` draft its pipeline's full gamma, whatever its cap, so every gamma up to it can be measured."""
-    if not engine.speculation.drafts_outside_target:
-        raise SpecdeployError(f"{engine.pipeline.name}: a measured gamma cap needs draft_target or ngram "
-                              f"speculation (a Medusa tree sets its own width), the pipeline's is {engine.method}")
+    """Let `engine` draft its pipeline's full gamma, whatever its cap, so every gamma up to it can be measured (a
+    chain's length, or a tree's depth: Medusa, EAGLE and lookahead cut their trees at a row's gamma)."""
+    if not engine.speculation.speculates:
+        raise SpecdeployError(f"{engine.pipeline.name}: a measured gamma cap needs speculation, and the pipeline's "
+                              f"method is none")
     engine.pipeline = engine.pipeline.with_gamma_cap(None)
 
 

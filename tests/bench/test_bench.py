@@ -5,8 +5,8 @@ from __future__ import annotations
 import torch
 from helpers.made_reports import made_report
 
-from specdeploy.bench.printing import why_it_loses
-from specdeploy.bench.results import Machine
+from specdeploy.bench.printing import why_below_target
+from specdeploy.bench.results import KindSpeeds, Machine
 from specdeploy.bench.run import run_benches
 from specdeploy.models import machine
 
@@ -32,18 +32,32 @@ def test_pipelines_take_turns_prompt_by_prompt(tiny_engines, monkeypatch):
     assert all(r.setup.prompts == 2 and set(r.summary.by_kind) == {"copy", "open"} for r in reports)
 
 
-def test_a_loss_is_explained_and_blames_the_cpu_only_when_bf16_runs_generic():
-    def losing_report(dtype: str, bf16_matmul: str, speedup: float = 0.26):
-        report = made_report(summary={"speedup": speedup, "proposal_cost_per_step": 0.26, "verify_cost_ratio": 5.94,
-                                      "mean_accepted_length": 1.58}, setup={"dtype": dtype})
-        report.setup.machine.bf16_matmul = bf16_matmul
-        return report
+def test_below_the_target_the_report_names_what_limits_speculation():
+    """Below 1.2x plain decode on open-ended prompts: the costs, what 1.2x would need, and the largest loss named;
+    the CPU blamed only where bf16 runs on the generic matmul."""
+    def report(speedup: float, propose: float = 0.26, verify: float = 5.94, tokens: float = 1.58,
+               dtype: str = "float32", bf16_matmul: str = "oneDNN", open_speedup: float | None = None):
+        kinds = {} if open_speedup is None else {"open": KindSpeeds(speedup=open_speedup, prompts=1,
+                                                                    plain_tokens_per_s=1.0,
+                                                                    speculative_tokens_per_s=open_speedup)}
+        made = made_report(summary={"speedup": speedup, "proposal_cost_per_step": propose, "verify_cost_ratio": verify,
+                                    "mean_accepted_length": tokens, "mean_draft_tokens_per_step": 3.0,
+                                    "by_kind": kinds}, setup={"dtype": dtype})
+        made.setup.machine.bf16_matmul = bf16_matmul
+        return why_below_target(made)
 
-    generic = why_it_loses(losing_report("bfloat16", "generic (time grows with rows)"))
+    generic = report(0.26, dtype="bfloat16", bf16_matmul="generic (time grows with rows)")
     assert "0.26x" in generic and "5.94 to verify" in generic and "AVX-512 or AMX" in generic
-    assert "AVX-512" not in why_it_loses(losing_report("bfloat16", "oneDNN"))
-    assert "AVX-512" not in why_it_loses(losing_report("float32", "generic (time grows with rows)"))
-    assert why_it_loses(losing_report("bfloat16", "generic (time grows with rows)", speedup=1.2)) is None
+    assert "needs 7.44 tokens a step" in generic and "at most 1.32 plain steps" in generic
+    assert "The verify limits it: 4.0 positions cost 5.94" in generic
+    assert "AVX-512" not in report(0.26, dtype="bfloat16")
+    assert "AVX-512" not in report(0.26, bf16_matmul="generic (time grows with rows)")
+    assert "The proposal limits it: 0.90" in report(0.9, propose=0.9, verify=1.3, tokens=1.9)
+    assert "Acceptance limits it" in report(0.9, propose=0.1, verify=1.1, tokens=1.1)
+    # open-ended prompts decide where the run had some: 1.5x overall, 1.1x there
+    assert "(1.10x on open-ended prompts)" in report(1.5, open_speedup=1.1)
+    assert report(1.1, open_speedup=1.25) is None
+    assert report(1.2) is None and report(1.19) is not None
 
 
 def test_the_machine_is_described_from_cpuinfo_and_torch():

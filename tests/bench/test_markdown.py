@@ -10,6 +10,7 @@ from helpers.made_reports import made_report
 from PIL import Image
 
 from specdeploy.bench.markdown import write_report
+from specdeploy.bench.printing import why_below_target
 from specdeploy.bench.results import BenchReport, Footprint, KindSpeeds, MoeCurve, Peer
 from specdeploy.bench.run import run_benches
 from specdeploy.errors import SpecdeployError
@@ -37,6 +38,15 @@ def test_the_report_holds_every_figure_and_readable_plots(reports, tmp_path):
         with Image.open(tmp_path / "report" / name) as image:
             assert image.format == "PNG" and image.size[0] >= 800
     assert not list((tmp_path / "report").glob("moe-*.png"))  # no MoE pipeline in this run
+    for report in reports:  # below 1.2x its own plain decode, a report says what limits it
+        limits = why_below_target(report)
+        assert (limits is None) == (f"What limits it: {limits}" not in text)
+
+
+def test_a_pipeline_below_the_target_is_told_what_limits_it(tmp_path):
+    slow = made_report(summary={"speedup": 0.8, "verify_cost_ratio": 2.5, "proposal_cost_per_step": 0.1})
+    text = write_report([slow, made_report()], tmp_path / "report", ["a.yaml", "b.yaml"]).read_text()
+    assert text.count("What limits it: ") == 1 and "The verify limits it: 4.0 positions cost 2.50" in text
 
 
 def test_by_kind_carries_both_speeds(reports):

@@ -603,6 +603,7 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     assert measured["moe_predicted_speedup_by_gamma"] == report["moe"]["predicted_speedup_by_gamma"]
     assert f"gamma cap {measured['gamma_cap']}" in result.stdout and str(policy_file) in result.stdout
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == measured["gamma_cap"]
+    assert report["gamma_cap"] == measured["gamma_cap"]  # the report names the cap the engine now serves
     served = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
                      "24", "--temperature", "0", "--no-transformers", "--gammas", "1,2,3,4", "--json", str(out))
     assert served.returncode == 0 and f"capped at {measured['gamma_cap']}" in served.stdout
@@ -614,7 +615,7 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     policy_file.write_text(json.dumps({"gamma_cap": "two"}))
     with pytest.raises(SpecdeployError, match="measured_policy.json.*gamma_cap"):
         Engine(engine_dir)
-    with pytest.raises(SpecdeployError, match="needs draft_target or ngram speculation"):
+    with pytest.raises(SpecdeployError, match="needs speculation, and the pipeline's method is none"):
         lift_gamma_cap(Engine(tiny_engine_dir(tmp_path, tiny_checkpoints), method="none"))
 
 

@@ -21,6 +21,7 @@ from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.spec.request import NO_END_ID, GenerationRequest
 from specdeploy.spec.sampling_params import SamplingParams
 from specdeploy.speculative.medusa import MedusaHeads, export_trtllm
+from specdeploy.workflows import build_torch_engine
 
 HIDDEN, VOCAB = 64, 128  # the tiny checkpoints' sizes (helpers/tiny_models.py)
 
@@ -36,8 +37,9 @@ def random_heads(num_heads: int = 3, num_layers: int = 1, own: bool = False, see
     return heads
 
 
-def medusa_pipeline(directory, target, heads_file, **medusa):
-    return write_pipeline(directory / "tiny-medusa.yaml", name="tiny-medusa",
+def medusa_pipeline(directory, target, heads_file, serving: dict | None = None, **medusa):
+    extra = {"serving": serving} if serving else {}
+    return write_pipeline(directory / "tiny-medusa.yaml", name="tiny-medusa", **extra,
                           target={"checkpoint": {"source": "hf_dir", "path": str(target)}, "dtype": "float32"},
                           speculation={"method": "medusa", "num_draft_tokens": 3,
                                        "medusa": {"heads": str(heads_file), "num_heads": 3,
@@ -159,8 +161,99 @@ def test_build_checks_the_heads_against_the_spec_and_the_target(tiny_checkpoints
               tmp_path / "e", quiet=True)
 
 
+@pytest.fixture(scope="module")
+def medusa_vocab_engine(tiny_checkpoints, tmp_path_factory):
+    """The fixture's heads proposing from the target head's rows of 32 corpus tokens of the 128."""
+    root = tmp_path_factory.mktemp("medusa-vocab")
+    random_heads().save(root / "heads.safetensors")
+    path = medusa_pipeline(root, tiny_checkpoints["target"], root / "heads.safetensors", draft_vocab=32)
+    return build(load_pipeline(path), root / "engines", quiet=True).directory
+
+
+def test_heads_with_a_draft_vocabulary_propose_only_it_and_greedy_equals_plain(medusa_vocab_engine, medusa_engine):
+    import json
+
+    vocabulary = set(json.loads((medusa_vocab_engine / "medusa" / "draft_vocab.json").read_text())["draft_vocab"])
+    assert len(vocabulary) == 32
+    whole = json.loads((medusa_engine / "medusa" / "draft_vocab.json").read_text())["draft_vocab"]
+    assert whole == list(range(VOCAB))  # draft_vocab 0: every id
+    engine = Engine(medusa_vocab_engine)
+    sequence = engine.new_sequence(GenerationRequest(PROMPTS[0], 30, SamplingParams(temperature=1.0, seed=3), 3,
+                                                     end_id=NO_END_ID))
+    engine.decoder.prefill(sequence, 0)
+    proposed, whole_proposed = set(), set()
+    full = Engine(medusa_engine).proposer
+    with torch.inference_mode():
+        for _ in range(6):
+            proposed |= set(engine.proposer.propose([sequence], [3]).tokens[0].tolist())
+            # the whole head, from the same states, proposes outside those 32 (else this check could not fail)
+            full.last[:1] = engine.proposer.last[:1]
+            whole_proposed |= set(full.propose([sequence], [3]).tokens[0].tolist())
+            engine.decoder.step([sequence])
+    assert proposed <= vocabulary and len(proposed) > 1
+    assert not whole_proposed <= vocabulary
+    drafted, accepted = assert_greedy_equals_plain_alone(medusa_vocab_engine, 40)
+    assert drafted > 0 and accepted > 0
+
+
+def test_sampled_medusa_with_a_draft_vocabulary_is_calibrated_token_by_token(medusa_vocab_engine):
+    """A draft vocabulary changes what is proposed, never what is emitted: the exact rule's check still holds."""
+    result = calibration(medusa_vocab_engine, PROMPTS[1])
+    assert result.at_siblings > 2000, result
+    assert result.ok, result
+
+
+def test_backend_trtllm_refuses_a_draft_vocabulary(tiny_checkpoints, tmp_path):
+    from helpers.pipelines import trtllm_pipeline
+
+    medusa = {"heads": str(tmp_path / "heads.safetensors"), "num_heads": 3, "choices": [[0], [0, 0]]}
+    for draft_vocab, refused in ((0, False), (32, True)):
+        path = trtllm_pipeline(tmp_path, tiny_checkpoints["target"], speculation={
+            "method": "medusa", "num_draft_tokens": 2, "medusa": {**medusa, "draft_vocab": draft_vocab}})
+        if not refused:
+            assert load_pipeline(path).speculation.medusa.draft_vocab == 0
+            continue
+        with pytest.raises(PipelineError, match="speculation.medusa.draft_vocab: TensorRT-LLM's Medusa reads every "
+                                                "head's whole vocabulary projection: set draft_vocab: 0"):
+            load_pipeline(path)
+
+
+def test_a_draft_vocabulary_needs_heads_that_share_the_target_head(tiny_checkpoints, tmp_path):
+    heads = tmp_path / "heads.safetensors"
+    random_heads(own=True).save(heads)
+    with pytest.raises(BuildError, match="draft_vocab takes rows of the target's head, and .* their own projections: "
+                                         "set draft_vocab: 0"):
+        build(load_pipeline(medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads, draft_vocab=32)),
+              tmp_path / "e", quiet=True)
+
+
+def test_a_measured_gamma_cap_cuts_the_tree_at_its_depth_or_turns_drafting_off(tiny_checkpoints, tmp_path):
+    """serving.policy.gamma_cap: measured on a tree method: the build decodes at every depth below the tree's, and
+    the engine serves the cap it wrote, a tree cut to its first levels, or plain decode at 0."""
+    import json
+
+    heads = tmp_path / "heads.safetensors"
+    random_heads().save(heads)
+    path = medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads, serving={"policy": {"gamma_cap": "measured"}})
+    directory = build_torch_engine(load_pipeline(path), tmp_path / "engines", quiet=True).directory
+    policy = directory / "measured_policy.json"
+    record = json.loads(policy.read_text())
+    assert set(record["realized_speedup_by_gamma"]) == {"1", "2", "3"}  # the tree [[0], [1], [0, 0], [0, 0, 0]]
+    plain = Engine(directory).start(GenerationRequest(PROMPTS[1], 30, SamplingParams(), 0, end_id=NO_END_ID)).run()
+    for cap, depth_one_nodes in ((3, 2), (1, 2), (0, 0)):
+        policy.write_text(json.dumps(record | {"gamma_cap": cap}))
+        generation = Engine(directory).start(GenerationRequest(PROMPTS[1], 30, SamplingParams(), None,
+                                                               end_id=NO_END_ID))
+        assert generation.run() == plain
+        stats = generation.stats
+        assert len(stats.drafted_per_position) == cap  # the deepest level any step proposed
+        assert stats.drafted <= stats.steps * (depth_one_nodes if cap < 3 else 4)
+        assert (stats.drafted > 0) == (cap > 0)
+
+
 @pytest.mark.parametrize(("medusa", "message"), [
     ({"choices": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}, "4 deep but there are 3 heads"),
+    ({"draft_vocab": -1}, r"medusa.draft_vocab: must be ≥ 0 \(0: the whole head\), got -1"),
     ({"choices": [[0, 1]]}, r"\[0, 1\] has no parent"),
     ({"heads": ""}, "medusa.heads: required"),
 ])
@@ -241,6 +334,7 @@ def test_medusa_serves_through_triton_with_per_head_metrics(tmp_path):
 
     spec = yaml.safe_load((REPO / "pipelines" / "smollm2-medusa.yaml").read_text())
     spec["target"]["dtype"] = "float32"
+    spec["target"].pop("weight_only")  # the int4 kernels take bf16 activations
     spec["speculation"]["medusa"]["heads"] = str(REPO / "pipelines" / spec["speculation"]["medusa"]["heads"])
     engine_dir = build(load_pipeline(write_pipeline(tmp_path / "medusa-fp32.yaml", **spec)), tmp_path / "engines",
                        quiet=True).directory

@@ -12,7 +12,7 @@ from helpers.cli import run_cli
 from helpers.early_exit import LAYERS, early_exit_pipeline
 from helpers.tiny_models import save_tiny_checkpoint
 
-from specdeploy.build.torch_engine import build, early_exit_vocabulary
+from specdeploy.build.torch_engine import build, corpus_vocabulary
 from specdeploy.errors import SpecdeployError
 from specdeploy.models.llama import LayerSpan
 from specdeploy.models.registry import load_projection
@@ -50,7 +50,7 @@ def distilled(tmp_path_factory):
     train = training.collect(engine.target, sequences(PROMPTS[HELD_OUT:]), [1, LAYER])
     held = training.collect(engine.target, sequences(PROMPTS[:HELD_OUT]), [1, LAYER])
     config = engine.target.config
-    ids = torch.tensor(early_exit_vocabulary(engine.tokenizer, 0, config.vocab_size)[0])
+    ids = torch.tensor(corpus_vocabulary(engine.tokenizer, 0, config.vocab_size)[0])
     head = training.ExitHead(engine.target.norm.weight.detach().float(), config.rms_norm_eps,
                              load_projection(engine_dir / "target")[ids], ids, config.vocab_size)
     return {"root": root, "pipeline": pipeline, "checkpoint": checkpoint, "engine": engine, "answers": answers,
