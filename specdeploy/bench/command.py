@@ -11,6 +11,7 @@ from specdeploy.bench.options import BenchOptions, check_options
 from specdeploy.bench.results import BenchReport, Cost
 from specdeploy.errors import SpecdeployError
 from specdeploy.runtime.engine import Engine
+from specdeploy.spec.engine_paths import engine_pipeline
 from specdeploy.spec.pipeline import load_pipeline
 from specdeploy.spec.prompt_sets import load_prompts
 
@@ -72,7 +73,7 @@ def in_process(options: BenchOptions, engines: list[Engine], prompts: list[dict]
         for engine, report in zip(engines, reports):
             policy = measured_policy(report)
             print(gamma_cap.write_gamma_cap(engine.dir, policy))
-            report.setup.gamma_cap = policy["gamma_cap"]  # what the engine serves from now on
+            report.setup.gamma_cap = engine_pipeline(engine.dir).serving.policy.gamma_cap  # served from now on
     if options.report_dir is not None:
         from specdeploy.bench.markdown import write_report
 

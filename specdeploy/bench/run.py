@@ -48,8 +48,9 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
     its speculation, so the machine's load drifts over all of them alike. transformers is measured once (first
     engine); with_peers: each engine's peers (bench/peers.py) on the same prompts, greedy, after its own runs, and
     its footprint beside llama.cpp's (bench/footprint.py: fresh processes, the first prompt);
-    gammas: each prompt also decoded at these gammas (report.gamma_sweep: gamma → speedup; not for Medusa, whose
-    tree sets its own width; gammas above an engine's gamma_cap neither, which it serves at its cap)."""
+    gammas: each prompt also decoded at these gammas (report.gamma_sweep: gamma → speedup; for a tree method the
+    depths below its tree's, gamma being its depth cap; gammas above an engine's gamma_cap neither, which it serves
+    at its cap)."""
     requests = [GenerationRequest.with_defaults(e.pipeline, [], max_tokens, temperature, seed=seed) for e in engines]
     encoded = [[e.encode_prompt(p["prompt"]) for p in prompts] for e in engines]
     for engine, request, ids in zip(engines, requests, encoded):
@@ -67,13 +68,12 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
                 speculative_tokens = speculative.run()
             done.append(PromptRun(item["kind"], plain.stats, speculative.stats, plain_tokens,
                                   speculative_tokens))
-            if not engine.speculation.drafts_tree:
-                for gamma in swept_gammas(engine, gammas):
-                    with clock("gamma_sweep"):
-                        swept = engine.generate(ids[index], request.sampling, request.max_tokens,
-                                                num_draft_tokens=gamma)
-                        swept.run()
-                    sweep.setdefault(gamma, []).append(swept.stats)
+            for gamma in swept_gammas(engine, gammas):
+                with clock("gamma_sweep"):
+                    swept = engine.generate(ids[index], request.sampling, request.max_tokens,
+                                            num_draft_tokens=gamma)
+                    swept.run()
+                sweep.setdefault(gamma, []).append(swept.stats)
     reports = []
     for number, (engine, request, ids, done, clock) in enumerate(zip(engines, requests, encoded, runs, spent)):
         with clock("analysis"):
@@ -96,9 +96,11 @@ def run_benches(engines: list[Engine], prompts: list[dict], max_tokens: int | No
 
 
 def swept_gammas(engine: Engine, gammas: tuple[int, ...]) -> tuple[int, ...]:
-    """The gammas of a sweep the engine serves as asked: those within its gamma_cap."""
+    """The gammas of a sweep the engine serves as asked and differently from its own: those within its gamma_cap,
+    and for a tree method those below its depth (a deeper cap serves the whole tree)."""
     cap = engine.pipeline.serving.policy.gamma_cap
-    return tuple(g for g in gammas if not isinstance(cap, int) or g <= cap)
+    deepest = engine.num_draft_tokens - 1 if engine.speculation.drafts_tree else max(gammas, default=0)
+    return tuple(g for g in gammas if (not isinstance(cap, int) or g <= cap) and g <= deepest)
 
 
 class PhaseSeconds:

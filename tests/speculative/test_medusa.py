@@ -251,6 +251,32 @@ def test_a_measured_gamma_cap_cuts_the_tree_at_its_depth_or_turns_drafting_off(t
         assert (stats.drafted > 0) == (cap > 0)
 
 
+def test_bench_sweeps_a_tree_by_depth_and_measures_its_cap_again(tiny_checkpoints, tmp_path):
+    """bench --measure-gamma-cap on a tree method: every depth below the tree's decoded (a deeper gamma serves the
+    whole tree, so 4 is not), the cap picked from them written into the engine, and the report names what it now
+    serves."""
+    import json
+
+    from helpers.cli import run_cli
+
+    heads = tmp_path / "heads.safetensors"
+    random_heads().save(heads)
+    path = medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads, serving={"policy": {"gamma_cap": "measured"}})
+    engines = tmp_path / "engines"
+    directory = build(load_pipeline(path), engines, quiet=True).directory
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": p, "kind": "open"}) + "\n" for p in ("abcabcabc", "hello")))
+    out = tmp_path / "report.json"
+    result = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
+                     "16", "--no-transformers", "--gammas", "1,2,4", "--measure-gamma-cap", "--json", str(out))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(out.read_text())
+    assert list(report["gamma_sweep"]) == ["1", "2"]  # the tree [[0], [1], [0, 0], [0, 0, 0]] is 3 deep
+    measured = json.loads((directory / "measured_policy.json").read_text())
+    assert measured["realized_speedup_by_gamma"] == {**report["gamma_sweep"], "3": report["speedup"]}
+    assert report["gamma_cap"] == measured["gamma_cap"] == Engine(directory).pipeline.serving.policy.gamma_cap
+
+
 @pytest.mark.parametrize(("medusa", "message"), [
     ({"choices": [[0], [0, 0], [0, 0, 0], [0, 0, 0, 0]]}, "4 deep but there are 3 heads"),
     ({"draft_vocab": -1}, r"medusa.draft_vocab: must be ≥ 0 \(0: the whole head\), got -1"),
