@@ -19,30 +19,34 @@ SPEEDUP_TARGET = 1.2
 def why_below_target(report: BenchReport) -> str | None:
     """Sentences saying what limits speculation where it ran below SPEEDUP_TARGET x plain decode on open-ended
     prompts (on every prompt, where the run had none); None where it did not. From the speedup algebra: a step
-    costs p plain steps to propose and v to verify for L tokens, so the speedup is L / (p + v); the limit named is
-    the largest loss against a free proposal and a verify as cheap as a plain step (bandwidth bound), naming the
-    CPU's generic bf16 matmul when that is the cause of a costly verify."""
+    costs p plain steps to propose and v to verify for L tokens (L of the open-ended prompts where known; p and v
+    over every prompt), so the speedup is L / (p + v). The limit named is the one whose removal alone would reach
+    the target: the verify's growth over a plain step (v → 1, a bandwidth-bound verify), else the proposal (p → 0),
+    else acceptance (neither alone would: L is too small). Names the CPU's generic bf16 matmul when that is the
+    cause of a costly verify."""
     summary = report.summary
     open_ended = summary.by_kind.get(OPEN_ENDED)
     speedup = summary.speedup if open_ended is None else open_ended.speedup
     if speedup >= SPEEDUP_TARGET:
         return None
     where = "" if open_ended is None else f" ({open_ended.speedup:.2f}x on open-ended prompts)"
-    propose, verify, tokens = summary.proposal_cost_per_step, summary.verify_cost_ratio, summary.mean_accepted_length
+    propose, verify = summary.proposal_cost_per_step, summary.verify_cost_ratio
+    tokens, which = summary.mean_accepted_length, "every prompt"
+    if open_ended is not None and open_ended.mean_accepted_length is not None:
+        tokens, which = open_ended.mean_accepted_length, "the open-ended prompts"
     text = (f"Speculation ran at {summary.speedup:.2f}x plain decode here{where}, below {SPEEDUP_TARGET}x: a step "
-            f"cost {propose:.2f} plain steps to propose and {verify:.2f} to verify, for {tokens:.2f} tokens. "
-            f"{SPEEDUP_TARGET}x at these costs needs {SPEEDUP_TARGET * (propose + verify):.2f} tokens a step, or at "
-            f"these tokens a step of at most {tokens / SPEEDUP_TARGET:.2f} plain steps.")
-    if tokens < SPEEDUP_TARGET:
-        text += (f" Acceptance limits it: even a free proposal and a verify as cheap as a plain step would give "
-                 f"{tokens:.2f}x.")
-    elif verify - 1 >= propose:
+            f"cost {propose:.2f} plain steps to propose and {verify:.2f} to verify, for {tokens:.2f} tokens on "
+            f"{which}. {SPEEDUP_TARGET}x at these costs needs {SPEEDUP_TARGET * (propose + verify):.2f} tokens a "
+            f"step, or at these tokens a step of at most {tokens / SPEEDUP_TARGET:.2f} plain steps.")
+    if tokens / (propose + 1) >= SPEEDUP_TARGET:
         text += (f" The verify limits it: {summary.mean_draft_tokens_per_step + 1:.1f} positions cost {verify:.2f} "
                  f"plain steps, where a bandwidth-bound verify costs about one, so the target's kernels are "
                  f"compute-bound at that width.")
+    elif tokens / verify >= SPEEDUP_TARGET:
+        text += f" The proposal limits it: {propose:.2f} plain steps a step."
     else:
-        text += (f" The proposal limits it: {propose:.2f} plain steps a step, more than the verify's "
-                 f"{verify - 1:.2f} beyond a plain step.")
+        text += (f" Acceptance limits it: neither a free proposal ({tokens / verify:.2f}x) nor a verify as cheap as "
+                 f"a plain step ({tokens / (propose + 1):.2f}x) alone would reach {SPEEDUP_TARGET}x.")
     if report.setup.dtype == "bfloat16" and not report.setup.machine.bf16_matmul.startswith("oneDNN"):
         text += (" This CPU has no oneDNN bf16 matmul (it needs AVX-512 or AMX), so a bf16 matmul's time grows with "
                  "its rows and verifying n tokens costs nearly n plain steps: serve this pipeline without "

@@ -59,11 +59,12 @@ class Setup:
 
 @dataclass
 class KindSpeeds:
-    """One prompt kind's decode speeds."""
+    """One prompt kind's decode speeds, and its tokens a speculative step (None in reports from before it)."""
     speedup: float
     prompts: int
     plain_tokens_per_s: float
     speculative_tokens_per_s: float
+    mean_accepted_length: float | None = None
 
 
 @dataclass
@@ -273,6 +274,7 @@ class BenchReport:
     def to_json(self) -> dict[str, Any]:
         """The flat JSON object (see the module docstring)."""
         data: dict[str, Any] = asdict(self.summary)
+        data["by_kind"] = {kind: without_none(speeds) for kind, speeds in data["by_kind"].items()}
         data.update(asdict(self.greedy) if self.greedy else {"greedy_match": None})
         if not data.get("greedy_divergences", True):  # no prompt parted: written as reports before it were
             del data["greedy_divergences"]

@@ -43,8 +43,10 @@ def speeds_by_kind(runs: list[PromptRun]) -> dict[str, KindSpeeds]:
         chosen = [r for r in runs if r.kind == kind]
         base, rate = decode_rate([r.plain for r in chosen]), decode_rate([r.speculative for r in chosen])
         if base and rate:  # a kind whose answers ended at once decoded nothing: there is no speed to compare
+            tokens = mean_accepted_length(sum(r.speculative.decode_tokens for r in chosen),
+                                          sum(r.speculative.steps for r in chosen))
             by_kind[kind] = KindSpeeds(speedup=rate / base, prompts=len(chosen), plain_tokens_per_s=base,
-                                       speculative_tokens_per_s=rate)
+                                       speculative_tokens_per_s=rate, mean_accepted_length=tokens)
     return by_kind
 
 

@@ -53,6 +53,9 @@ def test_by_kind_carries_both_speeds(reports):
     for report in reports:
         for figures in report.summary.by_kind.values():
             assert figures.speedup == pytest.approx(figures.speculative_tokens_per_s / figures.plain_tokens_per_s)
+            assert 1 <= figures.mean_accepted_length <= report.setup.num_draft_tokens + 1
+        low, high = sorted(k.mean_accepted_length for k in report.summary.by_kind.values())
+        assert low <= report.summary.mean_accepted_length <= high  # the kinds' steps pooled
 
 
 def test_dense_reports_carry_the_verify_cost_by_width(reports):
