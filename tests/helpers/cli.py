@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from click.testing import CliRunner
 
 from specdeploy.cli import cli
@@ -18,6 +21,16 @@ def run_cli(*args: str) -> Result:
     if result.exception is not None and not isinstance(result.exception, SystemExit):
         raise result.exception
     return Result(result.exit_code, result.stdout, result.stderr)
+
+
+def run_bench(pipeline: Path, engines: Path, prompts: dict[str, str], *options: str) -> tuple[Result, dict]:
+    """`specdeploy bench` in-process on `prompts` (text → kind, written as JSON Lines beside the engines), with its
+    JSON report read back ({} when it failed)."""
+    prompt_file, out = engines.parent / "prompts.jsonl", engines.parent / "report.json"
+    prompt_file.write_text("".join(json.dumps({"prompt": text, "kind": kind}) + "\n" for text, kind in prompts.items()))
+    result = run_cli("bench", str(pipeline), "--engines-dir", str(engines), "--prompts", str(prompt_file), "--json",
+                     str(out), *options)
+    return result, json.loads(out.read_text()) if result.returncode == 0 else {}
 
 
 def flags(command: tuple[str, ...]) -> dict[str, str | None]:

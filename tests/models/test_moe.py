@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from helpers.cli import run_cli
+from helpers.cli import run_bench, run_cli
 from helpers.collector import Collector
 from helpers.pipelines import tiny_pipeline
 from helpers.prompts import PROMPTS
@@ -587,13 +587,10 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap is None  # nothing measured yet: no cap
     policy_file = engine_dir / "measured_policy.json"
     policy_file.write_text(json.dumps({"gamma_cap": 1}))  # an earlier measurement: bench must lift it
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "kind": "copy"}) + "\n" for p in ("abcabcabc", "hello")))
-    out = tmp_path / "report.json"
-    result = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
-                     "24", "--temperature", "0", "--no-transformers", "--measure-gamma-cap", "--json", str(out))
+    prompts = {"abcabcabc": "copy", "hello": "copy"}
+    result, report = run_bench(path, engines, prompts, "--max-tokens", "24", "--temperature", "0",
+                               "--no-transformers", "--measure-gamma-cap")
     assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())
     gamma = spec["speculation"]["num_draft_tokens"]
     assert report["num_draft_tokens"] == gamma and list(report["gamma_sweep"]) == [str(g) for g in range(1, gamma)]
     measured = json.loads(policy_file.read_text())
@@ -604,10 +601,9 @@ def test_bench_measures_a_gamma_cap_that_the_engine_then_serves_with(tiny_checkp
     assert f"gamma cap {measured['gamma_cap']}" in result.stdout and str(policy_file) in result.stdout
     assert Engine(engine_dir).pipeline.serving.policy.gamma_cap == measured["gamma_cap"]
     assert report["gamma_cap"] == measured["gamma_cap"]  # the report names the cap the engine now serves
-    served = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
-                     "24", "--temperature", "0", "--no-transformers", "--gammas", "1,2,3,4", "--json", str(out))
+    served, capped = run_bench(path, engines, prompts, "--max-tokens", "24", "--temperature", "0",
+                               "--no-transformers", "--gammas", "1,2,3,4")
     assert served.returncode == 0 and f"capped at {measured['gamma_cap']}" in served.stdout
-    capped = json.loads(out.read_text())
     # a sweep skips the gammas the cap would serve at the cap
     assert list(capped.get("gamma_sweep", {})) == [str(g) for g in range(1, 5) if g <= measured["gamma_cap"]]
     assert capped["gamma_cap"] == measured["gamma_cap"]

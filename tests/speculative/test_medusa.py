@@ -257,20 +257,16 @@ def test_bench_sweeps_a_tree_by_depth_and_measures_its_cap_again(tiny_checkpoint
     serves."""
     import json
 
-    from helpers.cli import run_cli
+    from helpers.cli import run_bench
 
     heads = tmp_path / "heads.safetensors"
     random_heads().save(heads)
     path = medusa_pipeline(tmp_path, tiny_checkpoints["target"], heads, serving={"policy": {"gamma_cap": "measured"}})
     engines = tmp_path / "engines"
     directory = build(load_pipeline(path), engines, quiet=True).directory
-    prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"prompt": p, "kind": "open"}) + "\n" for p in ("abcabcabc", "hello")))
-    out = tmp_path / "report.json"
-    result = run_cli("bench", str(path), "--engines-dir", str(engines), "--prompts", str(prompts), "--max-tokens",
-                     "16", "--no-transformers", "--gammas", "1,2,4", "--measure-gamma-cap", "--json", str(out))
+    result, report = run_bench(path, engines, {"abcabcabc": "open", "hello": "open"}, "--max-tokens", "16",
+                               "--no-transformers", "--gammas", "1,2,4", "--measure-gamma-cap")
     assert result.returncode == 0, result.stderr
-    report = json.loads(out.read_text())
     assert list(report["gamma_sweep"]) == ["1", "2"]  # the tree [[0], [1], [0, 0], [0, 0, 0]] is 3 deep
     measured = json.loads((directory / "measured_policy.json").read_text())
     assert measured["realized_speedup_by_gamma"] == {**report["gamma_sweep"], "3": report["speedup"]}
