@@ -99,8 +99,10 @@ def swept_gammas(engine: Engine, gammas: tuple[int, ...]) -> tuple[int, ...]:
     """The gammas of a sweep the engine serves as asked and differently from its own: those within its gamma_cap,
     and for a tree method those below its depth (a deeper cap serves the whole tree)."""
     cap = engine.pipeline.serving.policy.gamma_cap
-    deepest = engine.num_draft_tokens - 1 if engine.speculation.drafts_tree else max(gammas, default=0)
-    return tuple(g for g in gammas if (not isinstance(cap, int) or g <= cap) and g <= deepest)
+    served = tuple(g for g in gammas if not isinstance(cap, int) or g <= cap)
+    if engine.speculation.drafts_tree:
+        return tuple(g for g in served if g < engine.num_draft_tokens)
+    return served
 
 
 class PhaseSeconds:
