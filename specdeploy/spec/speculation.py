@@ -244,7 +244,8 @@ class MedusaSpec(Section):
         return len(self.choices), "choices", f"{len(self.choices)} nodes"
 
     def check_trtllm(self) -> None:
-        # TensorRT-LLM's Medusa projects every head through its whole LM head (medusa_lm_head.safetensors)
+        # TensorRT-LLM's Medusa gives every head an LM head over the whole vocabulary, loaded from the heads
+        # file's `{h}.{num_layers}.weight` (tensorrt_llm/models/medusa/weight.py @ 27712aa7, load_medusa_hf)
         if self.draft_vocab:
             raise Problem("draft_vocab", f"TensorRT-LLM's Medusa reads every head's whole vocabulary projection: set "
                                          f"draft_vocab: 0 on backend trtllm, got {self.draft_vocab}")

@@ -203,6 +203,12 @@ def test_sampled_medusa_with_a_draft_vocabulary_is_calibrated_token_by_token(med
     assert result.ok, result
 
 
+def test_a_penalty_without_tree_ancestry_is_caught_with_a_draft_vocabulary(medusa_vocab_engine, monkeypatch):
+    """The negative control for the check above: the same wrong penalty that fails the whole-head engine's."""
+    plant_penalty_bug(monkeypatch, "penalty_as_a_chain")
+    assert calibration(medusa_vocab_engine, PROMPTS[1]).impossible > 0
+
+
 def test_backend_trtllm_refuses_a_draft_vocabulary(tiny_checkpoints, tmp_path):
     from helpers.pipelines import trtllm_pipeline
 
